@@ -1,0 +1,285 @@
+import pytest
+import torch
+
+from model import GPT, GPTConfig, depth_read
+
+TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=96)
+VARIANTS = {
+    "standard": dict(residual="standard"),
+    "attnres_full": dict(residual="attnres", attnres_block_size=1),
+    "attnres_s2": dict(residual="attnres", attnres_block_size=2),
+    "attnres_s4": dict(residual="attnres", attnres_block_size=4),
+    "rd_none": dict(residual="rd_attnres", attnres_block_size=4),
+    "rd_dup": dict(residual="rd_attnres", attnres_block_size=4, rd_control="dup"),
+    "rd_param": dict(residual="rd_attnres", attnres_block_size=4, rd_control="param"),
+    "rd_fixed_v": dict(residual="rd_attnres", attnres_block_size=4, rd_control="fixed_v"),
+}
+ROUTED = [v for v in VARIANTS if v != "standard"]
+
+
+def make(variant, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **VARIANTS[variant], **overrides}))
+
+
+def tokens(B=2, T=16, seed=1):
+    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def randomize_routing(model, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.residual.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "gain" in name else 1.0) + (1.0 if name == "key_gain" else 0.0))
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def logits_of(model, idx):
+    return model(idx, idx)[0]
+
+
+@pytest.mark.parametrize("variant", ROUTED)
+def test_zero_init_equals_standard(variant):
+    standard = make("standard", seed=3, norm_eps=1e-10)
+    model = make(variant, seed=4, norm_eps=1e-10)  # another seed: the weights must come from the load
+    missing, unexpected = model.load_state_dict(standard.state_dict(), strict=False)
+    assert unexpected == [] and missing and all(k.startswith("residual.") for k in missing)
+    idx = tokens()
+    assert rel_err(logits_of(model, idx), logits_of(standard, idx)) < 1e-5
+
+
+def test_default_eps_shifts_zero_init_but_not_much():
+    # SPEC.md: the read divides the stream by the source count, so eps weighs more; still small
+    idx = tokens()
+    err = rel_err(logits_of(make("attnres_full", seed=3), idx), logits_of(make("standard", seed=3), idx))
+    assert 1e-6 < err < 0.1
+
+
+def test_shared_init_is_bit_identical_across_variants():
+    reference = dict(make("standard", seed=5).named_parameters())
+    for variant in ROUTED:
+        shared = {n: p for n, p in make(variant, seed=5).named_parameters() if not n.startswith("residual.")}
+        assert shared.keys() == reference.keys()
+        assert all(torch.equal(shared[n], reference[n]) for n in reference), variant
+    assert not torch.equal(make("standard", seed=6).lm_head.weight, reference["transformer.wte.weight"])
+
+
+def test_rd_dup_and_tied_rd_equal_their_parent():
+    parent = make("attnres_s4", seed=7)
+    randomize_routing(parent)
+    idx = tokens()
+    expected = logits_of(parent, idx)
+    dup = make("rd_dup")
+    dup.load_state_dict(parent.state_dict(), strict=True)
+    assert rel_err(logits_of(dup, idx), expected) < 1e-5
+    rd = make("rd_none")
+    rd.load_state_dict(parent.state_dict(), strict=False)
+    with torch.no_grad():
+        rd.residual.value_query.copy_(parent.residual.query[0:-1:2])  # tie w_v := w_qk per layer
+    assert rel_err(logits_of(rd, idx), expected) < 1e-5
+    with torch.no_grad():
+        rd.residual.value_query.normal_()
+    assert rel_err(logits_of(rd, idx), expected) > 1e-3
+
+
+def test_parameter_counts_and_strict_parent_loads():
+    parent = make("attnres_s4")
+    d, L = TINY["n_embd"], TINY["n_layer"]
+    assert parent.num_params() - make("standard").num_params() == 4 * d * L + 2 * d
+    for control in ("rd_none", "rd_param"):
+        assert make(control).num_params() == parent.num_params() + L * d
+    for control in ("rd_dup", "rd_fixed_v"):
+        model = make(control)
+        assert model.num_params() == parent.num_params()
+        model.load_state_dict(parent.state_dict(), strict=True)
+    assert parent.num_params(non_embedding=False) - parent.num_params() == TINY["vocab_size"] * d
+
+
+EXPECTED_SOURCES = {  # SPEC.md bookkeeping, 4 layers = 8 sublayer reads, then the output read
+    "attnres_full": [1, 2, 3, 4, 5, 6, 7, 8, 9],
+    "attnres_s2": [1, 2, 2, 3, 3, 4, 4, 5, 5],
+    "attnres_s4": [1, 2, 2, 2, 2, 3, 3, 3, 3],
+}
+
+
+@pytest.mark.parametrize("variant", list(EXPECTED_SOURCES))
+def test_routing_weights_source_counts(variant):
+    weights = make(variant).routing_weights(tokens())
+    names = [f"{kind}.{l}" for l in range(TINY["n_layer"]) for kind in ("attn", "mlp")] + ["out"]
+    assert list(weights) == names
+    assert [weights[n].numel() for n in names] == EXPECTED_SOURCES[variant]
+    for w in weights.values():
+        assert w.dtype == torch.float32 and w.device.type == "cpu" and not w.requires_grad
+        assert abs(w.sum().item() - 1) < 1e-5
+
+
+def test_value_route_alone_moves_only_attn_v():
+    model = make("rd_none")
+    with torch.no_grad():
+        model.residual.value_query.normal_(std=3.0)
+    diag = model.routing_diagnostics(tokens())
+    weights = diag["weights"]
+    assert set(weights) >= {f"attn_v.{l}" for l in range(TINY["n_layer"])}
+    for l in range(1, TINY["n_layer"]):
+        qk, v = weights[f"attn.{l}"], weights[f"attn_v.{l}"]
+        assert torch.allclose(qk, torch.full_like(qk, 1 / qk.numel()), atol=1e-6)
+        assert (v - 1 / v.numel()).abs().max() > 1e-2
+        assert diag["qk_v_jsd"][l] > 1e-4
+    assert diag["qk_v_jsd"][0] == 0.0  # one source: both routes are the identity
+
+
+def test_jsd_is_token_wise_not_of_averages():
+    # two tokens with mirrored routes: averages agree (JSD of averages = 0) but each token disagrees
+    from model import js_divergence
+    p = torch.tensor([[0.9, 0.1], [0.1, 0.9]])
+    q = p.flip(0)
+    assert js_divergence(p.mean(0), q.mean(0)).item() < 1e-7
+    assert js_divergence(p, q).mean().item() > 0.3
+
+
+# --- a slow, obviously-correct AttnRes written straight from SPEC.md sections 2-3 ---------------
+
+def reference_logits(model, idx):
+    cfg, res = model.config, model.residual
+    S, L = cfg.attnres_block_size, cfg.n_layer
+
+    def AR(src, w, gamma):
+        V = torch.stack(src)  # (n, B, T, d)
+        keys = gamma * V / torch.sqrt(V.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+        alpha = torch.softmax((keys * w).sum(-1), dim=0)
+        return (alpha.unsqueeze(-1) * V).sum(0)
+
+    done, p = [model.transformer.wte(idx)], None
+    for k in range(2 * L):
+        src = done + ([] if p is None else [p])
+        if k > 0 and k % S == 0:
+            done, p = src, None
+        block = model.transformer.h[k // 2]
+        a = AR(src, res.query[k], res.key_gain[k])
+        if k % 2 == 1:
+            o = block.mlp(block.ln_2(a))
+        elif cfg.residual == "rd_attnres":
+            a_v = AR(src, res.value_query[k // 2], res.key_gain[k])
+            o = block.attn(block.ln_1(a), block.ln_1(a_v))
+        else:
+            o = block.attn(block.ln_1(a), block.ln_1(a))
+        p = o if p is None else p + o
+    a_out = AR(done + [p], res.query[2 * L], res.key_gain[2 * L])
+    return model.lm_head(model.transformer.ln_f(a_out))
+
+
+@pytest.mark.parametrize("variant", ["attnres_full", "attnres_s4", "attnres_s2", "rd_none"])
+def test_matches_slow_reference(variant):
+    model = make(variant)
+    randomize_routing(model)
+    idx = tokens()
+    with torch.no_grad():
+        expected = reference_logits(model, idx)
+        assert rel_err(logits_of(model, idx), expected) < 1e-5
+        # the routing matters: the same model at zero queries is far from it
+        model.residual.query.zero_()
+        assert rel_err(logits_of(model, idx), expected) > 1e-3
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_causality(variant):
+    model = make(variant)
+    if variant != "standard":
+        randomize_routing(model)
+    idx = tokens(B=1)
+    t = 9
+    changed = idx.clone()
+    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % TINY["vocab_size"]
+    with torch.no_grad():
+        a, b = logits_of(model, idx), logits_of(model, changed)
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+
+
+@pytest.mark.parametrize("variant", ["attnres_s4", "rd_none"])
+def test_bf16_autocast_depth_weights_are_fp32(variant):
+    model = make(variant)
+    randomize_routing(model)
+    record = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        hidden = model.hidden(tokens(), record)
+        outputs, _ = depth_read([torch.randn(2, 3, 32) for _ in range(3)], torch.randn(2, 32), torch.ones(32), 1e-6)
+    assert hidden.dtype == torch.float32
+    assert all(o.dtype == torch.float32 for o in outputs)  # the residual stream stays fp32
+    for w in record.values():
+        assert w.dtype == torch.float32
+        assert (w.sum(-1) - 1).abs().max().item() < 1e-6  # bf16 softmax would be off by ~1e-3
+
+
+@pytest.mark.parametrize("variant", ROUTED)
+def test_every_routing_parameter_gets_a_gradient(variant):
+    model = make(variant)
+    randomize_routing(model)
+    idx = tokens()
+    model(idx, idx)[1].backward()
+    for name, p in model.residual.named_parameters():
+        grad_norm = p.grad.norm(dim=-1)  # one row per read (or per layer)
+        live = grad_norm[1:] if name in ("query", "key_gain", "value_query") else grad_norm
+        assert (live > 0).all(), (name, grad_norm)
+        if name in ("query", "key_gain", "value_query"):  # sublayer 0 reads only the embedding
+            assert grad_norm[0] == 0
+
+
+def test_depth_read_matches_naive_stack_with_gradients():
+    torch.manual_seed(0)
+    sources = [torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    queries = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    gain = torch.rand(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: tuple(depth_read(list(a[:4]), a[4], a[5], 1e-6)[0]),
+                                    (*sources, queries, gain))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(residual="bogus"), "standard, attnres, rd_attnres"),
+    (dict(residual="rd_attnres", rd_control="bogus"), "none, dup, param, fixed_v"),
+    (dict(residual="attnres", rd_control="dup"), "needs residual='rd_attnres'"),
+    (dict(residual="attnres", attnres_block_size=3), "valid: 1, 2, 4, 8"),
+    (dict(residual="attnres", attnres_block_size=6), "valid: 1, 2, 4, 8"),
+    (dict(n_embd=30, n_head=4), "heads of even size"),
+    (dict(n_embd=36, n_head=4), "heads of even size"),
+])
+def test_bad_config_raises_one_line(kwargs, needle):
+    with pytest.raises(ValueError) as err:
+        GPTConfig(**{**TINY, **kwargs})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_block_size_checked_only_where_used():
+    GPTConfig(**TINY, residual="standard", attnres_block_size=3)
+
+
+def test_optimizer_groups_keep_routing_out_of_decay():
+    model = make("rd_none")
+    decay, no_decay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
+    routing = {id(p) for p in model.residual.parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert routing <= {id(p) for p in no_decay["params"]}
+    assert not routing & {id(p) for p in decay["params"]}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_generate_and_flops():
+    model = make("rd_none").eval()
+    out = model.generate(tokens(B=1, T=4), max_new_tokens=20, top_k=5)  # runs past block_size
+    assert out.shape == (1, 24)
+    n = model.num_params(non_embedding=False)
+    assert model.flops_per_token(16) == 6 * n + 12 * 4 * 32 * 16
+
+
+@pytest.mark.parametrize("variant", ["standard", "attnres_full", "rd_none", "rd_dup", "rd_param", "rd_fixed_v"])
+def test_compile_fullgraph_matches_eager(variant):
+    model = make(variant)
+    if variant != "standard":
+        randomize_routing(model)
+    idx = tokens()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        assert rel_err(compiled(idx, idx)[0], model(idx, idx)[0]) < 1e-5
