@@ -1,0 +1,374 @@
+"""
+Text -> GPT-2 tokens -> uint16 shards (llm.c / modded-nanogpt format: a 256 x int32 header of
+magic 20240520, version 1 and the token count, then the tokens). Shard 0 is validation.
+
+$ python data/prepare.py shakespeare                       # the bundled corpus -> data/shakespeare_gpt2
+$ python data/prepare.py --max_tokens=2.1e9               # FineWeb-Edu sample-10BT from the HF hub
+$ python data/prepare.py --input='docs/*.parquet' --out_dir=data/mine   # local parquet/jsonl/txt
+
+The token stream is every document in input order (sorted paths, rows in file order), each
+preceded by <|endoftext|>; the shards cut it in order whatever the number of workers. A run that
+is interrupted continues where its last complete shard ended when started again with the same
+arguments, and writes byte-identical shards; a finished output directory is left alone.
+"""
+
+import argparse
+import glob
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+from collections import deque
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUNDLED_CORPUS = os.path.join(HERE, "shakespeare")  # Open Shakespeare (see data/README.md)
+BUNDLED_OUT = os.path.join(HERE, "shakespeare_gpt2")
+BUNDLED_VAL_DOCS = 3  # whole held-out plays: the first three in sorted order
+TOKENIZER_FILE = os.path.join(HERE, "gpt2.tiktoken")
+TOKENIZER_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# tiktoken's r50k_base split pattern (GPT-2); kept here so no tiktoken download is ever needed
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+EOT = 50256
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"
+TASK_CHARS = 1 << 20  # text per tokenizer task: big enough to amortise IPC, small enough to bound memory
+
+
+class DataError(Exception):
+    """Bad input: the message is the one line the user sees."""
+
+
+# -----------------------------------------------------------------------------
+# tokenizer and shard format
+
+def gpt2_tokenizer():
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    with open(TOKENIZER_FILE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != TOKENIZER_SHA256:
+        raise DataError(f"{TOKENIZER_FILE} has sha256 {digest}, expected {TOKENIZER_SHA256}; restore it from git")
+    ranks = load_tiktoken_bpe(TOKENIZER_FILE, expected_hash=TOKENIZER_SHA256)
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT})
+
+
+def write_shard(path, tokens):
+    """Write atomically: a temporary name, then a rename, so a shard on disk is always complete."""
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = MAGIC, VERSION, len(tokens)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
+
+def open_shard(path):
+    """A shard's tokens as a read-only uint16 memmap, after checking magic, version and size."""
+    try:
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such shard; run data/prepare.py to create it") from None
+    if len(header) < HEADER_INTS:
+        raise DataError(f"{path}: truncated header ({len(header) * 4} of {HEADER_INTS * 4} bytes); re-run data/prepare.py")
+    if header[0] != MAGIC:
+        raise DataError(f"{path}: bad magic {header[0]} (expected {MAGIC}); not a token shard")
+    if header[1] != VERSION:
+        raise DataError(f"{path}: unsupported version {header[1]} (expected {VERSION})")
+    expected = HEADER_INTS * 4 + 2 * int(header[2])
+    if os.path.getsize(path) != expected:
+        raise DataError(f"{path}: size {os.path.getsize(path)} bytes, header says {expected} "
+                        f"({header[2]} tokens); the shard is truncated or corrupt, re-run data/prepare.py")
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(int(header[2]),))
+
+
+# -----------------------------------------------------------------------------
+# sources: documents as (file index, row index, text), starting from a resume position
+
+def read_documents(paths, start_file=0, start_row=0):
+    for file_index in range(start_file, len(paths)):
+        skip = start_row if file_index == start_file else 0
+        path = paths[file_index]()  # a callable: FineWeb files are downloaded only when reached
+        for row, text in enumerate(read_file(path, skip), start=skip):
+            yield file_index, row, text
+
+
+def read_file(path, skip):
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        pf = pq.ParquetFile(path)
+        if "text" not in pf.schema_arrow.names:
+            raise DataError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
+        groups = []
+        for g in range(pf.num_row_groups):  # skip whole row groups on resume without reading them
+            n = pf.metadata.row_group(g).num_rows
+            if skip >= n:
+                skip -= n
+            else:
+                groups.append(g)
+        if groups:
+            for batch in pf.iter_batches(batch_size=1024, row_groups=groups, columns=["text"]):
+                texts = batch.column(0).to_pylist()
+                yield from texts[skip:]
+                skip = max(0, skip - len(texts))
+    elif path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if line_number > skip and line.strip():
+                    try:
+                        yield json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise DataError(f"{path}:{line_number}: not a JSON object with a 'text' field") from None
+    elif path.endswith(".txt"):
+        if skip == 0:
+            with open(path, encoding="utf-8") as f:
+                yield f.read()  # one document per file
+    else:
+        raise DataError(f"{path}: unsupported file type; use .parquet (column 'text'), .jsonl (field 'text') or .txt")
+
+
+def local_paths(pattern):
+    paths = sorted(glob.glob(pattern, recursive=True))
+    if not paths:
+        raise DataError(f"--input {pattern!r} matches no files")
+    return [lambda p=p: p for p in paths], paths
+
+
+def fineweb_paths(subset, cache_dir):
+    """The subset's parquet files on the hub, each downloaded (resumably) when first read."""
+    from huggingface_hub import HfApi, constants, hf_hub_download
+    offline_help = ("the Hugging Face hub is unreachable{}; prepare local files with --input GLOB, "
+                    "or the bundled corpus with: python data/prepare.py shakespeare")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or constants.HF_HUB_OFFLINE:
+        raise DataError(offline_help.format(" (HF_HUB_OFFLINE is set)"))
+    host = constants.ENDPOINT.split("://")[-1].split("/")[0]
+    try:  # some hub calls have no timeout: fail fast before making any
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError as e:
+        raise DataError(offline_help.format(f" ({host}: {e})")) from None
+    prefix = "sample/" + subset[len("sample-"):] + "/" if subset.startswith("sample-") else f"data/{subset}/"
+    listing = call_with_timeout(lambda: HfApi().list_repo_files(FINEWEB_REPO, repo_type="dataset"), 60,
+                                offline_help.format(" (listing the dataset timed out)"))
+    files = sorted(f for f in listing if f.startswith(prefix) and f.endswith(".parquet"))
+    if not files:
+        raise DataError(f"no parquet files for subset {subset!r} in {FINEWEB_REPO} (looked under {prefix})")
+    download = lambda f: hf_hub_download(FINEWEB_REPO, f, repo_type="dataset", local_dir=cache_dir)
+    return [lambda f=f: download(f) for f in files], [f"hf://datasets/{FINEWEB_REPO}/{f}" for f in files]
+
+
+def call_with_timeout(fn, seconds, message):
+    result = {}
+    def run():
+        try:
+            result["value"] = fn()
+        except Exception as e:  # reported below as one line
+            result["error"] = e
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise DataError(message)
+    if "error" in result:
+        raise DataError(f"{message.split(';')[0]}: {type(result['error']).__name__}: {result['error']}"
+                        .replace("\n", " "))
+    return result["value"]
+
+
+# -----------------------------------------------------------------------------
+# tokenization in worker processes, results consumed in order
+
+_tokenizer = None
+
+
+def _init_worker():
+    global _tokenizer
+    _tokenizer = gpt2_tokenizer()
+
+
+def tokenize(texts):
+    """EOT + tokens for each document, concatenated; plus each document's length."""
+    docs = [[EOT] + _tokenizer.encode_ordinary(t) for t in texts]
+    return np.fromiter((t for d in docs for t in d), dtype=np.uint16, count=sum(map(len, docs))), \
+        np.array([len(d) for d in docs], dtype=np.int64)
+
+
+def tokenized_batches(documents, workers):
+    """(tokens, doc lengths, [(file, row), ...]) per task, in input order, with bounded memory."""
+    def tasks():
+        texts, where, chars = [], [], 0
+        for file_index, row, text in documents:
+            texts.append(text)
+            where.append((file_index, row))
+            chars += len(text)
+            if chars >= TASK_CHARS:
+                yield texts, where
+                texts, where, chars = [], [], 0
+        if texts:
+            yield texts, where
+
+    if workers == 1:
+        _init_worker()
+        for texts, where in tasks():
+            yield (*tokenize(texts), where)
+        return
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker) as pool:
+        pending = deque()  # at most 2 tasks per worker in flight: memory stays bounded
+        for texts, where in tasks():
+            pending.append((pool.apply_async(tokenize, (texts,)), where))
+            if len(pending) >= 2 * workers:
+                result, where = pending.popleft()
+                yield (*result.get(), where)
+        while pending:
+            result, where = pending.popleft()
+            yield (*result.get(), where)
+
+
+# -----------------------------------------------------------------------------
+# cutting the stream into shards
+
+class ShardWriter:
+    """Cuts the token stream into val + train shards and records where each shard ends."""
+
+    def __init__(self, out_dir, progress, val_tokens, val_docs, shard_tokens):
+        self.out_dir, self.progress = out_dir, progress
+        self.val_tokens, self.val_docs, self.shard_tokens = val_tokens, val_docs, shard_tokens
+        self.parts, self.filled, self.val_docs_seen = [], 0, 0
+
+    def capacity(self):
+        if len(self.progress["shards"]) > 0:
+            return self.shard_tokens
+        return float("inf") if self.val_docs else self.val_tokens
+
+    def add_document(self, doc, file_index, row, offset, budget):
+        """Append doc[offset:], at most budget tokens; returns the tokens taken."""
+        taken = 0
+        while offset < len(doc) and taken < budget:
+            n = int(min(self.capacity() - self.filled, len(doc) - offset, budget - taken))
+            self.parts.append(doc[offset:offset + n])
+            self.filled, offset, taken = self.filled + n, offset + n, taken + n
+            if self.filled == self.capacity():
+                self.flush((file_index, row, offset) if offset < len(doc) else (file_index, row + 1, 0))
+        if self.val_docs and not self.progress["shards"] and offset == len(doc):
+            self.val_docs_seen += 1
+            if self.val_docs_seen == self.val_docs:
+                self.flush((file_index, row + 1, 0))
+        return taken
+
+    def flush(self, next_position):
+        index = len(self.progress["shards"])
+        name = f"{'val' if index == 0 else 'train'}_{index:06d}.bin"
+        tokens = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint16)
+        write_shard(os.path.join(self.out_dir, name), tokens)
+        self.progress["shards"].append(dict(name=name, tokens=len(tokens),
+                                            sha256=hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest()))
+        self.progress["next"] = list(next_position)
+        write_json(os.path.join(self.out_dir, "progress.json"), self.progress)
+        self.parts, self.filled = [], 0
+
+
+def write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def prepare(out_dir, input=None, subset="sample-10BT", max_tokens=None, val_tokens=10_485_760,
+            val_docs=0, shard_tokens=100_000_000, workers=None, quiet=False):
+    """Tokenize the input into shards under out_dir; returns the manifest (see module docstring)."""
+    from tqdm import tqdm
+    workers = workers or os.cpu_count()
+    # the input glob is recorded relative to out_dir, so moving the whole project keeps it valid
+    arguments = dict(input=input and os.path.relpath(input, out_dir), subset=None if input else subset, max_tokens=max_tokens,
+                     val_tokens=val_tokens, val_docs=val_docs, shard_tokens=shard_tokens)
+    manifest_path, progress_path = os.path.join(out_dir, "manifest.json"), os.path.join(out_dir, "progress.json")
+    for path in (manifest_path, progress_path):
+        if os.path.exists(path):
+            with open(path) as f:
+                previous = json.load(f)
+            if previous["arguments"] != arguments:
+                raise DataError(f"{out_dir} holds shards made with other arguments ({previous['arguments']}); "
+                                f"choose another --out_dir or delete it")
+            if path == manifest_path:
+                if not quiet:
+                    print(f"{out_dir} is complete ({previous['total_tokens']:,} tokens); nothing to do")
+                return previous
+    os.makedirs(out_dir, exist_ok=True)
+    progress = previous if os.path.exists(progress_path) else dict(arguments=arguments, shards=[], next=[0, 0, 0])
+    for shard in progress["shards"]:  # a resume trusts only shards that still open cleanly
+        open_shard(os.path.join(out_dir, shard["name"]))
+    gpt2_tokenizer()  # fail now, not in a worker, if the vocabulary file is damaged
+
+    paths, names = local_paths(input) if input else fineweb_paths(subset, os.path.join(out_dir, "download"))
+    start_file, start_row, start_offset = progress["next"]
+    done = sum(s["tokens"] for s in progress["shards"])
+    remaining = (int(max_tokens) - done) if max_tokens else float("inf")
+    writer = ShardWriter(out_dir, progress, int(val_tokens), int(val_docs), int(shard_tokens))
+    bar = tqdm(total=int(max_tokens) if max_tokens else None, initial=done, unit="tok", unit_scale=True,
+               desc="tokenizing", disable=quiet)
+    offset = start_offset  # the first document resumes mid-way through its tokens
+    for tokens, lengths, where in tokenized_batches(read_documents(paths, start_file, start_row), workers):
+        ends = np.cumsum(lengths)
+        for (file_index, row), end, length in zip(where, ends, lengths):
+            taken = writer.add_document(tokens[end - length:end], file_index, row, offset, remaining)
+            remaining -= taken
+            bar.update(taken)
+            offset = 0
+            if remaining <= 0:
+                break
+        if remaining <= 0:
+            break
+    bar.close()
+    if writer.filled or not progress["shards"]:
+        writer.flush((len(paths), 0, 0))
+    if len(progress["shards"]) < 2:
+        raise DataError(f"the input holds too few tokens for a validation shard and a train shard "
+                        f"({sum(s['tokens'] for s in progress['shards']):,}); lower --val_tokens or --val_docs")
+    manifest = dict(arguments=arguments, inputs=names, tokenizer="gpt2", tokenizer_sha256=TOKENIZER_SHA256,
+                    total_tokens=sum(s["tokens"] for s in progress["shards"]),
+                    val_tokens=progress["shards"][0]["tokens"], shards=progress["shards"])
+    write_json(manifest_path, manifest)
+    os.remove(progress_path)
+    if not quiet:
+        print(f"wrote {len(manifest['shards'])} shards, {manifest['total_tokens']:,} tokens "
+              f"({manifest['val_tokens']:,} validation) to {out_dir}")
+    return manifest
+
+
+def prepare_bundled(out_dir=BUNDLED_OUT, quiet=False):
+    """The embedded default dataset: Shakespeare, three whole plays held out for validation."""
+    return prepare(out_dir, input=os.path.join(BUNDLED_CORPUS, "*.txt"), val_docs=BUNDLED_VAL_DOCS,
+                   shard_tokens=100_000_000, quiet=quiet)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("preset", nargs="?", choices=["shakespeare"], help="prepare the bundled corpus")
+    parser.add_argument("--input", help="glob of local .parquet/.jsonl/.txt files (default: FineWeb-Edu from the hub)")
+    parser.add_argument("--subset", default="sample-10BT", help="FineWeb-Edu subset (sample-10BT, sample-100BT, CC-MAIN-2024-10, ...)")
+    parser.add_argument("--out_dir", help="output directory (default: data/<source>)")
+    parser.add_argument("--max_tokens", type=float, help="stop after this many tokens (e.g. 2.1e9)")
+    parser.add_argument("--val_tokens", type=float, default=10_485_760, help="validation shard: the first N tokens")
+    parser.add_argument("--val_docs", type=int, default=0, help="validation shard: the first N whole documents instead")
+    parser.add_argument("--shard_tokens", type=float, default=1e8, help="tokens per train shard")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
+    args = parser.parse_args()
+    try:
+        if args.preset == "shakespeare":
+            prepare_bundled(args.out_dir or BUNDLED_OUT)
+        else:
+            out_dir = args.out_dir or os.path.join(HERE, "fineweb_edu_" + args.subset if not args.input else "local")
+            prepare(out_dir, input=args.input, subset=args.subset, max_tokens=args.max_tokens,
+                    val_tokens=args.val_tokens, val_docs=args.val_docs, shard_tokens=args.shard_tokens,
+                    workers=args.workers)
+    except DataError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data import prepare as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return P.gpt2_tokenizer()
+
+
+def test_known_token_ids(enc):
+    # PROVENANCE.md's ids, the same as tiktoken.get_encoding("gpt2")
+    assert enc.encode_ordinary("hello world") == [31373, 995]
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.encode_ordinary(" the") == [262]
+    assert enc.encode_ordinary("First Citizen:\nBefore we proceed any further, hear me speak.") == \
+        [5962, 22307, 25, 198, 8421, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [P.EOT]
+
+
+def make_corpus(tmp_path):
+    """Documents in three formats; returns the glob and the documents in input order."""
+    src = tmp_path / "src"
+    src.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while Shakespeare writes sonnets".split()
+    rng = np.random.default_rng(0)
+    doc = lambda: " ".join(rng.choice(words, size=int(rng.integers(5, 120))))
+    a = [doc() for _ in range(37)]
+    pq.write_table(pa.table({"text": a, "id": list(range(37))}), src / "a.parquet", row_group_size=5)
+    b = [doc() for _ in range(11)]
+    (src / "b.jsonl").write_text("".join(json.dumps({"text": t, "n": 1}) + "\n" for t in b))
+    c = doc() + "\n\nunicode: caf\u00e9 \u2014 na\u00efve"
+    (src / "c.txt").write_text(c, encoding="utf-8")
+    return str(src / "*"), a + b + [c]
+
+
+def stream_of(out_dir):
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    return manifest, np.concatenate([P.open_shard(str(out_dir / s["name"])) for s in manifest["shards"]])
+
+
+def expected_stream(enc, docs):
+    return np.array([t for d in docs for t in [P.EOT] + enc.encode_ordinary(d)], dtype=np.uint16)
+
+
+def test_shards_concatenate_to_the_documents_in_order(tmp_path, enc):
+    pattern, docs = make_corpus(tmp_path)
+    out = tmp_path / "out"
+    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1000, workers=1, quiet=True)
+    manifest, stream = stream_of(out)
+    assert np.array_equal(stream, expected_stream(enc, docs))
+    sizes = [s["tokens"] for s in manifest["shards"]]
+    assert sizes[0] == 333 and all(n == 1000 for n in sizes[1:-1]) and 0 < sizes[-1] <= 1000
+    assert [s["name"] for s in manifest["shards"][:2]] == ["val_000000.bin", "train_000001.bin"]
+    assert manifest["total_tokens"] == len(stream) and manifest["tokenizer_sha256"] == P.TOKENIZER_SHA256
+    for s in manifest["shards"]:
+        import hashlib
+        assert hashlib.sha256(np.asarray(P.open_shard(str(out / s["name"]))).tobytes()).hexdigest() == s["sha256"]
+    assert not (out / "progress.json").exists() and not list(out.glob("*.tmp"))
+
+
+def test_val_docs_and_max_tokens(tmp_path, enc):
+    pattern, docs = make_corpus(tmp_path)
+    out = tmp_path / "out"
+    P.prepare(str(out), input=pattern, val_docs=4, shard_tokens=500, max_tokens=2500, workers=1, quiet=True)
+    manifest, stream = stream_of(out)
+    assert manifest["val_tokens"] == len(expected_stream(enc, docs[:4]))  # whole documents
+    assert np.array_equal(stream, expected_stream(enc, docs)[:2500])
+
+
+def test_workers_do_not_change_the_output(tmp_path):
+    pattern, _ = make_corpus(tmp_path)
+    P.TASK_CHARS, old = 200, P.TASK_CHARS  # many small tasks, so two workers really interleave
+    try:
+        for w in (1, 2):
+            P.prepare(str(tmp_path / f"w{w}"), input=pattern, val_tokens=300, shard_tokens=700, workers=w, quiet=True)
+    finally:
+        P.TASK_CHARS = old
+    m1, m2 = (json.loads((tmp_path / f"w{w}" / "manifest.json").read_text()) for w in (1, 2))
+    assert m1["shards"] == m2["shards"] and len(m1["shards"]) > 3
+
+
+def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch):
+    pattern, _ = make_corpus(tmp_path)
+    args = dict(input=pattern, val_tokens=333, shard_tokens=600, workers=1, quiet=True)
+    P.prepare(str(tmp_path / "whole"), **args)
+
+    out = tmp_path / "killed"
+    real_write, calls = P.write_shard, []
+
+    def dying_write(path, tokens):
+        calls.append(path)
+        if len(calls) == 4:  # die while writing the 4th shard, leaving a partial temporary file
+            with open(path + ".tmp", "wb") as f:
+                f.write(b"partial")
+            raise KeyboardInterrupt
+        real_write(path, tokens)
+
+    monkeypatch.setattr(P, "write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        P.prepare(str(out), **args)
+    monkeypatch.setattr(P, "write_shard", real_write)
+    assert (out / "progress.json").exists() and not (out / "manifest.json").exists()
+
+    resumed = []
+    monkeypatch.setattr(P, "write_shard", lambda p, t: (resumed.append(p), real_write(p, t)))
+    P.prepare(str(out), **args)
+    assert os.path.basename(resumed[0]) == "train_000003.bin"  # shards 0-2 were not redone
+    names = sorted(p.name for p in (tmp_path / "whole").glob("*.bin"))
+    assert names == sorted(p.name for p in out.glob("*.bin"))
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (out / name).read_bytes()
+    assert not list(out.glob("*.tmp"))
+    P.prepare(str(out), **args)  # complete: nothing is redone
+    assert len(resumed) == len(names) - 3
+    with pytest.raises(P.DataError, match="other arguments"):
+        P.prepare(str(out), **{**args, "shard_tokens": 700})
+
+
+def test_bad_shards_name_the_file_and_problem(tmp_path):
+    good = tmp_path / "good.bin"
+    P.write_shard(str(good), np.arange(100, dtype=np.uint16))
+    assert np.array_equal(P.open_shard(str(good)), np.arange(100))
+    raw = good.read_bytes()
+    cases = {
+        "truncated.bin": (raw[:-10], "truncated or corrupt"),
+        "short.bin": (raw[:100], "truncated header"),
+        "magic.bin": (b"\x00\x00\x00\x01" + raw[4:], "bad magic"),
+        "version.bin": (raw[:4] + (7).to_bytes(4, "little") + raw[8:], "unsupported version 7"),
+    }
+    for name, (content, problem) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(P.DataError, match=problem) as err:
+            P.open_shard(str(tmp_path / name))
+        assert name in str(err.value)
+    with pytest.raises(P.DataError, match="no such shard"):
+        P.open_shard(str(tmp_path / "missing.bin"))
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(P.DataError, match="matches no files"):
+        P.prepare(str(tmp_path / "o1"), input=str(tmp_path / "nothing*.txt"), quiet=True)
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "x.parquet")
+    with pytest.raises(P.DataError, match="no 'text' column"):
+        P.prepare(str(tmp_path / "o2"), input=str(tmp_path / "x.parquet"), workers=1, quiet=True)
+    (tmp_path / "y.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(P.DataError, match="y.jsonl:2"):
+        P.prepare(str(tmp_path / "o3"), input=str(tmp_path / "y.jsonl"), workers=1, quiet=True)
+    (tmp_path / "z.txt").write_text("tiny")
+    with pytest.raises(P.DataError, match="too few tokens"):
+        P.prepare(str(tmp_path / "o4"), input=str(tmp_path / "z.txt"), workers=1, quiet=True)
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])
+def test_fineweb_offline_fails_fast_with_one_line(tmp_path, env):
+    # HF_HUB_OFFLINE, or a hub that cannot be reached (a closed local port stands in for no network)
+    full_env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | env
+    proc = subprocess.run([sys.executable, "data/prepare.py", "--out_dir", str(tmp_path / "fw")],
+                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("\n") == 1 and "--input" in proc.stderr and "shakespeare" in proc.stderr
+
+
+def test_bundled_corpus_prepares(tmp_path, enc):
+    manifest = P.prepare_bundled(str(tmp_path / "sh"), quiet=True)
+    plays = sorted(os.listdir(P.BUNDLED_CORPUS))
+    val_plays = [open(os.path.join(P.BUNDLED_CORPUS, p), encoding="utf-8").read() for p in plays[:3]]
+    assert manifest["val_tokens"] == len(expected_stream(enc, val_plays))
+    assert 1_400_000 < manifest["total_tokens"] < 1_700_000  # PROVENANCE.md: about 1.57M tokens
+    val = P.open_shard(str(tmp_path / "sh" / "val_000000.bin"))
+    assert val[0] == P.EOT and (np.asarray(val) == P.EOT).sum() == 3
