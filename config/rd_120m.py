@@ -1,0 +1,26 @@
+# RD-AttnRes against its Block AttnRes parent at the 120m size proxy (SPEC.md: 12 layers, d=768,
+# 12 heads, context 1024), paired over 5 seeds, 2.0B FineWeb-Edu tokens per run, 2^19 tokens/step.
+# $ python data/prepare.py --max_tokens=2.1e9
+# $ torchrun --standalone --nproc_per_node=8 train.py config/rd_120m.py
+out_dir = "out/rd_120m"
+data_dir = "data/fineweb_edu_sample-10BT"
+arms = {"attnres": {"residual": "attnres"}, "rd_attnres": {"residual": "rd_attnres"}}
+seeds = [0, 1, 2, 3, 4]
+
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+attnres_block_size = 4  # 12 layers: 6 blocks of 4 sublayers, about 7-8 sources per read
+
+# 32 sequences x 16 micro-steps x 1024 tokens = 524,288 = 2^19 tokens per step, over all GPUs
+batch_size = 32
+gradient_accumulation_steps = 16
+max_iters = 3815  # x 2^19 = 2.0B tokens
+learning_rate = 6e-4
+min_lr = 6e-5
+warmup_iters = 250
+
+eval_interval = 250
+eval_tokens = 10_485_760
+eval_batch_size = 32

@@ -1,0 +1,16 @@
+# RD-AttnRes's early-budget controls at the 120m proxy: is the gain from decoupling the value
+# route, or from extra compute (dup), extra parameters (param), or any second route (fixed_v)?
+# 0.5B tokens per run (a quarter of the full budget), 3 paired seeds; otherwise config/rd_120m.py.
+# $ torchrun --standalone --nproc_per_node=8 train.py config/rd_controls_120m.py
+exec(open("config/rd_120m.py").read())
+out_dir = "out/rd_controls_120m"
+arms = {
+    "attnres": {"residual": "attnres"},
+    "rd_attnres": {"residual": "rd_attnres"},
+    "rd_dup": {"residual": "rd_attnres", "rd_control": "dup"},
+    "rd_param": {"residual": "rd_attnres", "rd_control": "param"},
+    "rd_fixed_v": {"residual": "rd_attnres", "rd_control": "fixed_v"},
+}
+seeds = [0, 1, 2]
+max_iters = 954  # x 2^19 = 0.5B tokens
+warmup_iters = 100

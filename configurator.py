@@ -1,0 +1,94 @@
+"""
+nanoGPT's configurator as a function. Defaults are a script's globals; each argument is either a
+Python config file (its top-level names override the defaults) or --key=value.
+
+$ python train.py config/rd_120m.py --batch_size=16 --seeds=0,1 --arms=rd_attnres
+
+Rules, fixing nanoGPT's sharp edges:
+- an unknown key is an error (with the closest known key suggested);
+- only the first '=' splits, so values may contain '=' (--out_dir=runs/lr=3e-4);
+- values are Python literals; anything that is not one is a string (--device=cuda);
+- the value must have the default's type: an int is accepted for a float, a whole float for an
+  int (1e4), a tuple or a single value for a list, true/false for a bool; a key whose default is
+  None takes any value;
+- a comma list of its keys for a dict-valued key keeps those entries (--arms=parent,rd_attnres).
+"""
+
+import ast
+import difflib
+import os
+
+
+class ConfigError(Exception):
+    """Bad configuration: the message is the one line the user sees."""
+
+
+def coerce(key, value, default):
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be True or False, got {value!r}")
+        return value
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(default, int) and isinstance(value, float) and value.is_integer():
+        return int(value)  # --max_iters=1e4
+    if isinstance(default, list) and isinstance(value, (tuple, int, float, str)):
+        return list(value) if isinstance(value, tuple) else [value]
+    if isinstance(default, dict) and isinstance(value, (str, tuple)):
+        names = value.split(",") if isinstance(value, str) else list(value)
+        unknown = [n for n in names if n not in default]
+        if unknown:
+            raise ConfigError(f"{key} has no entries {', '.join(map(str, unknown))}; known: {', '.join(default)}")
+        return {n: default[n] for n in names}
+    if isinstance(default, str) and not isinstance(value, str):
+        return str(value)  # --out_dir=123 means the string
+    if type(value) is not type(default):
+        raise ConfigError(f"{key} must be a {type(default).__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def parse_literal(text):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def check_key(key, config):
+    if key not in config:
+        close = difflib.get_close_matches(key, list(config), n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; see the defaults at the top of train.py"
+        raise ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def current(key, config, defaults):
+    """What a new value is checked against: the value so far (a dict selection picks from it)."""
+    return None if defaults[key] is None else config[key]
+
+
+def configure(defaults, argv):
+    """Returns a new dict: defaults updated by config files and --key=value arguments, in order."""
+    config = dict(defaults)
+    for arg in argv:
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                raise ConfigError(f"{arg}: write overrides as --key=value")
+            check_key(key, config)
+            config[key] = coerce(key, parse_literal(text), current(key, config, defaults))
+        else:
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file {arg} not found (arguments are config files or --key=value)")
+            scope = {}
+            with open(arg) as f:
+                exec(compile(f.read(), arg, "exec"), scope)
+            for key, value in scope.items():
+                if key.startswith("_") or callable(value) or type(value).__name__ == "module":
+                    continue  # helpers and imports inside the config file
+                check_key(key, config)
+                config[key] = coerce(key, value, current(key, config, defaults))
+    return config
