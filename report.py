@@ -54,7 +54,10 @@ def paired_statistics(deltas):
     if n > 1:
         half = stats.t.ppf(0.975, n - 1) * std / math.sqrt(n)
         ci95 = [mean - half, mean + half]
-        p_ttest = float(stats.ttest_1samp(d, 0.0).pvalue) if std > 0 else (0.0 if mean != 0 else 1.0)
+        if np.all(d == d[0]):  # no spread: the t statistic is infinite (or 0/0 for all-zero deltas)
+            p_ttest = 0.0 if mean != 0 else 1.0
+        else:
+            p_ttest = float(stats.ttest_1samp(d, 0.0).pvalue)
     else:
         ci95, p_ttest = [float("nan")] * 2, float("nan")
     wins, losses = int((d < 0).sum()), int((d > 0).sum())
@@ -130,6 +133,7 @@ def plots(out_dir, arms, seeds, logs, cell):
             image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
             ax.set(title=route, xlabel="source (embedding first)", ylabel="read")
             ax.set_yticks(range(len(rows)), [n for n, _ in rows], fontsize=6)
+            ax.set_xticks(range(width))
             fig.colorbar(image, ax=ax)
         figures.append(save(fig, out_dir, f"routing_{arm}_seed{seed}.png", f"Depth weights of {arm} seed{seed} at the end"))
     return figures
