@@ -113,10 +113,12 @@ class Block(nn.Module):
 # -----------------------------------------------------------------------------
 # The depth read: the one primitive behind every AttnRes-family route
 
-def depth_read(sources, queries, key_gain, eps):
+def depth_read(sources, queries, key_gain, eps, keys=None):
     """
     Softmax attention over depth at every token: route r returns sum_i alpha_ri * s_i with
-    alpha_r = softmax_i(<q_r, RMSNorm_gain(s_i)>). No 1/sqrt(d), no mixing across tokens.
+    alpha_r = softmax_i(<q_r, RMSNorm_gain(k_i)>), where the keys k_i are the sources themselves
+    unless another list is given (DAR addresses one stream by the other's keys). No 1/sqrt(d), no
+    mixing across tokens.
 
     sources: list of S tensors (B, T, d) in the residual stream's dtype, oldest first.
     queries: (R, d), R routes that share the keys (RD's QK and V routes read in one pass).
@@ -133,9 +135,9 @@ def depth_read(sources, queries, key_gain, eps):
     with torch.autocast(sources[0].device.type, enabled=False):
         # <w, gain * s / rms(s)> = <w * gain, s> / rms(s): one matvec and one norm per source
         directions = (queries.to(acc) * key_gain.to(acc)).t()
-        logits = torch.stack([(s.to(acc) @ directions)
-                              * torch.rsqrt(s.to(acc).pow(2).mean(-1, keepdim=True) + eps)
-                              for s in sources], dim=-1)
+        logits = torch.stack([(k.to(acc) @ directions)
+                              * torch.rsqrt(k.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+                              for k in (sources if keys is None else keys)], dim=-1)
         weights = logits.softmax(dim=-1)
         outputs = []
         for r in range(R):
@@ -153,15 +155,25 @@ def js_divergence(p, q):
     return 0.5 * kl(p) + 0.5 * kl(q)
 
 
-def read_name(k):
-    """Diagnostic name of sublayer k's read: attention reads are even, MLP reads odd."""
-    return f"attn.{k // 2}" if k % 2 == 0 else f"mlp.{k // 2}"
+def read_name(k, n_sublayers):
+    """Diagnostic name of read k: attention reads are even, MLP reads odd, the last is the output."""
+    return "out" if k == n_sublayers else f"attn.{k // 2}" if k % 2 == 0 else f"mlp.{k // 2}"
 
 
 # -----------------------------------------------------------------------------
 # Residual schemes. State flows functionally: write() returns the new state.
 
-class StandardResidual(nn.Module):
+class ResidualScheme(nn.Module):
+    """What GPT.hidden drives: start(x) -> state; read(state, k) -> the input of sublayer k (k = 2L:
+    the output read); read_attention(state, k) -> (Q/K input, V input, optional V gain);
+    write(state, k, out) -> new state. record, when a dict, collects per-token diagnostics."""
+
+    def read_attention(self, state, k, record):
+        x = self.read(state, k, record)  # one input for queries, keys and values
+        return x, x, None
+
+
+class StandardResidual(ResidualScheme):
     """x <- x + f_k(x). No parameters."""
 
     def __init__(self, config):
@@ -173,14 +185,11 @@ class StandardResidual(nn.Module):
     def read(self, x, k, record):
         return x
 
-    def read_attention(self, x, k, record):
-        return x, x, None
-
-    def write(self, x, k, out):
+    def write(self, x, k, out, record):
         return x + out
 
 
-class AttnRes(nn.Module):
+class AttnRes(ResidualScheme):
     """
     Full (block_size=1) and Block AttnRes. Sources are the embedding, every sealed block (a sum
     of S sublayer outputs) and the running partial sum of the current block. Sublayer k reads
@@ -207,14 +216,10 @@ class AttnRes(nn.Module):
     def read(self, state, k, record):
         (out,), weights = depth_read(self.sources(state), self.query[k:k + 1], self.key_gain[k], self.eps)
         if record is not None:
-            record["out" if k == self.query.size(0) - 1 else read_name(k)] = weights[..., 0, :]
+            record[read_name(k, self.query.size(0) - 1)] = weights[..., 0, :]
         return out
 
-    def read_attention(self, state, k, record):
-        x = self.read(state, k, record)
-        return x, x, None
-
-    def write(self, state, k, out):
+    def write(self, state, k, out, record):
         done, partial = state
         partial = out if partial is None else partial + out
         if (k + 1) % self.block_size == 0:  # seal the block: it becomes a source of its own
@@ -259,10 +264,172 @@ class RDAttnRes(AttnRes):
         return x_qk, x_v, None
 
 
+class DualAttnRes(ResidualScheme):
+    """
+    DAR (design inferred from the abstract): two streams, each with its own AttnRes history
+    (sealed blocks + running partial), same block boundaries. Sublayer k reads stream s with its
+    query w[k, s] against the keys of the OTHER stream (reciprocal; dar_keys='self' uses its own)
+    and the values of its own; a softmax fusion pi[k] mixes the two reads into the one input of
+    the sublayer. The output y is written to both partials with gates beta[k, s] = 2 sigmoid(.),
+    after the partials are mixed by the doubly stochastic [[rho, 1-rho], [1-rho, rho]].
+    While the streams are equal the model is Block AttnRes, so at init it is `standard`; the
+    alternating fusion init (stream 0 on even sublayers, stream 1 on odd) breaks the symmetry.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        n_sub, d = 2 * config.n_layer, config.n_embd
+        self.query = nn.Parameter(torch.zeros(n_sub + 1, 2, d))  # row n_sub: the output read
+        self.key_gain = nn.Parameter(torch.ones(n_sub + 1, d))  # one key gain for both streams
+        fusion = torch.zeros(n_sub + 1, 2)
+        fusion[0:n_sub:2] = torch.tensor([3.0, -3.0])
+        fusion[1:n_sub:2] = torch.tensor([-3.0, 3.0])
+        self.fusion = nn.Parameter(fusion)  # the output read starts at (0, 0): an even mix
+        self.write_gate = nn.Parameter(torch.zeros(n_sub, 2))  # beta = 2 sigmoid(0) = 1
+        self.mixing = nn.Parameter(torch.full((n_sub,), 3.0))  # rho = sigmoid(3): mostly keep own
+        self.block_size, self.eps, self.n_sub = config.attnres_block_size, config.norm_eps, n_sub
+        self.reciprocal = config.dar_keys == "reciprocal"
+
+    def start(self, x):
+        return ([x], None), ([x], None)  # per stream: (sealed blocks, running partial)
+
+    def read(self, state, k, record):
+        sources = [done if partial is None else done + [partial] for done, partial in state]
+        reads = []
+        for s in (0, 1):
+            keys = sources[1 - s] if self.reciprocal else sources[s]
+            (r,), weights = depth_read(sources[s], self.query[k, s:s + 1], self.key_gain[k], self.eps, keys=keys)
+            reads.append(r)
+            if record is not None:
+                record[f"{read_name(k, self.n_sub)}.s{s}"] = weights[..., 0, :]
+        pi = self.fusion[k].softmax(-1)
+        if record is not None:
+            name = read_name(k, self.n_sub)
+            record[f"fusion/{name}"] = pi.expand(*reads[0].shape[:-1], 2)
+            if len(sources[0]) > 1:  # the embedding is shared; compare the rest of the histories
+                record[f"stream_cosine/{name}"] = torch.stack([F.cosine_similarity(a, b, dim=-1)
+                                                               for a, b in zip(sources[0][1:], sources[1][1:])]).mean(0)
+        return pi[0] * reads[0] + pi[1] * reads[1]
+
+    def write(self, state, k, out, record):
+        (done0, p0), (done1, p1) = state
+        beta = 2 * torch.sigmoid(self.write_gate[k])
+        if p0 is None:  # a block starts: nothing to mix yet
+            p0, p1 = beta[0] * out, beta[1] * out
+        else:
+            rho = torch.sigmoid(self.mixing[k])
+            p0, p1 = rho * p0 + (1 - rho) * p1 + beta[0] * out, (1 - rho) * p0 + rho * p1 + beta[1] * out
+            if record is not None:
+                record[f"mixing/{read_name(k, self.n_sub)}"] = rho.expand(out.shape[:-1])
+        if record is not None:
+            record[f"write_gate/{read_name(k, self.n_sub)}"] = beta.expand(*out.shape[:-1], 2)
+        if (k + 1) % self.block_size == 0:
+            return (done0 + [p0], None), (done1 + [p1], None)
+        return (done0, p0), (done1, p1)
+
+
+class MultiStream(ResidualScheme):
+    """n residual streams H (B, T, n, d), all starting as the embedding. Sublayer k reads
+    x = sum_j pre_j H_j and writes H_i <- sum_j mix[i, j] H_j + post_i f(x); the output is the sum
+    of the streams. Subclasses say how (pre, mix, post) follow from H."""
+
+    def start(self, x):
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.size(-1))
+
+    def read(self, H, k, record):
+        if k == self.n_sub:
+            return H.sum(-2)
+        with torch.autocast(H.device.type, enabled=False):  # stream weights in fp32
+            return (self.read_weights(H, k).unsqueeze(-1) * H).sum(-2)
+
+    def write(self, H, k, out, record):
+        with torch.autocast(H.device.type, enabled=False):
+            mix, post = self.write_weights(H, k)
+            if record is not None:
+                record[f"stream_mixing/{read_name(k, self.n_sub)}"] = mix
+            return torch.einsum("btij,btjd->btid", mix, H) + post.unsqueeze(-1) * out.unsqueeze(-2)
+
+
+class HyperConnections(MultiStream):
+    """
+    HC (arXiv 2409.19606): static weights plus dynamic terms s * tanh(RMSNorm(H) W) for the read
+    vector, the write vector and the mixing matrix. Init: read e_{k mod n}, mixing I, write 1,
+    W = 0, s = 0.01 (both at 0 would keep their gradients at 0 forever): every stream is then
+    the pre-norm residual stream.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        n, d, n_sub = config.hc_streams, config.n_embd, 2 * config.n_layer
+        self.read_static = nn.Parameter(F.one_hot(torch.arange(n_sub) % n, n).float())
+        self.mix_static = nn.Parameter(torch.eye(n).repeat(n_sub, 1, 1))
+        self.write_static = nn.Parameter(torch.ones(n_sub, n))
+        self.read_dynamic = nn.Parameter(torch.zeros(n_sub, d))
+        self.mix_dynamic = nn.Parameter(torch.zeros(n_sub, d, n))
+        self.write_dynamic = nn.Parameter(torch.zeros(n_sub, d))
+        self.dynamic_scale = nn.Parameter(torch.full((n_sub, 3), 0.01))  # read, mix, write
+        self.n, self.n_sub, self.eps = n, n_sub, config.norm_eps
+
+    def read_weights(self, H, k):
+        normed = F.rms_norm(H, (H.size(-1),), eps=self.eps)
+        return self.read_static[k] + self.dynamic_scale[k, 0] * torch.tanh(normed @ self.read_dynamic[k])
+
+    def write_weights(self, H, k):
+        normed = F.rms_norm(H, (H.size(-1),), eps=self.eps)
+        # HC's A_r: row j holds stream j's contributions, H_i <- sum_j A_r[j, i] H_j
+        mix = self.mix_static[k] + self.dynamic_scale[k, 1] * torch.tanh(normed @ self.mix_dynamic[k])
+        post = self.write_static[k] + self.dynamic_scale[k, 2] * torch.tanh(normed @ self.write_dynamic[k])
+        return mix.transpose(-1, -2), post
+
+
+def sinkhorn(logits, iterations=20):
+    """Sinkhorn-Knopp on exp(logits) in fp32: alternately normalise columns and rows; rows end exact."""
+    m = logits.float().exp()
+    for _ in range(iterations):
+        m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
+    return m
+
+
+class ManifoldHyperConnections(MultiStream):
+    """
+    mHC (arXiv 2512.24880): from x' = RMSNorm(all streams flattened), pre = sigmoid(a x' phi_pre
+    + b_pre), post = 2 sigmoid(a x' phi_post + b_post), mix = Sinkhorn(exp(a x' phi_res + b_res)),
+    a doubly stochastic matrix. Init: phi = 0, a = 0.01, post = 1, mix near I (b_res 0 on the
+    diagonal, -4 off it), pre favouring stream k mod n (+2 / -2; a stream-symmetric init would
+    give every stream identical gradients forever).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        n, d, n_sub = config.hc_streams, config.n_embd, 2 * config.n_layer
+        self.phi_pre = nn.Parameter(torch.zeros(n_sub, n * d, n))
+        self.phi_post = nn.Parameter(torch.zeros(n_sub, n * d, n))
+        self.phi_res = nn.Parameter(torch.zeros(n_sub, n * d, n * n))
+        self.scale = nn.Parameter(torch.full((n_sub, 3), 0.01))  # a for pre, post, res
+        self.bias_pre = nn.Parameter(torch.where(F.one_hot(torch.arange(n_sub) % n, n).bool(), 2.0, -2.0))
+        self.bias_post = nn.Parameter(torch.zeros(n_sub, n))
+        self.bias_res = nn.Parameter(torch.where(torch.eye(n).bool(), 0.0, -4.0).repeat(n_sub, 1, 1))
+        self.n, self.n_sub, self.eps = n, n_sub, config.norm_eps
+
+    def features(self, H):
+        return F.rms_norm(H.flatten(-2), (H.size(-2) * H.size(-1),), eps=self.eps)
+
+    def read_weights(self, H, k):
+        return torch.sigmoid(self.scale[k, 0] * (self.features(H) @ self.phi_pre[k]) + self.bias_pre[k])
+
+    def write_weights(self, H, k):
+        features = self.features(H)
+        post = 2 * torch.sigmoid(self.scale[k, 1] * (features @ self.phi_post[k]) + self.bias_post[k])
+        logits = self.scale[k, 2] * (features @ self.phi_res[k]).unflatten(-1, (self.n, self.n)) + self.bias_res[k]
+        return sinkhorn(logits), post
+
+
 # -----------------------------------------------------------------------------
 
-RESIDUALS = ("standard", "attnres", "rd_attnres")
+RESIDUALS = ("standard", "attnres", "rd_attnres", "dar", "hc", "mhc")
 RD_CONTROLS = ("none", "dup", "param", "fixed_v")
+DAR_KEYS = ("reciprocal", "self")
 
 
 @dataclass
@@ -276,7 +443,9 @@ class GPTConfig:
     norm_eps: float = 1e-6
     residual: str = "standard"
     attnres_block_size: int = 4  # sublayers per block; 1 = Full AttnRes
-    rd_control: str = "none"
+    rd_control: str = "none"  # rd_attnres only
+    dar_keys: str = "reciprocal"  # dar only: address a stream by the other's keys, or its own ('self')
+    hc_streams: int = 4  # hc and mhc only
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -286,10 +455,20 @@ class GPTConfig:
         if self.rd_control != "none" and self.residual != "rd_attnres":
             raise ValueError(f"rd_control={self.rd_control!r} needs residual='rd_attnres' "
                              f"(got {self.residual!r}); use rd_control='none' for other residuals")
+        if self.dar_keys not in DAR_KEYS:
+            raise ValueError(f"unknown dar_keys {self.dar_keys!r}; choose one of {', '.join(DAR_KEYS)}")
+        if self.dar_keys != "reciprocal" and self.residual != "dar":
+            raise ValueError(f"dar_keys={self.dar_keys!r} needs residual='dar' (got {self.residual!r}); "
+                             f"use dar_keys='reciprocal' for other residuals")
+        if self.residual in ("hc", "mhc") and self.hc_streams < 2:
+            raise ValueError(f"hc_streams={self.hc_streams} must be at least 2")
+        if self.hc_streams != 4 and self.residual not in ("hc", "mhc"):
+            raise ValueError(f"hc_streams={self.hc_streams} needs residual='hc' or 'mhc' (got {self.residual!r}); "
+                             f"use hc_streams=4 for other residuals")
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even "
                              f"size (rotary embeddings rotate channel pairs)")
-        if self.residual != "standard":
+        if self.residual in ("attnres", "rd_attnres", "dar"):
             S, n_sub = self.attnres_block_size, 2 * self.n_layer
             if S < 1 or (S != 1 and S % 2 != 0) or n_sub % S != 0:
                 valid = [s for s in range(1, n_sub + 1) if n_sub % s == 0 and (s == 1 or s % 2 == 0)]
@@ -298,11 +477,8 @@ class GPTConfig:
 
 
 def residual_scheme(config):
-    if config.residual == "standard":
-        return StandardResidual(config)
-    if config.residual == "attnres":
-        return AttnRes(config)
-    return RDAttnRes(config)
+    return dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
+                hc=HyperConnections, mhc=ManifoldHyperConnections)[config.residual](config)
 
 
 class GPT(nn.Module):
@@ -346,7 +522,7 @@ class GPT(nn.Module):
                 out = block.feedforward(self.residual.read(state, k, record))
             # sublayer outputs join the stream in its own dtype (fp32 under autocast) in every
             # scheme, so all arms sum their residuals at the same precision
-            state = self.residual.write(state, k, out.to(x.dtype))
+            state = self.residual.write(state, k, out.to(x.dtype), record)
         return self.transformer.ln_f(self.residual.read(state, 2 * self.config.n_layer, record))
 
     def forward(self, idx, targets=None):
@@ -367,16 +543,25 @@ class GPT(nn.Module):
           entropy   read name -> token-averaged entropy of its depth weights (nats)
           qk_v_jsd  layer -> token-wise Jensen-Shannon divergence between attn.{l} and attn_v.{l},
                     averaged over tokens (nats); only for schemes with a value route
+        and, averaged over tokens, what a scheme records beside its depth weights: DAR's fusion
+        (pi per read), write_gate (beta per sublayer), mixing (rho) and stream_cosine (of the two
+        histories); HC/mHC's stream_mixing matrices (per sublayer, H_i <- sum_j M[i, j] H_j).
+        DAR's depth weights are per stream: attn.{l}.s0, attn.{l}.s1, ..., out.s1.
         """
         record = {}
         self.hidden(idx, record)
-        weights = {name: w.mean(dim=(0, 1)).cpu() for name, w in record.items()}
-        entropy = {name: -torch.special.xlogy(w, w).sum(-1).mean().item() for name, w in record.items()}
-        qk_v_jsd = {}
+        weights = {name: w for name, w in record.items() if "/" not in name}
+        result = dict(weights={name: w.mean(dim=(0, 1)).cpu() for name, w in weights.items()},
+                      entropy={name: -torch.special.xlogy(w, w).sum(-1).mean().item() for name, w in weights.items()},
+                      qk_v_jsd={})
         for layer in range(self.config.n_layer):
-            if f"attn_v.{layer}" in record:
-                qk_v_jsd[layer] = js_divergence(record[f"attn.{layer}"], record[f"attn_v.{layer}"]).mean().item()
-        return dict(weights=weights, entropy=entropy, qk_v_jsd=qk_v_jsd)
+            if f"attn_v.{layer}" in weights:
+                result["qk_v_jsd"][layer] = js_divergence(weights[f"attn.{layer}"], weights[f"attn_v.{layer}"]).mean().item()
+        for key, value in record.items():
+            if "/" in key:
+                group, name = key.split("/")
+                result.setdefault(group, {})[name] = value.float().mean(dim=(0, 1)).cpu()
+        return result
 
     def routing_weights(self, idx):
         return self.routing_diagnostics(idx)["weights"]

@@ -163,18 +163,27 @@ def evaluate(model, val, cfg, ctx):
     return (total[0] / total[1]).item()
 
 
+def rounded(value):
+    """Diagnostics as JSON: tensors to (nested) lists, numbers to 6 significant digits."""
+    if isinstance(value, dict):
+        return {str(k): rounded(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return rounded(value.tolist())
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return float(f"{value:.6g}")
+
+
 @torch.no_grad()
 def routing_summary(model, val, cfg, ctx):
-    """Depth-weight diagnostics on the first few validation sequences (empty for standard)."""
+    """Routing diagnostics (GPT.routing_diagnostics) on the first few validation sequences."""
     T, n = cfg["block_size"], min(4, (len(val) - 1) // cfg["block_size"])
     x = torch.from_numpy(np.stack([val[j * T:j * T + T] for j in range(n)]).astype(np.int64)).to(ctx["device"])
     model.eval()
     with ctx["autocast"]:
         diag = model.routing_diagnostics(x)
     model.train()
-    return dict(weights={k: [round(v, 5) for v in w.tolist()] for k, w in diag["weights"].items()},
-                entropy={k: round(v, 5) for k, v in diag["entropy"].items()},
-                qk_v_jsd={str(k): round(v, 6) for k, v in diag["qk_v_jsd"].items()})
+    return rounded(diag)
 
 
 def shared_init_hash(model):
@@ -251,6 +260,7 @@ def train_cell(arm, seed, cfg, data_paths, val, ctx):
     if master:
         os.makedirs(cell_dir, exist_ok=True)
         write_json(cell_config, os.path.join(cell_dir, "config.json"))
+    torch._dynamo.reset()  # a new cell is a new model: compile afresh, not as the 9th recompile of forward
     compiled = torch.compile(model) if cfg["compile"] else model
     train_model = DDP(compiled, device_ids=[ctx["local_rank"]] if ctx["device"].startswith("cuda") else None) \
         if ctx["world"] > 1 else compiled

@@ -223,3 +223,15 @@ def test_learning_rate_schedules():
     assert lr(60) == pytest.approx(0.55) and lr(110) == pytest.approx(0.1)
     assert lr(50, lr_schedule="wsd") == 1.0 and lr(88, lr_schedule="wsd") == 1.0
     assert lr(99, lr_schedule="wsd") == pytest.approx(0.55) and lr(110, lr_schedule="wsd") == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("path, world", [("config/rd_120m.py", 8), ("config/rd_343m.py", 8),
+                                         ("config/rd_controls_120m.py", 8), ("config/dar_120m.py", 8),
+                                         ("config/dar_shakespeare.py", 1)])
+def test_config_files_are_valid(path, world, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = configure(train.DEFAULTS, [path])
+    train.check_config(cfg, world)
+    if world == 8:  # the paper protocol: 2^19 tokens per step, 2.0B (controls: 0.5B) tokens per run
+        assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2 ** 19
+        assert cfg["max_iters"] * 2 ** 19 == pytest.approx(0.5e9 if "controls" in path else 2.0e9, rel=1e-3)
