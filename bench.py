@@ -1,0 +1,210 @@
+"""
+Speed and memory of every residual variant against `standard`, or of data preparation.
+
+$ python bench.py                        # the CPU reference shape: 12 layers, d=384, 6 heads, T=256, B=4
+$ python bench.py --n_embd=768 --n_head=12 --block_size=1024 --batch_size=16   # 120m shape on a GPU
+$ python bench.py --mode=prepare         # data/prepare.py tokens/s against single-core tiktoken x cores
+
+Model mode, per variant: median ms per training step (forward, backward, AdamW step) and tokens/s;
+the time ratio to `standard` measured in alternating rounds (standard, variant, standard, ...:
+only interleaved ratios survive a machine whose speed drifts); bytes saved for backward by one
+training step (unique storages seen by torch.autograd.graph.saved_tensors_hooks, in eager mode:
+the same on any device) and their ratio to `standard`; peak memory (CUDA max_memory_allocated,
+or the peak RSS of a fresh subprocess on CPU - noisy); MFU on GPUs with a known peak. Takes
+train.py's --key=value overrides (model shape, batch_size, block_size, device, dtype, compile).
+"""
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import train
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+
+VARIANTS = {
+    "standard": dict(residual="standard"),
+    "attnres_full": dict(residual="attnres", attnres_block_size=1),
+    "attnres_block": dict(residual="attnres"),
+    "rd_attnres": dict(residual="rd_attnres"),
+    "dar": dict(residual="dar"),
+    "hc": dict(residual="hc"),
+    "mhc": dict(residual="mhc"),
+}
+BENCH_DEFAULTS = dict(train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4,
+                      dtype="bfloat16", mode="model", variants=list(VARIANTS), rounds=5, steps=5,
+                      peak_mem=True, out="bench.json", input="", one_variant="")
+
+
+def setup_variant(name, cfg, device, autocast):
+    """A model, its optimizer and a compiled training step for one variant."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{k: cfg[k] for k in train.MODEL_KEYS} | VARIANTS[name])).to(device)
+    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.split(":")[0])
+    forward = torch.compile(model) if cfg["compile"] else model
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 50257, (cfg["batch_size"], cfg["block_size"]), generator=g).to(device) for _ in range(2))
+
+    def step():
+        with autocast:
+            _, loss = forward(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step, (x, y)
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(step, n, device):
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def saved_bytes(model, batch, autocast):
+    """Bytes of the unique storages autograd saves for backward in one eager training step."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        _, loss = model(*batch)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+def peak_memory(name, cfg, argv, device, step):
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        sync(device)
+        return torch.cuda.max_memory_allocated()
+    if not cfg["peak_mem"]:
+        return None
+    # a fresh process per variant: ru_maxrss never goes down, so one process cannot measure several
+    proc = subprocess.run([sys.executable, __file__, *argv, f"--one_variant={name}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"peak-memory subprocess for {name} failed: {proc.stderr.strip().splitlines()[-1]}")
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_models(cfg, argv):
+    ctx = train.setup(dict(cfg, dtype=cfg["dtype"]))
+    device, autocast = ctx["device"], ctx["autocast"]
+    if cfg["one_variant"]:  # the peak-RSS subprocess
+        _, step, _ = setup_variant(cfg["one_variant"], cfg, device, autocast)
+        for _ in range(3):
+            step()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+        return
+    names = ["standard"] + [v for v in cfg["variants"] if v != "standard"]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"unknown variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    print(f"device {device}, dtype {cfg['dtype']}, compile {cfg['compile']}, {cfg['n_layer']} layers, "
+          f"d={cfg['n_embd']}, T={cfg['block_size']}, B={cfg['batch_size']}")
+    setups = {}
+    for name in names:
+        t0 = time.perf_counter()
+        model, step, batch = setup_variant(name, cfg, device, autocast)
+        for _ in range(3):  # compile and warm up
+            step()
+        setups[name] = (model, step, batch)
+        print(f"  {name}: ready in {time.perf_counter() - t0:.1f}s")
+    times = {name: [] for name in names}
+    ratios = {name: [] for name in names}
+    for _ in range(cfg["rounds"]):
+        for name in names[1:]:  # standard, variant, standard, variant, ...
+            t_std = timed(setups["standard"][1], cfg["steps"], device)
+            t_var = timed(setups[name][1], cfg["steps"], device)
+            times["standard"].append(t_std)
+            times[name].append(t_var)
+            ratios[name].append(t_var / t_std)
+    tokens = cfg["batch_size"] * cfg["block_size"]
+    records = []
+    for name in names:
+        model, step, batch = setups[name]
+        ms = 1000 * statistics.median(times[name])
+        records.append(dict(variant=name, ms_per_step=ms, tokens_per_s=tokens / ms * 1000,
+                            time_ratio=statistics.median(ratios[name]) if ratios[name] else 1.0,
+                            saved_bytes=saved_bytes(model, batch, autocast),
+                            peak_mem_bytes=peak_memory(name, cfg, argv, device, step),
+                            mfu=model.flops_per_token(cfg["block_size"]) * tokens / (ms / 1000) / ctx["peak_flops"]
+                            if ctx["peak_flops"] else None))
+    for r in records:
+        r["mem_ratio"] = r["saved_bytes"] / records[0]["saved_bytes"]
+    print(f"{'variant':<15}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}{'saved x':>9}{'peak MiB':>10}{'MFU':>7}")
+    for r in records:
+        peak = f"{r['peak_mem_bytes'] / 2**20:.0f}" if r["peak_mem_bytes"] else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+        print(f"{r['variant']:<15}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10,.0f}{r['time_ratio']:>9.3f}"
+              f"{r['saved_bytes'] / 2**20:>11.1f}{r['mem_ratio']:>9.3f}{peak:>10}{mfu:>7}")
+    return records
+
+
+def bench_prepare(cfg):
+    """data/prepare.py end to end on local parquet, against single-core tiktoken x cores."""
+    import glob
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data import prepare as P
+    with tempfile.TemporaryDirectory() as tmp:
+        pattern = cfg["input"]
+        if not pattern:  # the bundled corpus as paragraphs, 8 copies in 8 parquet files (~12M tokens)
+            texts = [p for f in sorted(glob.glob(os.path.join(P.BUNDLED_CORPUS, "*.txt")))
+                     for p in open(f, encoding="utf-8").read().split("\n\n") if p.strip()]
+            for i in range(8):
+                pq.write_table(pa.table({"text": texts}), os.path.join(tmp, f"part{i}.parquet"), row_group_size=4096)
+            pattern = os.path.join(tmp, "*.parquet")
+        texts = [t for f in sorted(glob.glob(pattern)) for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
+        enc = P.gpt2_tokenizer()
+        t0 = time.perf_counter()
+        n_tokens = sum(len(enc.encode_ordinary(t)) for t in texts)
+        single = n_tokens / (time.perf_counter() - t0)
+        workers = os.cpu_count()
+        t0 = time.perf_counter()
+        manifest = P.prepare(os.path.join(tmp, "out"), input=pattern, val_tokens=1e5, workers=workers, quiet=True)
+        rate = manifest["total_tokens"] / (time.perf_counter() - t0)
+    ideal = single * workers
+    print(f"{manifest['total_tokens']:,} tokens from {len(texts):,} documents")
+    print(f"single-core tiktoken: {single:,.0f} tok/s; x {workers} cores = {ideal:,.0f} tok/s")
+    print(f"data/prepare.py with {workers} workers, end to end: {rate:,.0f} tok/s = {100 * rate / ideal:.0f}% of that")
+    return [dict(mode="prepare", tokens=manifest["total_tokens"], single_core_tokens_per_s=single,
+                 workers=workers, tokens_per_s=rate, fraction_of_ideal=rate / ideal)]
+
+
+def main(argv):
+    cfg = configure(BENCH_DEFAULTS, argv)
+    records = bench_prepare(cfg) if cfg["mode"] == "prepare" else bench_models(cfg, argv)
+    if records is not None:
+        with open(cfg["out"], "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {cfg['out']}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
