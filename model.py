@@ -7,6 +7,10 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
                mix of earlier block outputs; attnres_block_size=1 is Full AttnRes, >1 Block.
 - rd_attnres:  Role-Decoupled AttnRes (arXiv 2608.01075; design inferred from the abstract): the
                attention sublayer reads its queries/keys and its values through separate routes.
+- dar:         Dual Attention Residuals (arXiv 2607.18730; inferred from the abstract): two
+               streams, each read by the other's keys, fused into one sublayer input.
+- hc, mhc:     Hyper-Connections (arXiv 2409.19606) and Manifold-Constrained HC (arXiv
+               2512.24880): n residual streams mixed by learned (doubly stochastic) matrices.
 
 The transformer branch (attention, MLP) never learns which scheme feeds it: attention takes one
 input for Q/K and one for V, the MLP takes one input. A scheme is a small module with four
