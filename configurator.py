@@ -9,8 +9,8 @@ Rules, fixing nanoGPT's sharp edges:
 - only the first '=' splits, so values may contain '=' (--out_dir=runs/lr=3e-4);
 - values are Python literals; anything that is not one is a string (--device=cuda);
 - the value must have the default's type: an int is accepted for a float, a whole float for an
-  int (1e4), a tuple or a single value for a list, true/false for a bool; a key whose default is
-  None takes any value;
+  int (1e4), a tuple, a comma list of words or a single value for a list, true/false for a bool;
+  a key whose default is None takes any value;
 - a comma list of its keys for a dict-valued key keeps those entries (--arms=parent,rd_attnres).
 """
 
@@ -37,7 +37,7 @@ def coerce(key, value, default):
     if isinstance(default, int) and isinstance(value, float) and value.is_integer():
         return int(value)  # --max_iters=1e4
     if isinstance(default, list) and isinstance(value, (tuple, int, float, str)):
-        return list(value) if isinstance(value, tuple) else [value]
+        return list(value) if isinstance(value, tuple) else value.split(",") if isinstance(value, str) else [value]
     if isinstance(default, dict) and isinstance(value, (str, tuple)):
         names = value.split(",") if isinstance(value, str) else list(value)
         unknown = [n for n in names if n not in default]

@@ -137,9 +137,10 @@ def depth_read(sources, queries, key_gain, eps, keys=None):
         return [sources[0]] * R, ones
     acc = torch.promote_types(sources[0].dtype, torch.float32)  # fp32, or fp64 for gradcheck
     with torch.autocast(sources[0].device.type, enabled=False):
-        # <w, gain * s / rms(s)> = <w * gain, s> / rms(s): one matvec and one norm per source
-        directions = (queries.to(acc) * key_gain.to(acc)).t()
-        logits = torch.stack([(k.to(acc) @ directions)
+        # <w, gain * k / rms(k)> = <w * gain, k> / rms(k): a dot product and a norm per source,
+        # written elementwise so that the compiler fuses both into one pass over k
+        directions = queries.to(acc) * key_gain.to(acc)
+        logits = torch.stack([(k.to(acc).unsqueeze(-2) * directions).sum(-1)
                               * torch.rsqrt(k.to(acc).pow(2).mean(-1, keepdim=True) + eps)
                               for k in (sources if keys is None else keys)], dim=-1)
         weights = logits.softmax(dim=-1)

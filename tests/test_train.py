@@ -33,6 +33,7 @@ def test_configurator_overrides():
     assert cfg["compile"] is False and cfg["init_from"] == [1, 2] and cfg["seeds"] == [3, 4]
     assert cfg["arms"] == {"b": {"residual": "rd_attnres"}}
     assert configure(DEFAULTS, ["--seeds=7"])["seeds"] == [7]
+    assert configure(dict(names=["a"]), ["--names=hc,mhc"])["names"] == ["hc", "mhc"]
     assert configure(DEFAULTS, ["--out_dir=123"])["out_dir"] == "123"
     assert DEFAULTS["seeds"] == [0, 1]  # defaults are not mutated
 
