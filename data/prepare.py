@@ -65,7 +65,7 @@ def write_shard(path, tokens):
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+        f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # no copy when already uint16
     os.replace(tmp, path)
 
 
@@ -119,8 +119,9 @@ def read_file(path, skip):
                 skip = max(0, skip - len(texts))
     elif path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if line_number > skip and line.strip():
+            documents = (n_line for n_line in enumerate(f, start=1) if n_line[1].strip())  # blank lines are no rows
+            for row, (line_number, line) in enumerate(documents):
+                if row >= skip:
                     try:
                         yield json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError):
@@ -193,9 +194,9 @@ def _init_worker():
 
 def tokenize(texts):
     """EOT + tokens for each document, concatenated; plus each document's length."""
-    docs = [[EOT] + _tokenizer.encode_ordinary(t) for t in texts]
-    return np.fromiter((t for d in docs for t in d), dtype=np.uint16, count=sum(map(len, docs))), \
-        np.array([len(d) for d in docs], dtype=np.int64)
+    eot = np.array([EOT], dtype=np.uint16)
+    docs = [np.array(_tokenizer.encode_ordinary(t), dtype=np.uint16) for t in texts]
+    return np.concatenate([part for d in docs for part in (eot, d)]), np.array([len(d) + 1 for d in docs])
 
 
 def tokenized_batches(documents, workers):
@@ -238,27 +239,36 @@ class ShardWriter:
     def __init__(self, out_dir, progress, val_tokens, val_docs, shard_tokens):
         self.out_dir, self.progress = out_dir, progress
         self.val_tokens, self.val_docs, self.shard_tokens = val_tokens, val_docs, shard_tokens
-        self.parts, self.filled, self.val_docs_seen = [], 0, 0
+        self.parts, self.filled, self.docs_before = [], 0, 0
 
-    def capacity(self):
-        if len(self.progress["shards"]) > 0:
-            return self.shard_tokens
-        return float("inf") if self.val_docs else self.val_tokens
-
-    def add_document(self, doc, file_index, row, offset, budget):
-        """Append doc[offset:], at most budget tokens; returns the tokens taken."""
+    def add_batch(self, tokens, lengths, where, pos, budget):
+        """Append a task's tokens from pos on (pos > 0: the first document resumes mid-way), at
+        most budget of them, cutting shards where they fill; returns the tokens taken."""
+        ends = np.cumsum(lengths)
         taken = 0
-        while offset < len(doc) and taken < budget:
-            n = int(min(self.capacity() - self.filled, len(doc) - offset, budget - taken))
-            self.parts.append(doc[offset:offset + n])
-            self.filled, offset, taken = self.filled + n, offset + n, taken + n
-            if self.filled == self.capacity():
-                self.flush((file_index, row, offset) if offset < len(doc) else (file_index, row + 1, 0))
-        if self.val_docs and not self.progress["shards"] and offset == len(doc):
-            self.val_docs_seen += 1
-            if self.val_docs_seen == self.val_docs:
-                self.flush((file_index, row + 1, 0))
+        while pos < len(tokens) and taken < budget:
+            if self.val_docs and not self.progress["shards"]:  # validation ends with document val_docs
+                last = self.val_docs - self.docs_before - 1
+                room = ends[last] - pos if last < len(ends) else float("inf")
+            else:
+                room = (self.shard_tokens if self.progress["shards"] else self.val_tokens) - self.filled
+            n = int(min(room, len(tokens) - pos, budget - taken))
+            self.parts.append(tokens[pos:pos + n])
+            self.filled, pos, taken = self.filled + n, pos + n, taken + n
+            if n == room:
+                self.flush(self.position(pos, ends, lengths, where))
+        self.docs_before += len(lengths)
         return taken
+
+    @staticmethod
+    def position(pos, ends, lengths, where):
+        """(file, row, token offset) of the token at pos: where the next shard starts."""
+        j = int(np.searchsorted(ends, pos, side="right"))  # the document holding that token
+        if j == len(ends):
+            file_index, row = where[-1]
+            return file_index, row + 1, 0
+        file_index, row = where[j]
+        return file_index, row, int(pos - (ends[j] - lengths[j]))
 
     def flush(self, next_position):
         index = len(self.progress["shards"])
@@ -266,7 +276,7 @@ class ShardWriter:
         tokens = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint16)
         write_shard(os.path.join(self.out_dir, name), tokens)
         self.progress["shards"].append(dict(name=name, tokens=len(tokens),
-                                            sha256=hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest()))
+                                            sha256=hashlib.sha256(np.ascontiguousarray(tokens, dtype="<u2").data).hexdigest()))
         self.progress["next"] = list(next_position)
         write_json(os.path.join(self.out_dir, "progress.json"), self.progress)
         self.parts, self.filled = [], 0
@@ -313,14 +323,10 @@ def prepare(out_dir, input=None, subset="sample-10BT", max_tokens=None, val_toke
                desc="tokenizing", disable=quiet)
     offset = start_offset  # the first document resumes mid-way through its tokens
     for tokens, lengths, where in tokenized_batches(read_documents(paths, start_file, start_row), workers):
-        ends = np.cumsum(lengths)
-        for (file_index, row), end, length in zip(where, ends, lengths):
-            taken = writer.add_document(tokens[end - length:end], file_index, row, offset, remaining)
-            remaining -= taken
-            bar.update(taken)
-            offset = 0
-            if remaining <= 0:
-                break
+        taken = writer.add_batch(tokens, lengths, where, offset, remaining)
+        remaining -= taken
+        bar.update(taken)
+        offset = 0
         if remaining <= 0:
             break
     bar.close()

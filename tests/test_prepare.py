@@ -38,7 +38,8 @@ def make_corpus(tmp_path):
     a = [doc() for _ in range(37)]
     pq.write_table(pa.table({"text": a, "id": list(range(37))}), src / "a.parquet", row_group_size=5)
     b = [doc() for _ in range(11)]
-    (src / "b.jsonl").write_text("".join(json.dumps({"text": t, "n": 1}) + "\n" for t in b))
+    # blank lines are not documents (and must not shift a resume position)
+    (src / "b.jsonl").write_text("".join(json.dumps({"text": t, "n": 1}) + "\n" + "\n" * (i % 3 == 0) for i, t in enumerate(b)))
     c = doc() + "\n\nunicode: caf\u00e9 \u2014 na\u00efve"
     (src / "c.txt").write_text(c, encoding="utf-8")
     return str(src / "*"), a + b + [c]
@@ -90,7 +91,8 @@ def test_workers_do_not_change_the_output(tmp_path):
     assert m1["shards"] == m2["shards"] and len(m1["shards"]) > 3
 
 
-def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize("die_at", [4, 6])  # resumes inside the parquet file, then inside the jsonl file
+def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch, die_at):
     pattern, _ = make_corpus(tmp_path)
     args = dict(input=pattern, val_tokens=333, shard_tokens=600, workers=1, quiet=True)
     P.prepare(str(tmp_path / "whole"), **args)
@@ -100,7 +102,7 @@ def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch):
 
     def dying_write(path, tokens):
         calls.append(path)
-        if len(calls) == 4:  # die while writing the 4th shard, leaving a partial temporary file
+        if len(calls) == die_at:  # die while writing a shard, leaving a partial temporary file
             with open(path + ".tmp", "wb") as f:
                 f.write(b"partial")
             raise KeyboardInterrupt
@@ -115,14 +117,14 @@ def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch):
     resumed = []
     monkeypatch.setattr(P, "write_shard", lambda p, t: (resumed.append(p), real_write(p, t)))
     P.prepare(str(out), **args)
-    assert os.path.basename(resumed[0]) == "train_000003.bin"  # shards 0-2 were not redone
+    assert os.path.basename(resumed[0]) == f"train_{die_at - 1:06d}.bin"  # earlier shards were not redone
     names = sorted(p.name for p in (tmp_path / "whole").glob("*.bin"))
     assert names == sorted(p.name for p in out.glob("*.bin"))
     for name in names:
         assert (tmp_path / "whole" / name).read_bytes() == (out / name).read_bytes()
     assert not list(out.glob("*.tmp"))
     P.prepare(str(out), **args)  # complete: nothing is redone
-    assert len(resumed) == len(names) - 3
+    assert len(resumed) == len(names) - (die_at - 1)
     with pytest.raises(P.DataError, match="other arguments"):
         P.prepare(str(out), **{**args, "shard_tokens": 700})
 
