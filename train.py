@@ -197,12 +197,18 @@ def shared_init_hash(model):
 
 
 def save_atomically(obj, path, writer=torch.save):
+    """Write to a temporary name, then rename: a crash never leaves a half-written file behind."""
     writer(obj, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
+def write_text(text, path):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def write_json(obj, path):
-    save_atomically(obj, path, lambda o, p: open(p, "w").write(json.dumps(o, indent=1) + "\n"))
+    save_atomically(json.dumps(obj, indent=1) + "\n", path, write_text)
 
 
 def gather_rng(ctx):
@@ -216,7 +222,7 @@ def gather_rng(ctx):
 
 
 def train_cell(arm, seed, cfg, data_paths, val, ctx):
-    """Train (or resume, or skip) one cell of the grid; returns its result dict."""
+    """Train (or resume, or skip) one cell of the grid; a finished cell has result.json."""
     master = ctx["rank"] == 0
     cell_dir = os.path.join(cfg["out_dir"], arm, f"seed{seed}")
     result_path, ckpt_path, log_path = (os.path.join(cell_dir, f) for f in ("result.json", "ckpt.pt", "log.jsonl"))
@@ -254,7 +260,7 @@ def train_cell(arm, seed, cfg, data_paths, val, ctx):
             with open(log_path) as f:
                 kept = [line for line in f if (r := json.loads(line))["step"] < step
                         or (r["step"] == step and "loss" in r)]
-            save_atomically(kept, log_path, lambda lines, p: open(p, "w").writelines(lines))
+            save_atomically("".join(kept), log_path, write_text)
             print(f"[{arm} seed{seed}] resuming from step {step}")
         del ckpt
     if master:
