@@ -3,7 +3,7 @@ Speed and memory of every residual variant against `standard`, or of data prepar
 
 $ python bench.py                        # the CPU reference shape: 12 layers, d=384, 6 heads, T=256, B=4
 $ python bench.py --n_embd=768 --n_head=12 --block_size=1024 --batch_size=16   # 120m shape on a GPU
-$ python bench.py --mode=prepare         # data/prepare.py tokens/s against single-core tiktoken x cores
+$ python bench.py --mode=prepare [--copies=40]   # data/prepare.py tokens/s against single-core tiktoken x cores
 
 Model mode, per variant: median ms per training step (forward, backward, AdamW step) and tokens/s;
 the time ratio to `standard` measured in alternating rounds (standard, variant, standard, ...:
@@ -40,7 +40,7 @@ VARIANTS = {
 }
 BENCH_DEFAULTS = dict(train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4,
                       dtype="bfloat16", mode="model", variants=list(VARIANTS), rounds=5, steps=5,
-                      peak_mem=True, out="bench.json", input="", one_variant="")
+                      peak_mem=True, out="bench.json", input="", copies=40, one_variant="")
 
 
 def setup_variant(name, cfg, device, autocast):
@@ -172,11 +172,11 @@ def bench_prepare(cfg):
     with tempfile.TemporaryDirectory() as tmp:
         pattern = cfg["input"]
         if not pattern:  # the bundled corpus cut into ~4,000-character documents (about FineWeb-Edu's
-            # average of ~1,000 tokens), 40 copies in 40 parquet files: about 60M tokens
+            # average of ~1,000 tokens), one parquet file per copy: 1.57M tokens each
             corpus = "".join(open(f, encoding="utf-8").read() for f in sorted(glob.glob(os.path.join(P.BUNDLED_CORPUS, "*.txt"))))
             texts = [corpus[i:i + 4000] for i in range(0, len(corpus), 4000)]
-            for i in range(40):
-                pq.write_table(pa.table({"text": texts}), os.path.join(tmp, f"part{i:02d}.parquet"), row_group_size=1024)
+            for i in range(cfg["copies"]):
+                pq.write_table(pa.table({"text": texts}), os.path.join(tmp, f"part{i:04d}.parquet"), row_group_size=1024)
             pattern = os.path.join(tmp, "*.parquet")
         texts = [t for f in sorted(glob.glob(pattern)) for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
         enc = P.gpt2_tokenizer()
