@@ -27,7 +27,7 @@ import torch
 
 import train
 from configurator import ConfigError, configure
-from model import GPT, GPTConfig
+from model import GPT
 
 VARIANTS = {
     "standard": dict(residual="standard"),
@@ -46,7 +46,7 @@ BENCH_DEFAULTS = dict(train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_si
 def setup_variant(name, cfg, device, autocast):
     """A model, its optimizer and a compiled training step for one variant."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{k: cfg[k] for k in train.MODEL_KEYS} | VARIANTS[name])).to(device)
+    model = GPT(train.model_config(cfg, VARIANTS[name])).to(device)
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.split(":")[0])
     forward = torch.compile(model) if cfg["compile"] else model
     g = torch.Generator().manual_seed(0)

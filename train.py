@@ -85,6 +85,11 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "
               "RTX 3090": 71e12}
 
 
+def model_config(cfg, settings):
+    """The model of one arm: the run's model keys, overridden by the arm's settings."""
+    return GPTConfig(**{k: cfg[k] for k in MODEL_KEYS} | settings)
+
+
 def seed_for(seed, purpose, rank=0):
     """Independent integer seeds per run seed: init (0), data order (1), dropout (2, per rank)."""
     return int(np.random.SeedSequence([seed, purpose, rank]).generate_state(1)[0])
@@ -230,10 +235,10 @@ def train_cell(arm, seed, cfg, data_paths, val, ctx):
         if master:
             print(f"[{arm} seed{seed}] done already: val_loss {json.load(open(result_path))['val_loss']:.4f}")
         return
-    model_config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS} | cfg["arms"][arm])
-    cell_config = dict(cfg, arm=arm, seed=seed, model=vars(model_config))
+    config = model_config(cfg, cfg["arms"][arm])
+    cell_config = dict(cfg, arm=arm, seed=seed, model=vars(config))
     torch.manual_seed(seed_for(seed, 0))
-    model = GPT(model_config)
+    model = GPT(config)
     init_hash = shared_init_hash(model)
     model.to(ctx["device"])
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]),
@@ -377,7 +382,7 @@ def check_config(cfg, world):
         if not isinstance(settings, dict) or set(settings) - set(MODEL_KEYS):
             raise ConfigError(f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)})")
         try:
-            GPTConfig(**{k: cfg[k] for k in MODEL_KEYS} | settings)
+            model_config(cfg, settings)
         except ValueError as e:
             raise ConfigError(f"arm {arm!r}: {e}") from None
     if cfg["gradient_accumulation_steps"] < 1 or cfg["gradient_accumulation_steps"] % world != 0:
