@@ -160,6 +160,12 @@ def js_divergence(p, q):
     return 0.5 * kl(p) + 0.5 * kl(q)
 
 
+def block_sources(state):
+    """An AttnRes history (sealed blocks, running partial) as the read's source list."""
+    done, partial = state
+    return done if partial is None else done + [partial]
+
+
 def read_name(k, n_sublayers):
     """Diagnostic name of read k: attention reads are even, MLP reads odd, the last is the output."""
     return "out" if k == n_sublayers else f"attn.{k // 2}" if k % 2 == 0 else f"mlp.{k // 2}"
@@ -214,12 +220,8 @@ class AttnRes(ResidualScheme):
     def start(self, x):
         return [x], None  # (sealed blocks, running partial)
 
-    def sources(self, state):
-        done, partial = state
-        return done if partial is None else done + [partial]
-
     def read(self, state, k, record):
-        (out,), weights = depth_read(self.sources(state), self.query[k:k + 1], self.key_gain[k], self.eps)
+        (out,), weights = depth_read(block_sources(state), self.query[k:k + 1], self.key_gain[k], self.eps)
         if record is not None:
             record[read_name(k, self.query.size(0) - 1)] = weights[..., 0, :]
         return out
@@ -262,7 +264,7 @@ class RDAttnRes(AttnRes):
             value_query = query
         else:  # fixed_v
             value_query = torch.zeros_like(query)
-        (x_qk, x_v), weights = depth_read(self.sources(state), torch.stack([query, value_query]),
+        (x_qk, x_v), weights = depth_read(block_sources(state), torch.stack([query, value_query]),
                                           self.key_gain[k], self.eps)
         if record is not None:
             record[f"attn.{layer}"], record[f"attn_v.{layer}"] = weights[..., 0, :], weights[..., 1, :]
@@ -299,7 +301,7 @@ class DualAttnRes(ResidualScheme):
         return ([x], None), ([x], None)  # per stream: (sealed blocks, running partial)
 
     def read(self, state, k, record):
-        sources = [done if partial is None else done + [partial] for done, partial in state]
+        sources = [block_sources(stream) for stream in state]
         reads = []
         for s in (0, 1):
             keys = sources[1 - s] if self.reciprocal else sources[s]

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
-from data.prepare import BUNDLED_OUT, DataError, open_shard, prepare_bundled
+from data.prepare import BUNDLED_OUT, DataError, open_shard, prepare_bundled, write_json
 from model import GPT, GPTConfig
 
 _before_config = set(globals())
@@ -145,6 +145,12 @@ def learning_rate_at(step, cfg):
     return lo + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (lr - lo)
 
 
+def validation_batch(val, seq_ids, T, device):
+    """Validation sequences seq_ids (whole sequences of T + 1 tokens) as (inputs, targets)."""
+    rows = [val[j * T: j * T + T + 1] for j in seq_ids]
+    return to_device(torch.from_numpy(np.stack(rows).astype(np.int64)), device)
+
+
 @torch.no_grad()
 def evaluate(model, val, cfg, ctx):
     """Mean NLL (nats/token) on the fixed validation set: the first eval_tokens tokens of the
@@ -156,8 +162,7 @@ def evaluate(model, val, cfg, ctx):
     total = torch.zeros(2, dtype=torch.float64, device=ctx["device"])
     model.eval()
     for i in range(0, len(mine), cfg["eval_batch_size"]):
-        rows = [val[j * T: j * T + T + 1] for j in mine[i:i + cfg["eval_batch_size"]]]
-        x, y = to_device(torch.from_numpy(np.stack(rows).astype(np.int64)), ctx["device"])
+        x, y = validation_batch(val, mine[i:i + cfg["eval_batch_size"]], T, ctx["device"])
         with ctx["autocast"]:
             logits = model.lm_head(model.hidden(x))  # per-token losses, not the model's mean
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
@@ -182,8 +187,8 @@ def rounded(value):
 @torch.no_grad()
 def routing_summary(model, val, cfg, ctx):
     """Routing diagnostics (GPT.routing_diagnostics) on the first few validation sequences."""
-    T, n = cfg["block_size"], min(4, (len(val) - 1) // cfg["block_size"])
-    x = torch.from_numpy(np.stack([val[j * T:j * T + T] for j in range(n)]).astype(np.int64)).to(ctx["device"])
+    n = min(4, (len(val) - 1) // cfg["block_size"])
+    x, _ = validation_batch(val, range(n), cfg["block_size"], ctx["device"])
     model.eval()
     with ctx["autocast"]:
         diag = model.routing_diagnostics(x)
@@ -211,9 +216,6 @@ def write_text(text, path):
     with open(path, "w") as f:
         f.write(text)
 
-
-def write_json(obj, path):
-    save_atomically(json.dumps(obj, indent=1) + "\n", path, write_text)
 
 
 def gather_rng(ctx):
@@ -270,7 +272,7 @@ def train_cell(arm, seed, cfg, data_paths, val, ctx):
         del ckpt
     if master:
         os.makedirs(cell_dir, exist_ok=True)
-        write_json(cell_config, os.path.join(cell_dir, "config.json"))
+        write_json(os.path.join(cell_dir, "config.json"), cell_config)
     torch._dynamo.reset()  # a new cell is a new model: compile afresh, not as the 9th recompile of forward
     compiled = torch.compile(model) if cfg["compile"] else model
     train_model = DDP(compiled, device_ids=[ctx["local_rank"]] if ctx["device"].startswith("cuda") else None) \
@@ -340,11 +342,10 @@ def train_cell(arm, seed, cfg, data_paths, val, ctx):
             t_last, step_last = time.time(), step
     if master:
         log.close()
-        write_json(dict(arm=arm, seed=seed, val_loss=val_loss, val_ppl=math.exp(val_loss),
+        write_json(result_path, dict(arm=arm, seed=seed, val_loss=val_loss, val_ppl=math.exp(val_loss),
                         tokens=step * tokens_per_step, steps=step, params=model.num_params(non_embedding=False),
                         non_embedding_params=model.num_params(), init_hash=init_hash, data_hash=data_hash,
-                        eval_tokens=(min(cfg["eval_tokens"], len(val)) - 1) // T * T, routing=routing),
-                   result_path)
+                        eval_tokens=(min(cfg["eval_tokens"], len(val)) - 1) // T * T, routing=routing))
 
 
 def setup(cfg):
@@ -425,7 +426,7 @@ def main(argv):
         open_shard(path)  # validate every shard before any training
     if ctx["rank"] == 0:
         os.makedirs(cfg["out_dir"], exist_ok=True)
-        write_json(cfg, os.path.join(cfg["out_dir"], "config.json"))
+        write_json(os.path.join(cfg["out_dir"], "config.json"), cfg)
     for seed in cfg["seeds"]:
         for arm in cfg["arms"]:
             train_cell(arm, seed, cfg, train_paths, val, ctx)
