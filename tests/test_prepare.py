@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import subprocess
@@ -40,7 +41,8 @@ def make_corpus(tmp_path):
     b = [doc() for _ in range(11)]
     # blank lines are not documents (and must not shift a resume position)
     (src / "b.jsonl").write_text("".join(json.dumps({"text": t, "n": 1}) + "\n" + "\n" * (i % 3 == 0) for i, t in enumerate(b)))
-    c = doc() + "\n\nunicode: caf\u00e9 \u2014 na\u00efve"
+    # a literal <|endoftext|> in a document is text, not the separator
+    c = doc() + "\n\nunicode: caf\u00e9 \u2014 na\u00efve; <|endoftext|> as text"
     (src / "c.txt").write_text(c, encoding="utf-8")
     return str(src / "*"), a + b + [c]
 
@@ -65,7 +67,6 @@ def test_shards_concatenate_to_the_documents_in_order(tmp_path, enc):
     assert [s["name"] for s in manifest["shards"][:2]] == ["val_000000.bin", "train_000001.bin"]
     assert manifest["total_tokens"] == len(stream) and manifest["tokenizer_sha256"] == P.TOKENIZER_SHA256
     for s in manifest["shards"]:
-        import hashlib
         assert hashlib.sha256(np.asarray(P.open_shard(str(out / s["name"]))).tobytes()).hexdigest() == s["sha256"]
     assert not (out / "progress.json").exists() and not list(out.glob("*.tmp"))
 
@@ -98,24 +99,23 @@ def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch, die_at):
     P.prepare(str(tmp_path / "whole"), **args)
 
     out = tmp_path / "killed"
-    real_write, calls = P.write_shard, []
+    real_close, calls = P.ShardFile.close, []
 
-    def dying_write(path, tokens):
-        calls.append(path)
-        if len(calls) == die_at:  # die while writing a shard, leaving a partial temporary file
-            with open(path + ".tmp", "wb") as f:
-                f.write(b"partial")
+    def dying_close(shard):
+        calls.append(shard.path)
+        if len(calls) == die_at:  # die with the shard's tokens in its temporary file, not yet renamed
             raise KeyboardInterrupt
-        real_write(path, tokens)
+        return real_close(shard)
 
-    monkeypatch.setattr(P, "write_shard", dying_write)
+    monkeypatch.setattr(P.ShardFile, "close", dying_close)
     with pytest.raises(KeyboardInterrupt):
         P.prepare(str(out), **args)
-    monkeypatch.setattr(P, "write_shard", real_write)
+    monkeypatch.setattr(P.ShardFile, "close", real_close)
     assert (out / "progress.json").exists() and not (out / "manifest.json").exists()
+    assert (out / f"train_{die_at - 1:06d}.bin.tmp").exists()
 
     resumed = []
-    monkeypatch.setattr(P, "write_shard", lambda p, t: (resumed.append(p), real_write(p, t)))
+    monkeypatch.setattr(P.ShardFile, "close", lambda shard: (resumed.append(shard.path), real_close(shard))[1])
     P.prepare(str(out), **args)
     assert os.path.basename(resumed[0]) == f"train_{die_at - 1:06d}.bin"  # earlier shards were not redone
     names = sorted(p.name for p in (tmp_path / "whole").glob("*.bin"))
