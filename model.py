@@ -117,40 +117,49 @@ class Block(nn.Module):
 # -----------------------------------------------------------------------------
 # The depth read: the one primitive behind every AttnRes-family route
 
-def depth_read(sources, queries, key_gain, eps, keys=None):
+def depth_weights(keys, queries, key_gain, eps):
     """
-    Softmax attention over depth at every token: route r returns sum_i alpha_ri * s_i with
-    alpha_r = softmax_i(<q_r, RMSNorm_gain(k_i)>), where the keys k_i are the sources themselves
-    unless another list is given (DAR addresses one stream by the other's keys). No 1/sqrt(d), no
-    mixing across tokens.
-
-    sources: list of S tensors (B, T, d) in the residual stream's dtype, oldest first.
-    queries: (R, d), R routes that share the keys (RD's QK and V routes read in one pass).
-    Returns a list of R outputs in the sources' dtype and the weights (B, T, R, S) in fp32 (or fp64).
-
-    Stats, logits, softmax and the mix run in fp32 whatever the autocast. The sources are never
-    stacked: autograd keeps references to them (alive anyway) and per-token scalars, not a copy.
+    alpha (B, T, R, S) = softmax_i(<q_r, RMSNorm_gain(k_i)>) for R query routes over S keys, each
+    key (B, T, d); no 1/sqrt(d), no mixing across tokens. fp32 (fp64 for gradcheck) whatever the
+    autocast: <q, gain * k / rms(k)> = <q * gain, k> / rms(k) is a dot product and a norm per key,
+    written elementwise so that the compiler fuses both into one pass over k.
     """
-    R = queries.size(0)
-    if len(sources) == 1:  # a read over one source is the identity
-        ones = torch.ones(*sources[0].shape[:-1], R, 1, device=sources[0].device)
-        return [sources[0]] * R, ones
-    acc = torch.promote_types(sources[0].dtype, torch.float32)  # fp32, or fp64 for gradcheck
-    with torch.autocast(sources[0].device.type, enabled=False):
-        # <w, gain * k / rms(k)> = <w * gain, k> / rms(k): a dot product and a norm per source,
-        # written elementwise so that the compiler fuses both into one pass over k
+    acc = torch.promote_types(keys[0].dtype, torch.float32)
+    with torch.autocast(keys[0].device.type, enabled=False):
         directions = queries.to(acc) * key_gain.to(acc)
         logits = torch.stack([(k.to(acc).unsqueeze(-2) * directions).sum(-1)
-                              * torch.rsqrt(k.to(acc).pow(2).mean(-1, keepdim=True) + eps)
-                              for k in (sources if keys is None else keys)], dim=-1)
-        weights = logits.softmax(dim=-1)
+                              * torch.rsqrt(k.to(acc).pow(2).mean(-1, keepdim=True) + eps) for k in keys], dim=-1)
+        return logits.softmax(dim=-1)
+
+
+def depth_mix(sources, weights):
+    """sum_i weights[..., r, i] * s_i for each route r: a list of R tensors in the sources' dtype,
+    accumulated in the weights' dtype. The sources are never stacked: autograd keeps references to
+    them (alive anyway) and the per-token weights, not a copy."""
+    with torch.autocast(sources[0].device.type, enabled=False):
         outputs = []
-        for r in range(R):
-            mixed = weights[..., r, 0, None] * sources[0].to(acc)
+        for r in range(weights.size(-2)):
+            mixed = weights[..., r, 0, None] * sources[0].to(weights.dtype)
             for i in range(1, len(sources)):
-                mixed = mixed + weights[..., r, i, None] * sources[i].to(acc)
+                mixed = mixed + weights[..., r, i, None] * sources[i].to(weights.dtype)
             outputs.append(mixed.to(sources[0].dtype))
-    return outputs, weights
+    return outputs
+
+
+def depth_read(sources, queries, key_gain, eps):
+    """
+    The depth read: softmax attention over depth at every token, each source its own key. Route r
+    returns sum_i alpha_ri * s_i (see depth_weights); the R routes share one pass over the sources
+    (RD's QK and V routes). DAR, whose keys come from the other stream, joins the two halves itself.
+
+    sources: list of S tensors (B, T, d) in the residual stream's dtype, oldest first.
+    queries: (R, d). Returns a list of R outputs in the sources' dtype and the weights (B, T, R, S).
+    """
+    if len(sources) == 1:  # a read over one source is the identity
+        ones = torch.ones(*sources[0].shape[:-1], queries.size(0), 1, device=sources[0].device)
+        return [sources[0]] * queries.size(0), ones
+    weights = depth_weights(sources, queries, key_gain, eps)
+    return depth_mix(sources, weights), weights
 
 
 def js_divergence(p, q):
@@ -302,21 +311,20 @@ class DualAttnRes(ResidualScheme):
 
     def read(self, state, k, record):
         sources = [block_sources(stream) for stream in state]
-        reads = []
-        for s in (0, 1):
-            keys = sources[1 - s] if self.reciprocal else sources[s]
-            (r,), weights = depth_read(sources[s], self.query[k, s:s + 1], self.key_gain[k], self.eps, keys=keys)
-            reads.append(r)
-            if record is not None:
-                record[f"{read_name(k, self.n_sub)}.s{s}"] = weights[..., 0, :]
+        keys = sources[::-1] if self.reciprocal else sources
+        weights = [depth_weights(keys[s], self.query[k, s:s + 1], self.key_gain[k], self.eps) for s in (0, 1)]
         pi = self.fusion[k].softmax(-1)
+        # both streams' reads and their fusion in one pass: x = sum_s pi_s sum_i alpha_si h_si
+        (x,) = depth_mix(sources[0] + sources[1], torch.cat([pi[0] * weights[0], pi[1] * weights[1]], dim=-1))
         if record is not None:
             name = read_name(k, self.n_sub)
-            record[f"fusion/{name}"] = pi.expand(*reads[0].shape[:-1], 2)
+            for s in (0, 1):
+                record[f"{name}.s{s}"] = weights[s][..., 0, :]
+            record[f"fusion/{name}"] = pi.expand(*x.shape[:-1], 2)
             if len(sources[0]) > 1:  # the embedding is shared; compare the rest of the histories
                 record[f"stream_cosine/{name}"] = torch.stack([F.cosine_similarity(a, b, dim=-1)
                                                                for a, b in zip(sources[0][1:], sources[1][1:])]).mean(0)
-        return pi[0] * reads[0] + pi[1] * reads[1]
+        return x
 
     def write(self, state, k, out, record):
         (done0, p0), (done1, p1) = state

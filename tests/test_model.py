@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from model import GPT, GPTConfig, depth_read, sinkhorn
+from model import GPT, DualAttnRes, GPTConfig, depth_read, sinkhorn
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=96)
 VARIANTS = {
@@ -254,27 +254,48 @@ def naive_depth_read(sources, queries, key_gain, eps, keys=None):
     return [torch.einsum("sbt,sbtd->btd", alpha[..., r], V) for r in range(queries.size(0))]
 
 
-@pytest.mark.parametrize("with_keys", [False, True])
-def test_depth_read_equals_naive_reference_with_gradients(with_keys):
+def test_depth_read_equals_naive_reference_with_gradients():
     g = torch.Generator().manual_seed(0)
     make_inputs = lambda dtype: ([torch.randn(2, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(4)],
                                  torch.randn(2, 8, generator=g).to(dtype).requires_grad_(),
                                  (torch.rand(8, generator=g) + 0.5).to(dtype).requires_grad_())
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         sources, queries, gain = make_inputs(dtype)
-        keys = [s * 2 + 1 for s in sources[::-1]] if with_keys else None
-        fast = depth_read(sources, queries, gain, 1e-6, keys=keys)[0]
-        slow = naive_depth_read(sources, queries, gain, 1e-6, keys=keys)
+        fast = depth_read(sources, queries, gain, 1e-6)[0]
+        slow = naive_depth_read(sources, queries, gain, 1e-6)
         assert all(f.dtype == dtype for f in fast)
         for f, s in zip(fast, slow):
             assert (f.double() - s).abs().max() < tol * s.abs().max()
         weights = [torch.randn(2, 3, 8, generator=g).double() for _ in fast]
         inputs = sources + [queries, gain]
-        grads_fast = torch.autograd.grad(sum((f.double() * w).sum() for f, w in zip(fast, weights)), inputs,
-                                         retain_graph=True)  # the keys graph is shared with the slow read
+        grads_fast = torch.autograd.grad(sum((f.double() * w).sum() for f, w in zip(fast, weights)), inputs)
         grads_slow = torch.autograd.grad(sum((s * w).sum() for s, w in zip(slow, weights)), inputs)
         for gf, gs in zip(grads_fast, grads_slow):
             assert (gf.double() - gs).abs().max() < 5 * tol * gs.abs().max()
+
+
+@pytest.mark.parametrize("dar_keys", ["reciprocal", "self"])
+def test_dar_fused_read_equals_two_naive_reads_with_gradients(dar_keys):
+    # DAR reads both streams and fuses them in one pass; the reference does two stacked reads
+    torch.manual_seed(0)
+    scheme = DualAttnRes(GPTConfig(n_layer=2, n_embd=8, n_head=2, residual="dar", dar_keys=dar_keys)).double()
+    for p in scheme.parameters():
+        p.data.normal_()
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)  # the shared embedding
+    own = [[torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)] for _ in range(2)]
+    state = tuple(([x, blocks[0]], blocks[1]) for blocks in own)  # (sealed blocks, running partial)
+    k = 3
+    fused = scheme.read(state, k, None)
+    streams = [[x] + blocks for blocks in own]
+    keys = streams[::-1] if dar_keys == "reciprocal" else streams
+    pi = scheme.fusion[k].softmax(-1)
+    slow = sum(pi[s] * naive_depth_read(streams[s], scheme.query[k, s:s + 1], scheme.key_gain[k], scheme.eps,
+                                        keys=keys[s])[0] for s in (0, 1))
+    assert (fused - slow).abs().max() < 1e-12 * slow.abs().max()
+    w = torch.randn_like(slow)
+    inputs = [x, *own[0], *own[1], scheme.query, scheme.key_gain, scheme.fusion]
+    for gf, gs in zip(torch.autograd.grad((fused * w).sum(), inputs), torch.autograd.grad((slow * w).sum(), inputs)):
+        assert (gf - gs).abs().max() < 1e-11 * gs.abs().max()
 
 
 def test_depth_read_compiles_fullgraph():
