@@ -172,6 +172,17 @@ def test_ddp_equals_single_process(shards, tmp_path):
                                records(tmp_path / "single", "attnres", key="val_loss"), rtol=1e-6)
 
 
+def test_compiled_cpu_runs_repeat_exactly(shards, tmp_path):
+    # on two threads, compiled CPU kernels differ from run to run unless train.py asks for the
+    # deterministic ones; each run is a fresh process, as a rerun would be
+    for run in ("a", "b"):
+        subprocess.run([sys.executable, "train.py", *tiny(shards, tmp_path / run, "--compile=True", "--max_iters=20",
+                                                          "--eval_interval=20", "--arms=attnres")],
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}, check=True, capture_output=True)
+    assert records(tmp_path / "a", "attnres") == records(tmp_path / "b", "attnres")
+    assert records(tmp_path / "a", "attnres", key="val_loss") == records(tmp_path / "b", "attnres", key="val_loss")
+
+
 def test_sigkill_then_resume_equals_uninterrupted(shards, tmp_path):
     args = ["--max_iters=60", "--eval_interval=10", "--dropout=0.1", "--arms=rd_attnres"]
     train.main(tiny(shards, tmp_path / "whole", *args))
