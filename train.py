@@ -217,7 +217,6 @@ def write_text(text, path):
         f.write(text)
 
 
-
 def gather_rng(ctx):
     state = dict(torch=torch.get_rng_state(),
                  cuda=torch.cuda.get_rng_state() if ctx["device"].startswith("cuda") else None)

@@ -154,8 +154,8 @@ def test_evaluation_is_independent_of_eval_batch_size(shards):
     assert abs(train.evaluate(model, val, dict(cfg, eval_tokens=500, eval_batch_size=7), ctx) - losses[0]) > 1e-6
 
 
-def run_cli(args, **kwargs):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=ENV, capture_output=True,
+def run_cli(args, env=ENV, **kwargs):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300, **kwargs)
 
 
@@ -176,9 +176,9 @@ def test_compiled_cpu_runs_repeat_exactly(shards, tmp_path):
     # on two threads, compiled CPU kernels differ from run to run unless train.py asks for the
     # deterministic ones; each run is a fresh process, as a rerun would be
     for run in ("a", "b"):
-        subprocess.run([sys.executable, "train.py", *tiny(shards, tmp_path / run, "--compile=True", "--max_iters=20",
-                                                          "--eval_interval=20", "--arms=attnres")],
-                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}, check=True, capture_output=True)
+        proc = run_cli(tiny(shards, tmp_path / run, "--compile=True", "--max_iters=20", "--eval_interval=20",
+                            "--arms=attnres"), env={**ENV, "OMP_NUM_THREADS": "2"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
     assert records(tmp_path / "a", "attnres") == records(tmp_path / "b", "attnres")
     assert records(tmp_path / "a", "attnres", key="val_loss") == records(tmp_path / "b", "attnres", key="val_loss")
 
