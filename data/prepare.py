@@ -98,8 +98,8 @@ def write_shard(path, tokens):
     return shard.close()
 
 
-def open_shard(path):
-    """A shard's tokens as a read-only uint16 memmap, after checking magic, version and size."""
+def read_header(path):
+    """A .bin shard's token count, after checking its magic, version and size."""
     try:
         header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     except FileNotFoundError:
@@ -114,7 +114,107 @@ def open_shard(path):
     if os.path.getsize(path) != expected:
         raise DataError(f"{path}: size {os.path.getsize(path)} bytes, header says {expected} "
                         f"({header[2]} tokens); the shard is truncated or corrupt, re-run data/prepare.py")
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(int(header[2]),))
+    return int(header[2])
+
+
+def open_shard(path, vocab_size=None):
+    """
+    A shard's tokens as a read-only uint16 memmap: a .bin shard (ours, llm.c's, modded-nanogpt's;
+    header checked) or a headerless .npy (build-nanogpt's). With vocab_size, a token id the model
+    cannot embed is an error here rather than a crash at the first step.
+    """
+    if path.endswith(".npy"):
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except FileNotFoundError:
+            raise DataError(f"{path}: no such shard") from None
+        except ValueError as e:
+            raise DataError(f"{path}: not a readable .npy array ({str(e).splitlines()[0]}); truncated or corrupt?") from None
+        if tokens.dtype != np.dtype("<u2") or tokens.ndim != 1:
+            raise DataError(f"{path}: a {tokens.ndim}-d {tokens.dtype} array; a token shard is 1-d uint16")
+    else:
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(read_header(path),))
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:  # one pass: 100M tokens in ~0.1 s
+        first = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token id {int(tokens[first])} at position {first:,} is >= vocab_size {vocab_size}; "
+                        f"the shard was made with another tokenizer, or vocab_size is too small")
+    return tokens
+
+
+def shard_split(name):
+    """'val' or 'train' for a shard file name (val_000000.bin, fineweb_train_000001.bin,
+    edufineweb_val_000000.npy, ...), None for any other file."""
+    stem, ext = os.path.splitext(name)
+    parts = stem.split("_")
+    if ext in (".bin", ".npy"):
+        for split in ("val", "train"):
+            if split in parts:
+                return split
+    return None
+
+
+def find_shards(data_dir):
+    """The validation shard and the sorted train shards in data_dir."""
+    make = ("create it with data/prepare.py (python data/prepare.py shakespeare for the bundled corpus), "
+            "or point data_dir at a directory of llm.c / modded-nanogpt .bin or build-nanogpt .npy shards")
+    if not os.path.exists(data_dir):
+        raise DataError(f"data_dir {data_dir} does not exist; {make}")
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data_dir {data_dir} is a file, not a directory of shards; {make}")
+    names = sorted(os.listdir(data_dir))
+    val = [n for n in names if shard_split(n) == "val"]
+    train = [os.path.join(data_dir, n) for n in names if shard_split(n) == "train"]
+    if len(val) != 1 or not train:
+        raise DataError(f"data_dir {data_dir} needs exactly one validation shard (*val_*.bin or .npy) and at least "
+                        f"one train shard (*train_*.bin or .npy); found {len(val)} ({', '.join(val) or 'none'}) "
+                        f"and {len(train)}; {make}")
+    return os.path.join(data_dir, val[0]), train
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def shard_problems(data_dir, manifest, full):
+    """{file name: one-line problem} for each shard file in data_dir that differs from the manifest:
+    missing, damaged, other tokens (full: by sha256), or not listed at all."""
+    listed = {s["name"] for s in manifest["shards"]}
+    problems = {n: f"{os.path.join(data_dir, n)} is not listed in manifest.json (a shard from another run?); "
+                   f"move it out of {data_dir}"
+                for n in sorted(os.listdir(data_dir)) if shard_split(n) and n not in listed}
+    rebuild = "re-run data/prepare.py with the same arguments to rebuild it"
+    for shard in manifest["shards"]:
+        path = os.path.join(data_dir, shard["name"])
+        if not os.path.exists(path):
+            problems[shard["name"]] = f"{path} is listed in manifest.json but missing; {rebuild}"
+            continue
+        try:
+            tokens = open_shard(path)
+        except DataError as e:
+            problems[shard["name"]] = str(e)
+            continue
+        if len(tokens) != shard["tokens"]:
+            problems[shard["name"]] = f"{path} holds {len(tokens):,} tokens, manifest.json lists {shard['tokens']:,}; {rebuild}"
+        elif full and hashlib.sha256(tokens).hexdigest() != shard["sha256"]:
+            problems[shard["name"]] = f"{path}: its tokens differ from manifest.json (sha256); {rebuild}"
+    return problems
+
+
+def verify_manifest(data_dir, full=False):
+    """
+    When data_dir holds a manifest.json (written by prepare), its shard files must be exactly those
+    listed, with the listed sizes (full: and token sha256); returns the manifest, or None without one
+    (shards made elsewhere, checked by open_shard alone).
+    """
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.exists(path):
+        return None
+    manifest = read_json(path)
+    problems = shard_problems(data_dir, manifest, full)
+    if problems:
+        raise DataError(next(iter(problems.values())))
+    return manifest
 
 
 # -----------------------------------------------------------------------------

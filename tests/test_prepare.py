@@ -181,3 +181,93 @@ def test_bundled_corpus_prepares(tmp_path, enc):
     assert 1_400_000 < manifest["total_tokens"] < 1_700_000  # PROVENANCE.md: about 1.57M tokens
     val = P.open_shard(str(tmp_path / "sh" / "val_000000.bin"))
     assert val[0] == P.EOT and (np.asarray(val) == P.EOT).sum() == 3
+
+
+def write_llmc_shard(path, tokens):
+    """llm.c's / modded-nanogpt's write_datafile, written independently of prepare.py."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = 20240520, 1, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+def test_foreign_shards_are_found_and_read(tmp_path):
+    rng = np.random.default_rng(0)
+    shards = {i: rng.integers(0, 50257, size=100 + i).astype(np.uint16) for i in range(3)}
+    llmc, nanogpt = tmp_path / "modded", tmp_path / "build"
+    llmc.mkdir(), nanogpt.mkdir()
+    for i, tokens in shards.items():
+        split = "val" if i == 0 else "train"
+        write_llmc_shard(llmc / f"fineweb_{split}_{i:06d}.bin", tokens)
+        np.save(nanogpt / f"edufineweb_{split}_{i:06d}", tokens)  # build-nanogpt's np.save of a uint16 array
+    (nanogpt / "notes.txt").write_text("not a shard")
+    for d, ext in ((llmc, ".bin"), (nanogpt, ".npy")):
+        val, train = P.find_shards(str(d))
+        assert os.path.basename(val) == f"{'fineweb' if ext == '.bin' else 'edufineweb'}_val_000000{ext}"
+        assert [os.path.basename(p)[-10:] for p in train] == [f"000001{ext}", f"000002{ext}"]
+        for path, i in zip([val] + train, range(3)):
+            tokens = P.open_shard(path, vocab_size=50257)
+            assert np.array_equal(tokens, shards[i]) and not tokens.flags.writeable
+        assert P.verify_manifest(str(d)) is None  # made elsewhere: accepted after the header checks
+
+
+def test_find_shards_errors(tmp_path):
+    with pytest.raises(P.DataError, match="does not exist"):
+        P.find_shards(str(tmp_path / "nothing"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(P.DataError, match="is a file"):
+        P.find_shards(str(tmp_path / "file"))
+    with pytest.raises(P.DataError, match=r"found 0 \(none\) and 0.*data/prepare.py"):
+        P.find_shards(str(tmp_path))
+    for name in ("val_000000.bin", "fineweb_val_000000.bin", "train_000001.bin"):
+        P.write_shard(str(tmp_path / name), np.arange(10))
+    with pytest.raises(P.DataError, match="found 2"):
+        P.find_shards(str(tmp_path))
+
+
+def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16)
+    tokens[700] = 60000
+    write_llmc_shard(tmp_path / "fineweb_train_000001.bin", tokens)
+    np.save(tmp_path / "edufineweb_train_000001", tokens)
+    for name in ("fineweb_train_000001.bin", "edufineweb_train_000001.npy"):
+        path = str(tmp_path / name)
+        assert len(P.open_shard(path)) == 1000 and len(P.open_shard(path, vocab_size=60001)) == 1000
+        with pytest.raises(P.DataError, match=f"{name}: token id 60000 at position 700 is >= vocab_size 50304"):
+            P.open_shard(path, vocab_size=50304)
+    np.save(tmp_path / "wide_train_000001", tokens.astype(np.int32))
+    with pytest.raises(P.DataError, match="1-d int32 array"):
+        P.open_shard(str(tmp_path / "wide_train_000001.npy"))
+    (tmp_path / "junk_train_000001.npy").write_bytes(b"not numpy")
+    with pytest.raises(P.DataError, match="junk_train_000001.npy: not a readable .npy"):
+        P.open_shard(str(tmp_path / "junk_train_000001.npy"))
+
+
+def test_manifest_catches_changed_extra_missing_and_truncated_shards(tmp_path):
+    pattern, _ = make_corpus(tmp_path)
+    out = tmp_path / "out"
+    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1000, workers=1, quiet=True)
+    assert P.verify_manifest(str(out), full=True)["shards"][0]["name"] == "val_000000.bin"
+    train1 = out / "train_000001.bin"
+    original = train1.read_bytes()
+
+    def fails(match, full=False):
+        with pytest.raises(P.DataError, match=match):
+            P.verify_manifest(str(out), full=full)
+
+    overwritten = bytearray(original)
+    overwritten[2000:2010] = b"\x01" * 10  # same size, other tokens: only the full check sees it
+    train1.write_bytes(bytes(overwritten))
+    P.verify_manifest(str(out))
+    fails(r"train_000001.bin: its tokens differ from manifest.json \(sha256\); re-run data/prepare.py", full=True)
+    P.write_shard(str(train1), np.arange(600))  # a valid shard of another size
+    fails("train_000001.bin holds 600 tokens, manifest.json lists 1,000; re-run data/prepare.py")
+    train1.write_bytes(original[:-2])
+    fails("train_000001.bin: size .* truncated or corrupt")
+    train1.unlink()
+    fails("train_000001.bin is listed in manifest.json but missing; re-run data/prepare.py")
+    train1.write_bytes(original)
+    P.verify_manifest(str(out), full=True)
+    np.save(out / "edufineweb_train_000009", np.arange(10, dtype=np.uint16))
+    fails("edufineweb_train_000009.npy is not listed in manifest.json")
