@@ -5,44 +5,142 @@ $ python report.py out                         # every arm against the first arm
 $ python report.py out --reference=attnres --cell=rd_attnres/seed0
 
 Reads out/<arm>/seed<k>/{result.json,log.jsonl} and writes out/report.md and out/paired.json,
-plus PNG plots when matplotlib is installed (the tables never need it). Per arm against the
-reference, over the seeds where both cells finished: delta_s = NLL_arm - NLL_reference, wins
-(delta < 0), mean, sample std, 95% CI (t), paired t-test and exact sign-test p-values (two-sided),
-and the perplexity change exp(mean delta) - 1.
+plus PNG plots when matplotlib is installed (the tables never need it).
+
+A seed is paired only when every arm has a finished cell for it and the cells' `pairing` records
+agree: init and data hashes, evaluated tokens, code fingerprint, init checkpoint, and every setting
+both cells record (a setting only one of them records is that arm's own). Other seeds are listed
+with the reason and left out of n; diverged cells are listed apart. Per arm against the reference,
+over the paired seeds: delta_s = NLL_arm - NLL_reference, wins (delta < 0), mean, sample std, 95%
+CI (t), paired t-test and exact sign-test p-values (two-sided), the perplexity change
+exp(mean delta) - 1, and the mean delta with its 95% CI at every evaluation during training.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
 from scipy import stats
 
+from data.prepare import write_json
+
+MISSING = object()  # a pairing key one cell does not record
+
+
+def read_json(path, notes):
+    """The file's dict, or None (and a note) when it cannot be read."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+        if isinstance(obj, dict):
+            return obj
+    except (OSError, ValueError):
+        pass
+    notes.append(f"{path}: unreadable, ignored")
+    return None
+
+
+def read_log(path, notes):
+    """The records of a log.jsonl; lines that do not parse (a torn last line) are skipped with a note."""
+    records, bad = [], []
+    with open(path, errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if line.strip():
+                    bad.append(number)
+    if bad:
+        notes.append(f"{path}: skipped unreadable line {', '.join(map(str, bad))}")
+    return [r for r in records if isinstance(r, dict)]
+
 
 def load_grid(out_dir):
-    """(arms in order, seeds, {(arm, seed): result}, [missing 'arm/seedk'], {(arm, seed): log records})"""
+    """(arms, seeds, {(arm, seed): result, None if unreadable}, {(arm, seed): log records}, notes)"""
+    notes = []
     config_path = os.path.join(out_dir, "config.json")
-    config = json.load(open(config_path)) if os.path.exists(config_path) else {}
-    arms = list(config.get("arms", {}))
-    arms += sorted(a for a in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, a)) and a not in arms)
-    results, logs, seeds = {}, {}, set(config.get("seeds", []))
-    for arm in arms:
+    config = (read_json(config_path, notes) if os.path.exists(config_path) else None) or {}
+    arms, seeds = list(config.get("arms", {})), set(config.get("seeds", []))
+    folders = sorted(f for f in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, f)))
+    results, logs = {}, {}
+    for arm in arms + [f for f in folders if f not in arms]:
         arm_dir = os.path.join(out_dir, arm)
-        for cell in sorted(os.listdir(arm_dir)) if os.path.isdir(arm_dir) else []:
-            if not cell.startswith("seed"):
+        cells = sorted(c for c in os.listdir(arm_dir) if os.path.isdir(os.path.join(arm_dir, c))) \
+            if os.path.isdir(arm_dir) else []
+        cell_seeds = {c: int(c[4:]) for c in cells if re.fullmatch(r"seed(0|[1-9][0-9]*)", c)}
+        if arm not in arms:
+            if not cell_seeds:
+                notes.append(f"skipped folder {arm}/: not an arm (no seed<k> cells)")
                 continue
-            seed = int(cell[4:])
+            arms.append(arm)
+        notes += [f"skipped folder {arm}/{c}/: not a seed<k> cell" for c in cells if c not in cell_seeds]
+        for cell, seed in cell_seeds.items():
             seeds.add(seed)
-            result_path, log_path = (os.path.join(arm_dir, cell, f) for f in ("result.json", "log.jsonl"))
-            if os.path.exists(result_path):
-                results[arm, seed] = json.load(open(result_path))
-            if os.path.exists(log_path):
-                logs[arm, seed] = [json.loads(line) for line in open(log_path) if line.strip()]
-    seeds = sorted(seeds)
-    missing = [f"{a}/seed{s}" for s in seeds for a in arms if (a, s) not in results]
-    return arms, seeds, results, missing, logs
+            path = os.path.join(out_dir, arm, cell)
+            if os.path.exists(os.path.join(path, "result.json")):
+                results[arm, seed] = read_json(os.path.join(path, "result.json"), notes)
+            if os.path.exists(os.path.join(path, "log.jsonl")):
+                logs[arm, seed] = read_log(os.path.join(path, "log.jsonl"), notes)
+    return arms, sorted(seeds), results, logs, notes
+
+
+def divergence(result):
+    """Why a cell diverged (one line), or None."""
+    loss = result.get("val_loss")
+    if result.get("status") == "diverged":
+        return result.get("reason") or "diverged"
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return f"val_loss is {loss}"
+    return None
+
+
+def cell_problem(results, arm, seed):
+    """Why a cell cannot be paired, or None."""
+    if (arm, seed) not in results:
+        return "missing"
+    result = results[arm, seed]
+    if result is None:
+        return "unreadable result.json"
+    if divergence(result):
+        return "diverged"
+    if not isinstance(result.get("pairing"), dict):
+        return "no pairing record"
+    return None
+
+
+def shorten(x, y):
+    """Two differing values as short strings that still show where they differ."""
+    a, b = ("missing" if v is MISSING else v if isinstance(v, str) else json.dumps(v) for v in (x, y))
+    start = max(0, len(os.path.commonprefix([a, b])) - 6)
+    return [("..." if start else "") + s[start:start + 16] + ("..." if len(s) > start + 16 else "") for s in (a, b)]
+
+
+def pairing_difference(p, q):
+    """The first key on which two pairing records differ, with both values; None when they agree."""
+    ps, qs = p.get("settings", {}), q.get("settings", {})
+    keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - {"settings"})]
+    keys += [(f"settings.{k}", ps[k], qs[k]) for k in sorted(set(ps) & set(qs))]  # one-sided: an arm's own
+    for key, x, y in keys:
+        if x != y:
+            return "{} ({} vs {})".format(key, *shorten(x, y))
+    return None
+
+
+def unpaired_reason(arms, seed, results):
+    """Why a seed cannot be paired, or None when it can."""
+    problems = [f"{arm}/seed{seed} {p}" for arm in arms if (p := cell_problem(results, arm, seed))]
+    if problems:
+        return "; ".join(problems)
+    for a, b in itertools.combinations(arms, 2):
+        difference = pairing_difference(results[a, seed]["pairing"], results[b, seed]["pairing"])
+        if difference:
+            return f"{a} and {b} differ in {difference}"
+    return None
 
 
 def paired_statistics(deltas):
@@ -66,22 +164,34 @@ def paired_statistics(deltas):
                 p_sign=p_sign, ppl_change=math.exp(mean) - 1 if n else float("nan"))
 
 
-def pairing_problems(arms, seeds, results):
-    """Cells of one seed must share the init of shared parameters and the data order."""
-    problems = []
-    for seed in seeds:
-        cells = [results[a, seed] for a in arms if (a, seed) in results]
-        for key in ("init_hash", "data_hash"):
-            if len({c.get(key) for c in cells}) > 1:
-                problems.append(f"seed {seed}: arms differ in {key.replace('_hash', '')} - not paired")
-    return problems
+def val_curve(log):
+    """{training tokens: validation loss} of one cell's evaluations."""
+    return {r["tokens"]: r["val_loss"] for r in log if r.get("val_loss") is not None and "tokens" in r}
+
+
+def loss_curves(logs, arm, seeds):
+    """(tokens every seed evaluated at, array seeds x tokens of validation losses)"""
+    curves = [val_curve(logs.get((arm, s), [])) for s in seeds]
+    tokens = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return np.array(tokens), np.array([[c[t] for t in tokens] for c in curves]).reshape(len(curves), len(tokens))
+
+
+def delta_curve(logs, arm, reference, seeds):
+    """NLL(arm) - NLL(reference) at the evaluations every seed has: tokens, mean and 95% t-interval over seeds."""
+    (tokens, values), (ref_tokens, ref_values) = loss_curves(logs, arm, seeds), loss_curves(logs, reference, seeds)
+    common = np.intersect1d(tokens, ref_tokens)
+    d = values[:, np.isin(tokens, common)] - ref_values[:, np.isin(ref_tokens, common)]
+    n = len(seeds)
+    mean = d.mean(0) if n else np.full(len(common), np.nan)
+    half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
+    return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
 
 
 def fmt(x, spec="+.4f"):
     return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def plots(out_dir, arms, seeds, logs, cell):
+def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
     """PNG figures, or [] without matplotlib. Returns (title, file name) pairs."""
     try:
         import matplotlib
@@ -90,40 +200,56 @@ def plots(out_dir, arms, seeds, logs, cell):
     except ImportError:
         return []
     figures = []
-    # validation loss against tokens: mean over seeds, band from min to max
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm in arms:
-        curves = [{r["tokens"]: r["val_loss"] for r in logs.get((arm, s), []) if "val_loss" in r} for s in seeds]
-        curves = [c for c in curves if c]
-        if not curves:
-            continue
-        tokens = sorted(set.intersection(*(set(c) for c in curves)))
-        values = np.array([[c[t] for t in tokens] for c in curves])
-        line, = ax.plot(tokens, values.mean(0), label=f"{arm} (n={len(curves)})")
-        ax.fill_between(tokens, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
-    ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)", title="validation loss")
-    ax.legend()
-    figures.append(save(fig, out_dir, "val_loss.png", "Validation loss against tokens (mean, min-max band over seeds)"))
+    # validation loss against tokens over the paired seeds: all of training, and its second half zoomed in
+    # (the early drop from ln(vocab) would otherwise squash the arms into one line)
+    val = {arm: loss_curves(logs, arm, paired_seeds) for arm in arms}
+    val = {arm: (t, v) for arm, (t, v) in val.items() if len(t)}
+    if val:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        half = max(t[-1] for t, _ in val.values()) / 2
+        for ax in axes:
+            for arm, (tokens, values) in val.items():
+                line, = ax.plot(tokens, values.mean(0), label=f"{arm} (n={len(values)})")
+                ax.fill_between(tokens, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
+        late = np.concatenate([v[:, t >= half].ravel() for t, v in val.values()])
+        pad = 0.05 * (late.max() - late.min()) or 0.01
+        axes[1].set(xlim=(half, None), ylim=(late.min() - pad, late.max() + pad), title="second half of training")
+        axes[0].set(title="validation loss")
+        for ax in axes:
+            ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)")
+        axes[0].legend()
+        figures.append(save(fig, out_dir, "val_loss.png",
+                            "Validation loss against tokens (mean, min-max band over the paired seeds)"))
+    # paired delta against the reference at every evaluation, one panel per arm
+    shown = {arm: c for arm, c in curves.items() if len(c["tokens"])}
+    if shown:
+        fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 3.5), squeeze=False)
+        for ax, (arm, c) in zip(axes[0], shown.items()):
+            ax.plot(c["tokens"], c["mean"], marker=".")
+            ax.fill_between(c["tokens"], c["ci95_low"], c["ci95_high"], alpha=0.25)
+            ax.axhline(0, color="black", linewidth=0.8)
+            ax.set(xlabel="training tokens", ylabel="delta NLL (nats/token)", title=f"{arm} - {reference} (n={c['n']})")
+        figures.append(save(fig, out_dir, "delta_curve.png",
+                            f"Paired delta NLL(arm) - NLL({reference}) during training (mean, 95% t-interval)"))
     # QK/V Jensen-Shannon divergence per layer over training, for arms with a value route
-    for arm in arms:
-        records = [r for r in logs.get((arm, seeds[0] if seeds else 0), []) if r.get("routing", {}).get("qk_v_jsd")]
+    arm, seed = cell
+    for jsd_arm in arms:
+        records = [r for r in logs.get((jsd_arm, seed), []) if (r.get("routing") or {}).get("qk_v_jsd")]
         if not records:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for layer in records[0]["routing"]["qk_v_jsd"]:
             ax.plot([r["tokens"] for r in records], [r["routing"]["qk_v_jsd"][layer] for r in records], label=f"layer {layer}")
-        ax.set(xlabel="training tokens", ylabel="JSD (nats)", title=f"{arm} seed{seeds[0]}: QK vs V depth routes")
+        ax.set(xlabel="training tokens", ylabel="JSD (nats)", title=f"{jsd_arm} seed{seed}: QK vs V depth routes")
         ax.legend(fontsize=7, ncol=2)
-        figures.append(save(fig, out_dir, f"jsd_{arm}.png", f"{arm}: QK/V Jensen-Shannon divergence per layer over training"))
-    # depth-weight heatmaps of one cell's final evaluation, one panel per route
-    arm, seed = cell
-    final = [r for r in logs.get((arm, seed), []) if r.get("routing", {}).get("weights")]
+        figures.append(save(fig, out_dir, f"jsd_{jsd_arm}.png",
+                            f"{jsd_arm}: QK/V Jensen-Shannon divergence per layer over training"))
+    # depth-weight heatmaps of one cell's final evaluation, one panel per route (a read's name without its layer)
+    final = [r for r in logs.get((arm, seed), []) if (r.get("routing") or {}).get("weights")]
     if final:
-        weights = final[-1]["routing"]["weights"]
         routes = {}
-        for name, w in weights.items():
-            route = name.split(".")[0] + ("." + name.split(".")[2] if name.count(".") == 2 else "")
-            routes.setdefault(route, []).append((name, w))
+        for name, w in final[-1]["routing"]["weights"].items():
+            routes.setdefault(".".join(p for p in name.split(".") if not p.isdigit()), []).append((name, w))
         fig, axes = plt.subplots(1, len(routes), figsize=(4 * len(routes), 3.5), squeeze=False)
         for ax, (route, rows) in zip(axes[0], routes.items()):
             width = max(len(w) for _, w in rows)
@@ -140,11 +266,25 @@ def plots(out_dir, arms, seeds, logs, cell):
 
 
 def save(fig, out_dir, name, title):
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, name), dpi=110)
     import matplotlib.pyplot as plt
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path + ".tmp", dpi=110, format="png")
+    os.replace(path + ".tmp", path)
     plt.close(fig)
     return title, name
+
+
+def parse_cell(text, arms, seeds, results, logs):
+    """--cell=arm/seedK as (arm, seed), or one error line."""
+    match = re.fullmatch(r"(.+)/seed([0-9]+)", text)
+    if not match:
+        sys.exit(f"error: --cell={text}: give arm/seedK, e.g. --cell={arms[-1]}/seed{seeds[0] if seeds else 0}")
+    cell = match[1], int(match[2])
+    if cell not in results and cell not in logs:
+        sys.exit(f"error: --cell={text}: no such cell; cells: "
+                 + ", ".join(f"{a}/seed{s}" for a in arms for s in seeds if (a, s) in results or (a, s) in logs))
+    return cell
 
 
 def main(argv):
@@ -155,53 +295,72 @@ def main(argv):
     args = parser.parse_args(argv)
     if not os.path.isdir(args.out_dir):
         sys.exit(f"error: {args.out_dir} is not a directory; give the out_dir of a train.py grid")
-    arms, seeds, results, missing, logs = load_grid(args.out_dir)
+    arms, seeds, results, logs, notes = load_grid(args.out_dir)
     if not arms:
         sys.exit(f"error: {args.out_dir} holds no arms; give the out_dir of a train.py grid")
     reference = args.reference or arms[0]
     if reference not in arms:
         sys.exit(f"error: reference arm {reference!r} not found; arms: {', '.join(arms)}")
+    left_out = {s: r for s in seeds if (r := unpaired_reason(arms, s, results))}
+    paired_seeds = [s for s in seeds if s not in left_out]
+    cell = parse_cell(args.cell, arms, seeds, results, logs) if args.cell else \
+        (arms[-1], (paired_seeds or seeds or [0])[0])
+    diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"], reason=divergence(r))
+                for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
 
     lines = [f"# Paired report: {args.out_dir}", "",
              f"Reference arm: `{reference}`. delta = NLL(arm) - NLL(reference) on the fixed validation set "
-             f"(nats/token; negative = better).", ""]
-    lines += ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
+             f"(nats/token; negative = better). Paired seeds: {', '.join(map(str, paired_seeds)) or 'none'} "
+             f"(n={len(paired_seeds)}).", ""]
+    if left_out:
+        lines += ["**Seeds left out** (not counted in n):", "", *(f"- seed {s}: {r}" for s, r in left_out.items()), ""]
+    lines += ["Final validation loss:", "",
+              "| arm | " + " | ".join(f"seed {s}" + (" (left out)" if s in left_out else "") for s in seeds) + " |",
+              "|---" * (len(seeds) + 1) + "|"]
     for arm in arms:
-        lines.append(f"| {arm} | " + " | ".join(fmt(results[arm, s]["val_loss"], ".4f") if (arm, s) in results
-                                                 else "-" for s in seeds) + " |")
+        lines.append(f"| {arm} | " + " | ".join("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
+                                                 else fmt(r["val_loss"], ".4f") for s in seeds) + " |")
     lines.append("")
-    paired = {}
+    paired, curves = {}, {}
     table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm in arms:
         if arm == reference:
             continue
-        both = [s for s in seeds if (arm, s) in results and (reference, s) in results]
-        st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in both])
-        st["seeds"] = both
-        paired[arm] = st
+        st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in paired_seeds])
+        curves[arm] = delta_curve(logs, arm, reference, paired_seeds)
+        paired[arm] = dict(st, seeds=paired_seeds, delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()})
         table.append(f"| {arm} | {st['n']} | {st['wins']}/{st['n']} | {fmt(st['mean'])} | {fmt(st['std'], '.4f')} | "
                      f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}] | {fmt(st['p_ttest'], '.3g')} | "
                      f"{fmt(st['p_sign'], '.3g')} | {fmt(100 * st['ppl_change'], '+.2f')}% |")
-        lines.append(f"Per-seed deltas, {arm}: " + ", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(both, st["deltas"])))
+        lines.append(f"Per-seed deltas, {arm}: "
+                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(paired_seeds, st["deltas"])) or "none"))
     lines += ["", *table, ""]
-    problems = pairing_problems(arms, seeds, results)
-    if missing:
-        lines += ["Missing or unfinished cells (not paired): " + ", ".join(missing), ""]
-    if problems:
-        lines += ["**Pairing problems:** " + "; ".join(problems), ""]
-    if args.cell:
-        arm, seed = args.cell.split("/seed")
-        cell = (arm, int(seed))
-    else:
-        cell = (arms[-1], seeds[0] if seeds else 0)
+    if diverged:
+        lines += ["**Diverged cells** (never in the statistics):", "", "| arm | seed | step | reason |", "|---|---|---|---|",
+                  *(f"| {d['arm']} | {d['seed']} | {d['step']} | {d['reason']} |" for d in diverged), ""]
+    wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
+    if any(t is not None for t in wall.values()):
+        lines += ["Wall time per cell (s; training and evaluation, compile included):", "",
+                  "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | total |", "|---" * (len(seeds) + 2) + "|"]
+        for arm in arms:
+            times = [wall.get(f"{arm}/seed{s}") for s in seeds]
+            lines.append(f"| {arm} | " + " | ".join("-" if t is None else f"{t:.0f}" for t in times)
+                         + f" | {sum(t for t in times if t is not None):.0f} |")
+        lines.append("")
+    if notes:
+        lines += ["Skipped:", "", *(f"- {n}" for n in notes), ""]
     summary = "\n".join(lines)
-    for title, name in plots(args.out_dir, arms, seeds, logs, cell):
+    for title, name in plots(args.out_dir, arms, reference, paired_seeds, curves, logs, cell):
         lines += [f"### {title}", "", f"![{title}]({name})", ""]
-    with open(os.path.join(args.out_dir, "report.md"), "w") as f:
+    path = os.path.join(args.out_dir, "report.md")
+    with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines))
-    with open(os.path.join(args.out_dir, "paired.json"), "w") as f:
-        json.dump(dict(reference=reference, arms=paired, missing=missing, pairing_problems=problems), f, indent=1)
+    os.replace(path + ".tmp", path)
+    write_json(os.path.join(args.out_dir, "paired.json"),
+               dict(reference=reference, paired_seeds=paired_seeds, arms=paired,
+                    left_out=[dict(seed=s, reason=r) for s, r in left_out.items()], diverged=diverged,
+                    wall_time_s=wall, skipped=notes))
     print(summary)
 
 

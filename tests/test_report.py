@@ -1,8 +1,10 @@
 import json
 import math
 import os
+import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import report
@@ -39,56 +41,222 @@ def test_sign_test_like_the_paper_and_ties():
     assert single["n"] == 1 and math.isnan(single["std"]) and math.isnan(single["p_ttest"])
 
 
-def make_grid(tmp_path, cells, arms=("parent", "rd")):
+SETTINGS = dict(learning_rate=1e-3, weight_decay=0.1, dropout=0.0, max_iters=20, eval_interval=10, n_layer=2)
+WEIGHTS = {"attn.0": [1.0], "attn_v.0": [1.0], "mlp.0": [0.4, 0.6], "attn.1": [0.2, 0.3, 0.5],
+           "attn_v.1": [0.6, 0.1, 0.3], "mlp.1": [0.1, 0.2, 0.3, 0.4], "out": [0.1, 0.1, 0.2, 0.2, 0.4]}
+
+
+def write_cell(out, arm, seed, val_loss, curve=None, **changes):
+    """One cell folder as train.py writes it: config.json, log.jsonl (train and eval records), result.json."""
+    cell = out / arm / f"seed{seed}"
+    cell.mkdir(parents=True)
+    code = dict(fingerprint="c0de" * 16, git_commit=None, git_dirty=None)
+    (cell / "config.json").write_text(json.dumps(dict(SETTINGS, arm=arm, seed=seed, model=dict(n_layer=2), code=code)))
+    curve = curve or {0: 10.8, 1000: 6.0, 2000: val_loss}
+    records = []
+    for i, (tokens, loss) in enumerate(sorted(curve.items())):
+        if i:
+            records.append(dict(step=10 * i, tokens=tokens, loss=loss + 0.1, lr=1e-3, ms_per_step=5.0, tokens_per_s=2e5,
+                                mfu=None, eta_cell_s=1.0, eta_grid_s=3.0))
+        routing = dict(weights=WEIGHTS, entropy={}, qk_v_jsd={"0": 0.01 * i, "1": 0.02 * i} if arm == "rd" else {})
+        records.append(dict(step=10 * i, tokens=tokens, val_loss=loss, routing=routing))
+    (cell / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pairing = dict(init_hash="1a" * 32, data_hash="d4" * 32, eval_tokens=992, code=code["fingerprint"], init_from=None,
+                   settings=dict(SETTINGS))
+    result = dict(arm=arm, seed=seed, status="finished", val_loss=val_loss, diverged_at=None, reason=None, tokens=2000,
+                  steps=20, params=1000, non_embedding_params=500, wall_time_s=100.0 + seed, routing=dict(weights=WEIGHTS),
+                  pairing=pairing)
+    result.update(changes)
+    (cell / "result.json").write_text(json.dumps(result))
+    return cell
+
+
+def make_grid(tmp_path, losses, arms=("parent", "rd")):
+    """A grid of finished, paired cells: losses = {(arm, seed): final validation loss}."""
     out = tmp_path / "grid"
     out.mkdir()
-    (out / "config.json").write_text(json.dumps({"arms": {a: {} for a in arms}, "seeds": [0, 1, 2]}))
-    for (arm, seed), (loss, init_hash) in cells.items():
-        cell = out / arm / f"seed{seed}"
-        cell.mkdir(parents=True)
-        log = [dict(step=s, tokens=s * 100, val_loss=(loss or 3.0) + 1 / (s + 1),
-                    routing=dict(weights={"attn.0": [1.0], "attn_v.0": [1.0], "mlp.0": [0.4, 0.6], "out": [0.3, 0.7]},
-                                 qk_v_jsd={"0": 0.01 * s} if arm == "rd" else {})) for s in (0, 10)]
-        (cell / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-        if loss is not None:
-            (cell / "result.json").write_text(json.dumps(dict(val_loss=loss, init_hash=init_hash, data_hash="d")))
+    seeds = sorted({s for _, s in losses})
+    (out / "config.json").write_text(json.dumps(dict(SETTINGS, arms={a: {} for a in arms}, seeds=seeds)))
+    for (arm, seed), loss in losses.items():
+        write_cell(out, arm, seed, loss)
     return out
 
 
-def test_report_pairs_only_complete_seeds(tmp_path, capsys):
-    cells = {("parent", 0): (3.00, "a"), ("rd", 0): (2.97, "a"),
-             ("parent", 1): (3.10, "a"), ("rd", 1): (None, "a"),  # unfinished
-             ("parent", 2): (3.05, "a"), ("rd", 2): (3.01, "b")}  # unpaired init
-    out = make_grid(tmp_path, cells)
-    report.main([str(out)])
-    paired = json.load(open(out / "paired.json"))
-    assert paired["reference"] == "parent" and paired["missing"] == ["rd/seed1"]
+def edit(out, arm, seed, change):
+    """Apply change(result) to a cell's result.json."""
+    path = out / arm / f"seed{seed}" / "result.json"
+    result = json.loads(path.read_text())
+    change(result)
+    path.write_text(json.dumps(result))
+
+
+def run(out, *args):
+    report.main([str(out), *args])
+    return json.load(open(out / "paired.json")), (out / "report.md").read_text()
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed; tables only
+
+
+LOSSES = {("parent", 0): 3.00, ("rd", 0): 2.97, ("parent", 1): 3.10, ("rd", 1): 3.08,
+          ("parent", 2): 3.05, ("rd", 2): 3.01, ("parent", 3): 3.20, ("rd", 3): 3.16}
+
+
+def test_report_pairs_and_leaves_out_changed_init_and_data(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    paired, _ = run(out)
+    assert paired["paired_seeds"] == [0, 1, 2, 3] and paired["left_out"] == []
+    assert paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.02, -0.04, -0.04])
+    edit(out, "rd", 1, lambda r: r["pairing"].update(init_hash="ff" * 32))
+    edit(out, "parent", 2, lambda r: r["pairing"].pop("data_hash"))
+    paired, text = run(out)
     rd = paired["arms"]["rd"]
-    assert rd["seeds"] == [0, 2] and rd["deltas"] == pytest.approx([-0.03, -0.04]) and rd["wins"] == 2
-    assert paired["pairing_problems"] == ["seed 2: arms differ in init - not paired"]
-    text = (out / "report.md").read_text()
-    assert "rd/seed1" in text and "| rd | 2 | 2/2 |" in text
-    report.main([str(out), "--reference=rd"])
-    assert json.load(open(out / "paired.json"))["arms"]["parent"]["deltas"] == pytest.approx([0.03, 0.04])
+    assert paired["paired_seeds"] == [0, 3] and rd["seeds"] == [0, 3] and rd["n"] == 2
+    assert rd["deltas"] == pytest.approx([-0.03, -0.04]) and rd["wins"] == 2
+    (s1, r1), (s2, r2) = [(d["seed"], d["reason"]) for d in paired["left_out"]]
+    assert s1 == 1 and "init_hash" in r1 and "1a1a" in r1 and "ffff" in r1 and len(r1) < 100
+    assert s2 == 2 and "data_hash" in r2 and "missing" in r2
+    assert "| rd | 2 | 2/2 |" in text and f"- seed 1: {r1}" in text and f"- seed 2: {r2}" in text
+    paired, _ = run(out, "--reference=rd")
+    assert paired["arms"]["parent"]["deltas"] == pytest.approx([0.03, 0.04])
 
 
-def test_plots_written_when_matplotlib_is_installed(tmp_path):
-    pytest.importorskip("matplotlib")
-    out = make_grid(tmp_path, {("parent", 0): (3.0, "a"), ("rd", 0): (2.9, "a")})
-    report.main([str(out), "--cell=rd/seed0"])
-    for name in ("val_loss.png", "jsd_rd.png", "routing_rd_seed0.png"):
-        assert (out / name).stat().st_size > 1000
-        assert f"]({name})" in (out / "report.md").read_text()
+def test_differing_settings_are_named_and_an_arms_own_settings_are_not(tmp_path, no_matplotlib):
+    losses = {(arm, s): 3.0 for arm in ("parent", "rd") for s in range(5)}
+    out = make_grid(tmp_path, losses)
+    edit(out, "rd", 0, lambda r: r["pairing"]["settings"].update(learning_rate=1e-4))
+    edit(out, "rd", 1, lambda r: r["pairing"]["settings"].update(weight_decay=0.0))
+    edit(out, "parent", 2, lambda r: r["pairing"]["settings"].update(dropout=0.2))
+    edit(out, "rd", 3, lambda r: r["pairing"].update(eval_tokens=192))
+    for seed in range(5):  # rd sets its own n_layer (absent from its settings) and records a key of its own
+        edit(out, "rd", seed, lambda r: r["pairing"]["settings"].pop("n_layer"))
+        edit(out, "rd", seed, lambda r: r["pairing"]["settings"].update(rd_control="dup"))
+    paired, _ = run(out)
+    reasons = {d["seed"]: d["reason"] for d in paired["left_out"]}
+    assert paired["paired_seeds"] == [4] and paired["arms"]["rd"]["n"] == 1
+    assert reasons[0] == "parent and rd differ in settings.learning_rate (0.001 vs 0.0001)"
+    assert reasons[1] == "parent and rd differ in settings.weight_decay (0.1 vs 0.0)"
+    assert reasons[2] == "parent and rd differ in settings.dropout (0.2 vs 0.0)"
+    assert reasons[3] == "parent and rd differ in eval_tokens (992 vs 192)"
 
 
-def test_tables_without_matplotlib(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
-    out = make_grid(tmp_path, {("parent", 0): (3.0, "a"), ("rd", 0): (2.9, "a")})
-    report.main([str(out)])
-    assert "| rd | 1 | 1/1 |" in (out / "report.md").read_text()
-    assert not list(out.glob("*.png"))
+def test_diverged_cells_are_listed_apart(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    edit(out, "rd", 1, lambda r: r.update(status="diverged", val_loss=None, diverged_at=40,
+                                          reason="non-finite training loss at step 40"))
+    edit(out, "parent", 2, lambda r: r.update(val_loss=float("nan")))  # written before the status field existed
+    paired, text = run(out)
+    assert paired["paired_seeds"] == [0, 3] and paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.04])
+    assert paired["diverged"] == [dict(arm="rd", seed=1, step=40, reason="non-finite training loss at step 40"),
+                                  dict(arm="parent", seed=2, step=20, reason="val_loss is nan")]
+    assert [d["reason"] for d in paired["left_out"]] == ["rd/seed1 diverged", "parent/seed2 diverged"]
+    assert "| rd | 1 | 40 | non-finite training loss at step 40 |" in text and "| rd | 2 | 2/2 |" in text
+
+
+def test_old_and_unfinished_cells_are_not_paired(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    for arm, seed in LOSSES:  # result.json as written before cells recorded their pairing
+        edit(out, arm, seed, lambda r: [r.pop(k) for k in ("pairing", "status", "wall_time_s")])
+    (out / "rd" / "seed3" / "result.json").unlink()  # unfinished: log only
+    paired, text = run(out)
+    assert paired["paired_seeds"] == [] and paired["arms"]["rd"]["n"] == 0 and "| rd | 0 | 0/0 |" in text
+    reasons = [d["reason"] for d in paired["left_out"]]
+    assert reasons[0] == "parent/seed0 no pairing record; rd/seed0 no pairing record"
+    assert reasons[3] == "parent/seed3 no pairing record; rd/seed3 missing"
+    assert "Wall time" not in text
+
+
+def test_stray_folders_and_damaged_files_are_skipped_with_a_note(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    (out / "rd" / "seed_old").mkdir()
+    (out / "notes").mkdir()
+    with open(out / "rd" / "seed0" / "log.jsonl", "a") as f:
+        f.write('{"step": 30, "tokens": 3000, "val_lo')  # torn by a full disk
+    (out / "parent" / "seed3" / "result.json").write_text('{"arm": "parent", "val_')  # half-written
+    paired, text = run(out)
+    assert paired["paired_seeds"] == [0, 1, 2]
+    assert paired["left_out"] == [dict(seed=3, reason="parent/seed3 unreadable result.json")]
+    notes = "\n".join(paired["skipped"])
+    for part in ("rd/seed_old/", "notes/", "rd/seed0/log.jsonl: skipped unreadable line 6", "parent/seed3/result.json"):
+        assert part in notes and part in text
+    assert paired["arms"]["rd"]["delta_curve"]["tokens"] == [0, 1000, 2000]
+
+
+def test_bad_cell_argument_is_one_line(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    for cell, message in (("rd", "give arm/seedK, e.g. --cell=rd/seed0"), ("rd/seed9", "no such cell"),
+                          ("lstm/seed0", "no such cell")):
+        with pytest.raises(SystemExit) as e:
+            report.main([str(out), f"--cell={cell}"])
+        assert str(e.value.code).startswith("error: ") and message in e.value.code and "\n" not in e.value.code
+    assert not (out / "report.md").exists()
 
 
 def test_bad_out_dir(tmp_path):
     with pytest.raises(SystemExit, match="not a directory"):
         report.main([str(tmp_path / "nope")])
+
+
+def log_of(curve):
+    return [dict(step=i, tokens=t, val_loss=v) for i, (t, v) in enumerate(curve.items())]
+
+
+def test_delta_curve_against_scipy():
+    from scipy import stats
+    ref = {0: [10.0, 10.1, 9.9], 100: [6.0, 6.2, 6.1], 200: [5.0, 5.1, 5.3], 300: [4.0, 4.1, 4.2]}
+    arm = {0: [10.0, 10.2, 9.8], 100: [5.9, 6.0, 6.2], 200: [4.9, 5.0, 5.1], 300: [3.9, 4.0, 4.3]}
+    logs = {(name, s): log_of({t: v[s] for t, v in curve.items() if not (name == "ref" and s == 2 and t == 100)})
+            for name, curve in (("ref", ref), ("rd", arm)) for s in range(3)}
+    logs["rd", 1].append(dict(step=9, tokens=250, val_loss=4.5))  # evaluated by one seed only
+    c = report.delta_curve(logs, "rd", "ref", [0, 1, 2])
+    assert c["n"] == 3 and c["tokens"].tolist() == [0, 200, 300]  # only the tokens every seed has
+    d = np.array([[arm[t][s] - ref[t][s] for t in (0, 200, 300)] for s in range(3)])
+    low, high = stats.t.interval(0.95, 2, loc=d.mean(0), scale=stats.sem(d, axis=0))
+    assert c["mean"] == pytest.approx(d.mean(0)) and c["ci95_low"] == pytest.approx(low)
+    assert c["ci95_high"] == pytest.approx(high)
+    c = report.delta_curve(logs, "rd", "ref", [0, 1])  # only the seeds given (the paired ones)
+    assert c["tokens"].tolist() == [0, 100, 200, 300] and c["mean"][1] == pytest.approx(-0.15)
+    single = report.delta_curve(logs, "rd", "ref", [0])
+    assert single["mean"] == pytest.approx([0.0, -0.1, -0.1, -0.1]) and np.isnan(single["ci95_low"]).all()
+    assert len(report.delta_curve(logs, "rd", "ref", [])["tokens"]) == 0
+
+
+def test_delta_curve_and_wall_time_in_the_report(tmp_path, no_matplotlib):
+    out = tmp_path / "grid"
+    out.mkdir()
+    curves = {("parent", s): {0: 10.8, 1000: 6.0 + s / 10, 2000: 5.0 + s / 10} for s in range(3)}
+    curves.update({("rd", s): {0: 10.8, 1000: 5.9 + s / 20, 2000: 4.95 + s / 10} for s in range(3)})
+    curves["rd", 2] = {0: 0.0, 1000: 0.0, 2000: 4.9}
+    for (arm, seed), curve in curves.items():
+        write_cell(out, arm, seed, curve[2000], curve=curve)
+    edit(out, "rd", 2, lambda r: r["pairing"].update(code="0ther"))  # seed 2 left out: its curve must not count
+    paired, text = run(out)
+    c = paired["arms"]["rd"]["delta_curve"]
+    assert c["tokens"] == [0, 1000, 2000] and c["n"] == 2
+    assert c["mean"] == pytest.approx([0.0, -0.125, -0.05])
+    assert paired["wall_time_s"] == {"parent/seed0": 100.0, "parent/seed1": 101.0, "parent/seed2": 102.0,
+                                     "rd/seed0": 100.0, "rd/seed1": 101.0, "rd/seed2": 102.0}
+    assert "| rd | 100 | 101 | 102 | 303 |" in text
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9, ("parent", 1): 3.1, ("rd", 1): 3.05})
+    _, text = run(out, "--cell=rd/seed1")
+    for name in ("val_loss.png", "delta_curve.png", "jsd_rd.png", "routing_rd_seed1.png"):
+        assert (out / name).stat().st_size > 1000 and f"]({name})" in text
+
+
+def test_tables_without_matplotlib(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9})
+    _, text = run(out)
+    assert "| rd | 1 | 1/1 |" in text and not list(out.glob("*.png"))
+
+
+def test_command_line_error_is_one_line_without_traceback(tmp_path):
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9})
+    cli = subprocess.run([sys.executable, "report.py", str(out), "--cell=rd_attnres"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(report.__file__)))
+    assert cli.returncode == 1 and cli.stderr == "error: --cell=rd_attnres: give arm/seedK, e.g. --cell=rd/seed0\n"
