@@ -5,7 +5,9 @@ $ python report.py out                         # every arm against the first arm
 $ python report.py out --reference=attnres --cell=rd_attnres/seed0
 
 Reads out/<arm>/seed<k>/{result.json,log.jsonl} and writes out/report.md and out/paired.json,
-plus PNG plots when matplotlib is installed (the tables never need it).
+plus PNG plots when matplotlib is installed (the tables never need it): validation loss (with the
+second half of training zoomed in), the paired delta during training, the QK/V divergence of
+arms with a value route, and one cell's depth weights.
 
 A seed is paired only when every arm has a finished cell for it and the cells' `pairing` records
 agree: init and data hashes, evaluated tokens, code fingerprint, init checkpoint, and every setting
@@ -32,21 +34,18 @@ from data.prepare import write_json
 MISSING = object()  # a pairing key one cell does not record
 
 
-def read_json(path, notes):
-    """The file's dict, or None (and a note) when it cannot be read."""
+def read_json(path):
+    """The file's dict, or None when it cannot be read (half-written, not JSON, not a dict)."""
     try:
         with open(path) as f:
             obj = json.load(f)
-        if isinstance(obj, dict):
-            return obj
+        return obj if isinstance(obj, dict) else None
     except (OSError, ValueError):
-        pass
-    notes.append(f"{path}: unreadable, ignored")
-    return None
+        return None
 
 
-def read_log(path, notes):
-    """The records of a log.jsonl; lines that do not parse (a torn last line) are skipped with a note."""
+def read_log(path):
+    """(records of a log.jsonl, numbers of the lines that do not parse: a torn last line)"""
     records, bad = [], []
     with open(path, errors="replace") as f:
         for number, line in enumerate(f, 1):
@@ -55,16 +54,16 @@ def read_log(path, notes):
             except ValueError:
                 if line.strip():
                     bad.append(number)
-    if bad:
-        notes.append(f"{path}: skipped unreadable line {', '.join(map(str, bad))}")
-    return [r for r in records if isinstance(r, dict)]
+    return [r for r in records if isinstance(r, dict)], bad
 
 
 def load_grid(out_dir):
-    """(arms, seeds, {(arm, seed): result, None if unreadable}, {(arm, seed): log records}, notes)"""
+    """(arms, seeds, {(arm, seed): result or None if unreadable}, {(arm, seed): log records}, notes on skips)"""
     notes = []
-    config_path = os.path.join(out_dir, "config.json")
-    config = (read_json(config_path, notes) if os.path.exists(config_path) else None) or {}
+    config = read_json(os.path.join(out_dir, "config.json"))
+    if config is None and os.path.exists(os.path.join(out_dir, "config.json")):
+        notes.append("config.json: unreadable (arms taken from the folders)")
+    config = config or {}
     arms, seeds = list(config.get("arms", {})), set(config.get("seeds", []))
     folders = sorted(f for f in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, f)))
     results, logs = {}, {}
@@ -75,17 +74,21 @@ def load_grid(out_dir):
         cell_seeds = {c: int(c[4:]) for c in cells if re.fullmatch(r"seed(0|[1-9][0-9]*)", c)}
         if arm not in arms:
             if not cell_seeds:
-                notes.append(f"skipped folder {arm}/: not an arm (no seed<k> cells)")
+                notes.append(f"folder {arm}/: not an arm (no seed<k> cells)")
                 continue
             arms.append(arm)
-        notes += [f"skipped folder {arm}/{c}/: not a seed<k> cell" for c in cells if c not in cell_seeds]
+        notes += [f"folder {arm}/{c}/: not a seed<k> cell" for c in cells if c not in cell_seeds]
         for cell, seed in cell_seeds.items():
             seeds.add(seed)
-            path = os.path.join(out_dir, arm, cell)
-            if os.path.exists(os.path.join(path, "result.json")):
-                results[arm, seed] = read_json(os.path.join(path, "result.json"), notes)
-            if os.path.exists(os.path.join(path, "log.jsonl")):
-                logs[arm, seed] = read_log(os.path.join(path, "log.jsonl"), notes)
+            result, log = (os.path.join(arm, cell, name) for name in ("result.json", "log.jsonl"))
+            if os.path.exists(os.path.join(out_dir, result)):
+                results[arm, seed] = read_json(os.path.join(out_dir, result))
+                if results[arm, seed] is None:
+                    notes.append(f"{result}: unreadable")
+            if os.path.exists(os.path.join(out_dir, log)):
+                logs[arm, seed], bad = read_log(os.path.join(out_dir, log))
+                if bad:
+                    notes.append(f"{log}: unreadable line {', '.join(map(str, bad))}")
     return arms, sorted(seeds), results, logs, notes
 
 
@@ -116,7 +119,7 @@ def cell_problem(results, arm, seed):
 def shorten(x, y):
     """Two differing values as short strings that still show where they differ."""
     a, b = ("missing" if v is MISSING else v if isinstance(v, str) else json.dumps(v) for v in (x, y))
-    start = max(0, len(os.path.commonprefix([a, b])) - 6)
+    start = max(0, len(os.path.commonprefix([a, b])) - 10)
     return [("..." if start else "") + s[start:start + 16] + ("..." if len(s) > start + 16 else "") for s in (a, b)]
 
 
@@ -239,7 +242,8 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for layer in records[0]["routing"]["qk_v_jsd"]:
-            ax.plot([r["tokens"] for r in records], [r["routing"]["qk_v_jsd"][layer] for r in records], label=f"layer {layer}")
+            ax.plot([r["tokens"] for r in records], [r["routing"]["qk_v_jsd"][layer] for r in records],
+                    label=f"layer {layer}")
         ax.set(xlabel="training tokens", ylabel="JSD (nats)", title=f"{jsd_arm} seed{seed}: QK vs V depth routes")
         ax.legend(fontsize=7, ncol=2)
         figures.append(save(fig, out_dir, f"jsd_{jsd_arm}.png",
@@ -261,7 +265,8 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
             ax.set_yticks(range(len(rows)), [n for n, _ in rows], fontsize=6)
             ax.set_xticks(range(width))
             fig.colorbar(image, ax=ax)
-        figures.append(save(fig, out_dir, f"routing_{arm}_seed{seed}.png", f"Depth weights of {arm} seed{seed} at the end"))
+        figures.append(save(fig, out_dir, f"routing_{arm}_seed{seed}.png",
+                            f"Depth weights of {arm} seed{seed} at the end"))
     return figures
 
 
@@ -291,7 +296,7 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--reference", help="reference arm (default: the first arm)")
-    parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: the last arm's first seed)")
+    parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.out_dir):
         sys.exit(f"error: {args.out_dir} is not a directory; give the out_dir of a train.py grid")
@@ -305,8 +310,8 @@ def main(argv):
     paired_seeds = [s for s in seeds if s not in left_out]
     cell = parse_cell(args.cell, arms, seeds, results, logs) if args.cell else \
         (arms[-1], (paired_seeds or seeds or [0])[0])
-    diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"], reason=divergence(r))
-                for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
+    diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
+                     reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
 
     lines = [f"# Paired report: {args.out_dir}", "",
              f"Reference arm: `{reference}`. delta = NLL(arm) - NLL(reference) on the fixed validation set "
@@ -329,7 +334,8 @@ def main(argv):
             continue
         st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in paired_seeds])
         curves[arm] = delta_curve(logs, arm, reference, paired_seeds)
-        paired[arm] = dict(st, seeds=paired_seeds, delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()})
+        paired[arm] = dict(st, seeds=paired_seeds,
+                           delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()})
         table.append(f"| {arm} | {st['n']} | {st['wins']}/{st['n']} | {fmt(st['mean'])} | {fmt(st['std'], '.4f')} | "
                      f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}] | {fmt(st['p_ttest'], '.3g')} | "
                      f"{fmt(st['p_sign'], '.3g')} | {fmt(100 * st['ppl_change'], '+.2f')}% |")
@@ -337,7 +343,8 @@ def main(argv):
                      + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(paired_seeds, st["deltas"])) or "none"))
     lines += ["", *table, ""]
     if diverged:
-        lines += ["**Diverged cells** (never in the statistics):", "", "| arm | seed | step | reason |", "|---|---|---|---|",
+        lines += ["**Diverged cells** (never in the statistics):", "",
+                  "| arm | seed | step | reason |", "|---|---|---|---|",
                   *(f"| {d['arm']} | {d['seed']} | {d['step']} | {d['reason']} |" for d in diverged), ""]
     wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
     if any(t is not None for t in wall.values()):
