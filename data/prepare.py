@@ -229,45 +229,84 @@ def read_documents(paths, start_file=0, start_row=0):
 
 
 def read_file(path, skip):
+    """The documents of one file from row skip on."""
     if path.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
         pf = pq.ParquetFile(path)
         if "text" not in pf.schema_arrow.names:
             raise DataError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
-        groups = []
-        for g in range(pf.num_row_groups):  # skip whole row groups on resume without reading them
+        kind = pf.schema_arrow.field("text").type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DataError(f"{path}: column 'text' holds {kind}, not strings")
+        groups, row = [], 0  # row: the file row of the next batch's first document
+        for g in range(pf.num_row_groups):  # skip whole leading row groups on resume without reading them
             n = pf.metadata.row_group(g).num_rows
-            if skip >= n:
-                skip -= n
+            if not groups and skip >= n:
+                skip, row = skip - n, row + n
             else:
                 groups.append(g)
         if groups:
             for batch in pf.iter_batches(batch_size=1024, row_groups=groups, columns=["text"]):
-                texts = batch.column(0).to_pylist()
-                yield from texts[skip:]
-                skip = max(0, skip - len(texts))
+                texts = batch.column(0)
+                if texts.null_count:
+                    raise DataError(f"{path}: row {row + texts.is_null().to_pylist().index(True)}: 'text' is null")
+                yield from texts.to_pylist()[skip:]
+                skip, row = max(0, skip - len(texts)), row + len(texts)
     elif path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             documents = (n_line for n_line in enumerate(f, start=1) if n_line[1].strip())  # blank lines are no rows
             for row, (line_number, line) in enumerate(documents):
                 if row >= skip:
                     try:
-                        yield json.loads(line)["text"]
+                        text = json.loads(line)["text"]
+                    except UnicodeDecodeError as e:
+                        raise DataError(f"{path}:{line_number}: not UTF-8 (byte {e.start} of the line)") from None
                     except (json.JSONDecodeError, KeyError, TypeError):
                         raise DataError(f"{path}:{line_number}: not a JSON object with a 'text' field") from None
+                    if not isinstance(text, str):
+                        raise DataError(f"{path}:{line_number}: 'text' is {json.dumps(text)[:40]}, not a string")
+                    yield text
     elif path.endswith(".txt"):
         if skip == 0:
-            with open(path, encoding="utf-8") as f:
-                yield f.read()  # one document per file
+            try:
+                with open(path, encoding="utf-8") as f:
+                    yield f.read()  # one document per file
+            except UnicodeDecodeError:
+                with open(path, "rb") as f:
+                    e = utf8_error(f.read())
+                raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
     else:
         raise DataError(f"{path}: unsupported file type; use .parquet (column 'text'), .jsonl (field 'text') or .txt")
 
 
-def local_paths(pattern):
-    paths = sorted(glob.glob(pattern, recursive=True))
+def utf8_error(data):
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e
+
+
+def input_files(input, subset, out_dir):
+    """(openers, [[name, size], ...]) of the input files in order; local names are relative to out_dir
+    (as the recorded glob), hub files have no size before they are downloaded."""
+    if not input:
+        openers, names = fineweb_paths(subset, os.path.join(out_dir, "download"))
+        return openers, [[n, None] for n in names]
+    paths = sorted(glob.glob(input, recursive=True))
     if not paths:
-        raise DataError(f"--input {pattern!r} matches no files")
-    return [lambda p=p: p for p in paths], paths
+        raise DataError(f"--input {input!r} matches no files")
+    return [lambda p=p: p for p in paths], [[os.path.relpath(p, out_dir), os.path.getsize(p)] for p in paths]
+
+
+def check_inputs(recorded, files, out_dir):
+    """The input list is part of the resume state: resume positions index into it."""
+    if recorded != files:
+        old, new = dict(map(tuple, recorded)), dict(map(tuple, files))
+        changes = ([f"{n} is new" for n in new if n not in old] + [f"{n} is gone" for n in old if n not in new] +
+                   [f"{n} was {old[n]:,} bytes, now {new[n]:,}" for n in new if n in old and old[n] != new[n]])
+        raise DataError(f"the input files differ from those {out_dir} was made from ({'; '.join(changes[:3])}"
+                        f"{'; ...' if len(changes) > 3 else ''}); restore them, or choose another --out_dir")
 
 
 def fineweb_paths(subset, cache_dir):
@@ -367,7 +406,7 @@ def tokenized_batches(documents, workers):
 # cutting the stream into shards
 
 class ShardWriter:
-    """Cuts the token stream into val + train shards and records where each shard ends."""
+    """Cuts the token stream into val + train shards and records where each starts and ends."""
 
     def __init__(self, out_dir, progress, val_tokens, val_docs, shard_tokens):
         self.out_dir, self.progress = out_dir, progress
@@ -412,7 +451,8 @@ class ShardWriter:
 
     def flush(self, next_position):
         shard = self.open()
-        self.progress["shards"].append(dict(name=os.path.basename(shard.path), tokens=shard.tokens, sha256=shard.close()))
+        self.progress["shards"].append(dict(name=os.path.basename(shard.path), tokens=shard.tokens, sha256=shard.close(),
+                                            start=self.progress["next"]))  # where it starts: it can be rebuilt alone
         self.progress["next"] = list(next_position)
         write_json(os.path.join(self.out_dir, "progress.json"), self.progress)
         self.shard = None
@@ -429,28 +469,27 @@ def prepare(out_dir, input=None, subset="sample-10BT", max_tokens=None, val_toke
     """Tokenize the input into shards under out_dir; returns the manifest (see module docstring)."""
     from tqdm import tqdm
     workers = workers or os.cpu_count()
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"out_dir {out_dir} is a file; choose a directory")
     # the input glob is recorded relative to out_dir, so moving the whole project keeps it valid
     arguments = dict(input=input and os.path.relpath(input, out_dir), subset=None if input else subset, max_tokens=max_tokens,
                      val_tokens=val_tokens, val_docs=val_docs, shard_tokens=shard_tokens)
     manifest_path, progress_path = os.path.join(out_dir, "manifest.json"), os.path.join(out_dir, "progress.json")
-    for path in (manifest_path, progress_path):
-        if os.path.exists(path):
-            with open(path) as f:
-                previous = json.load(f)
-            if previous["arguments"] != arguments:
-                raise DataError(f"{out_dir} holds shards made with other arguments ({previous['arguments']}); "
-                                f"choose another --out_dir or delete it")
-            if path == manifest_path:
-                if not quiet:
-                    print(f"{out_dir} is complete ({previous['total_tokens']:,} tokens); nothing to do")
-                return previous
+    previous = {path: read_json(path) for path in (manifest_path, progress_path) if os.path.exists(path)}
+    for record in previous.values():
+        if record["arguments"] != arguments:
+            raise DataError(f"{out_dir} holds shards made with other arguments ({record['arguments']}); "
+                            f"choose another --out_dir or delete it")
+    if manifest_path in previous:
+        return repair(out_dir, previous[manifest_path], input, subset, workers, quiet)
     os.makedirs(out_dir, exist_ok=True)
-    progress = previous if os.path.exists(progress_path) else dict(arguments=arguments, shards=[], next=[0, 0, 0])
+    check_tokenizer_file()  # fail now, not in a worker, if the vocabulary file is damaged
+    paths, files = input_files(input, subset, out_dir)
+    progress = previous.get(progress_path) or dict(arguments=arguments, inputs=files, shards=[], next=[0, 0, 0])
+    check_inputs(progress["inputs"], files, out_dir)
     for shard in progress["shards"]:  # a resume trusts only shards that still open cleanly
         open_shard(os.path.join(out_dir, shard["name"]))
-    check_tokenizer_file()  # fail now, not in a worker, if the vocabulary file is damaged
 
-    paths, names = local_paths(input) if input else fineweb_paths(subset, os.path.join(out_dir, "download"))
     start_file, start_row, start_offset = progress["next"]
     done = sum(s["tokens"] for s in progress["shards"])
     remaining = (int(max_tokens) - done) if max_tokens else float("inf")
@@ -471,7 +510,7 @@ def prepare(out_dir, input=None, subset="sample-10BT", max_tokens=None, val_toke
     if len(progress["shards"]) < 2:
         raise DataError(f"the input holds too few tokens for a validation shard and a train shard "
                         f"({sum(s['tokens'] for s in progress['shards']):,}); lower --val_tokens or --val_docs")
-    manifest = dict(arguments=arguments, inputs=names, tokenizer="gpt2", tokenizer_sha256=TOKENIZER_SHA256,
+    manifest = dict(arguments=arguments, inputs=files, tokenizer="gpt2", tokenizer_sha256=TOKENIZER_SHA256,
                     total_tokens=sum(s["tokens"] for s in progress["shards"]),
                     val_tokens=progress["shards"][0]["tokens"], shards=progress["shards"])
     write_json(manifest_path, manifest)
@@ -480,6 +519,49 @@ def prepare(out_dir, input=None, subset="sample-10BT", max_tokens=None, val_toke
         print(f"wrote {len(manifest['shards'])} shards, {manifest['total_tokens']:,} tokens "
               f"({manifest['val_tokens']:,} validation) to {out_dir}")
     return manifest
+
+
+def repair(out_dir, manifest, input, subset, workers, quiet):
+    """A complete output is verified in full (sha256); a missing or damaged shard is rebuilt alone,
+    from the stream position where it starts, and must come out identical."""
+    problems = shard_problems(out_dir, manifest, full=True)
+    for shard in manifest["shards"]:
+        if shard["name"] in problems and "start" not in shard:
+            raise DataError(f"{problems[shard['name']]} - but {out_dir} was made by an older prepare.py that cannot "
+                            f"rebuild one shard; delete {out_dir} and prepare it again")
+    listed = {s["name"] for s in manifest["shards"]}
+    for name, problem in problems.items():
+        if name not in listed:
+            raise DataError(problem)
+    if not problems:
+        if not quiet:
+            print(f"{out_dir} is complete ({manifest['total_tokens']:,} tokens, every shard matches manifest.json); nothing to do")
+        return manifest
+    check_tokenizer_file()
+    paths, files = input_files(input, subset, out_dir)
+    check_inputs(manifest["inputs"], files, out_dir)
+    for shard in manifest["shards"]:
+        if shard["name"] in problems:
+            if not quiet:
+                print(f"rebuilding {shard['name']}: {problems[shard['name']].split(';')[0]}")
+            rebuild_shard(out_dir, paths, shard, workers)
+    return manifest
+
+
+def rebuild_shard(out_dir, paths, shard, workers):
+    file_index, row, offset = shard["start"]
+    out = ShardFile(os.path.join(out_dir, shard["name"]))
+    for tokens, _, _ in tokenized_batches(read_documents(paths, file_index, row), workers):
+        out.write(tokens[offset:offset + shard["tokens"] - out.tokens])
+        offset = 0
+        if out.tokens == shard["tokens"]:
+            break
+    if out.sha256.hexdigest() != shard["sha256"]:
+        out.file.close()
+        os.remove(out.path + ".tmp")
+        raise DataError(f"{out.path}: rebuilt from the inputs, its tokens differ from manifest.json (did the input files "
+                        f"change?); delete {out_dir} and prepare it again")
+    out.close()
 
 
 def prepare_bundled(out_dir=BUNDLED_OUT, quiet=False):

@@ -173,7 +173,8 @@ def test_fineweb_offline_fails_fast_with_one_line(tmp_path, env):
     assert proc.stderr.count("\n") == 1 and "--input" in proc.stderr and "shakespeare" in proc.stderr
 
 
-def test_bundled_corpus_prepares(tmp_path, enc):
+def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, enc, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     manifest = P.prepare_bundled(str(tmp_path / "sh"), quiet=True)
     plays = sorted(os.listdir(P.BUNDLED_CORPUS))
     val_plays = [open(os.path.join(P.BUNDLED_CORPUS, p), encoding="utf-8").read() for p in plays[:3]]
@@ -181,6 +182,9 @@ def test_bundled_corpus_prepares(tmp_path, enc):
     assert 1_400_000 < manifest["total_tokens"] < 1_700_000  # PROVENANCE.md: about 1.57M tokens
     val = P.open_shard(str(tmp_path / "sh" / "val_000000.bin"))
     assert val[0] == P.EOT and (np.asarray(val) == P.EOT).sum() == 3
+    monkeypatch.chdir(ROOT)
+    assert P.prepare_bundled(str(tmp_path / "sh")) == manifest  # the same arguments and inputs: complete
+    assert "complete" in capsys.readouterr().out
 
 
 def write_llmc_shard(path, tokens):
@@ -271,3 +275,177 @@ def test_manifest_catches_changed_extra_missing_and_truncated_shards(tmp_path):
     P.verify_manifest(str(out), full=True)
     np.save(out / "edufineweb_train_000009", np.arange(10, dtype=np.uint16))
     fails("edufineweb_train_000009.npy is not listed in manifest.json")
+
+
+def write_parquet(path, rows, groups):
+    """rows in row groups of the given sizes (each write_table call is one row group)."""
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+        for start, n in zip(np.cumsum([0] + groups[:-1]), groups):
+            writer.write_table(pa.table({"text": rows[start:start + n]}))
+    assert [pq.ParquetFile(path).metadata.row_group(g).num_rows for g in range(len(groups))] == groups
+
+
+def test_reading_from_any_position_yields_the_tail_of_the_stream(tmp_path):
+    # uneven row groups (a short last one is the usual shape), a group spanning several 1024-row
+    # record batches, many small groups; jsonl with blank lines; txt
+    shapes = {"a.parquet": [500, 500, 288], "b.parquet": [1, 1000, 3], "c.parquet": [2100], "d.parquet": [7] * 40}
+    stream = []  # (file index, row, text): the uninterrupted stream, built without prepare.py
+    for f, (name, groups) in enumerate(shapes.items()):
+        rows = [f"{name} row {i}" for i in range(sum(groups))]
+        write_parquet(str(tmp_path / name), rows, groups)
+        stream += [(f, i, t) for i, t in enumerate(rows)]
+    rows = [f"line {i}" for i in range(30)]
+    (tmp_path / "e.jsonl").write_text("\n" + "".join(json.dumps({"text": t}) + "\n" + "\n" * (i % 4 == 0) for i, t in enumerate(rows)))
+    stream += [(4, i, t) for i, t in enumerate(rows)]
+    (tmp_path / "f.txt").write_text("the whole file")
+    stream += [(5, 0, "the whole file")]
+    paths = [lambda p=p: p for p in sorted(str(p) for p in tmp_path.iterdir())]
+
+    first_of_file = {}
+    for i, (f, row, _) in enumerate(stream):
+        first_of_file.setdefault(f, i)
+    starts = {(f, 0) for f in range(6)} | {(5, 1)}  # every file start, and past the end of the last file
+    for f, (name, groups) in enumerate(shapes.items()):
+        ends = np.cumsum(groups)
+        starts |= {(f, int(s)) for e in ends for s in (e - 1, e, e + 1) if s <= ends[-1]}  # around each group end
+        starts |= {(f, s) for s in range(0, ends[-1], 11)}
+        starts |= {(f, s) for s in (1023, 1024, 1025, 2047, 2048, 2049) if s <= ends[-1]}  # around batch ends
+    starts |= {(4, s) for s in range(31)}
+    for f, s in sorted(starts):
+        expected = stream[first_of_file[f] + s:] if (f, s) != (5, 1) else []
+        assert list(P.read_documents(paths, f, s)) == expected, (f, s)
+
+
+def uneven_parquet_corpus(tmp_path):
+    """Four parquet files with row groups [50, 50, 28]: a resume at rows 28-49 or 78-99 of a file hits
+    the groups a wrong row-group skip drops."""
+    src = tmp_path / "src"
+    src.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while Shakespeare writes sonnets".split()
+    rng = np.random.default_rng(1)
+    for f in range(4):
+        rows = [" ".join(rng.choice(words, size=int(rng.integers(3, 25)))) for _ in range(128)]
+        write_parquet(str(src / f"part{f}.parquet"), rows, [50, 50, 28])
+    return str(src / "*.parquet")
+
+
+def prepare_dying(monkeypatch, out, args, die_at):
+    """prepare() killed while closing its die_at-th shard: the tokens are in the temporary file, not renamed."""
+    real_close, calls = P.ShardFile.close, []
+
+    def dying_close(shard):
+        calls.append(shard.path)
+        if len(calls) == die_at:
+            raise KeyboardInterrupt
+        return real_close(shard)
+
+    monkeypatch.setattr(P.ShardFile, "close", dying_close)
+    with pytest.raises(KeyboardInterrupt):
+        P.prepare(str(out), **args)
+    monkeypatch.setattr(P.ShardFile, "close", real_close)
+    assert (out / "progress.json").exists() and not (out / "manifest.json").exists()
+
+
+def assert_same_shards(a, b):
+    names = sorted(p.name for p in a.glob("*.bin"))
+    assert names == sorted(p.name for p in b.glob("*.bin")) and len(names) > 5
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert not list(b.glob("*.tmp"))
+
+
+def test_resume_after_any_interruption_in_uneven_row_groups(tmp_path, monkeypatch):
+    args = dict(input=uneven_parquet_corpus(tmp_path), val_tokens=500, shard_tokens=700, workers=1, quiet=True)
+    whole = tmp_path / "whole"
+    n_shards = len(P.prepare(str(whole), **args)["shards"])
+    for die_at in range(2, n_shards + 1):  # every shard boundary a resume can start from
+        out = tmp_path / f"killed{die_at}"
+        prepare_dying(monkeypatch, out, args, die_at)
+        P.prepare(str(out), **args)
+        assert_same_shards(whole, out)
+    assert json.loads((out / "manifest.json").read_text()) == json.loads((whole / "manifest.json").read_text())
+
+
+def test_two_interruptions_in_a_row(tmp_path, monkeypatch):
+    args = dict(input=uneven_parquet_corpus(tmp_path), val_tokens=500, shard_tokens=700, workers=1, quiet=True)
+    P.prepare(str(tmp_path / "whole"), **args)
+    out = tmp_path / "killed"
+    prepare_dying(monkeypatch, out, args, 3)
+    prepare_dying(monkeypatch, out, args, 4)  # the resumed run dies too, four shards further on
+    assert len(json.loads((out / "progress.json").read_text())["shards"]) == 2 + 3
+    P.prepare(str(out), **args)
+    assert_same_shards(tmp_path / "whole", out)
+
+
+def test_resume_stops_when_the_input_files_changed(tmp_path, monkeypatch):
+    pattern = uneven_parquet_corpus(tmp_path)
+    args = dict(input=pattern, val_tokens=500, shard_tokens=700, workers=1, quiet=True)
+    out = tmp_path / "out"
+    prepare_dying(monkeypatch, out, args, 4)
+    src = tmp_path / "src"
+    write_parquet(str(src / "part1b.parquet"), ["a new file"], [1])  # sorts into the middle of the list
+    with pytest.raises(P.DataError, match=r"input files differ .*\(\.\./src/part1b.parquet is new\)"):
+        P.prepare(str(out), **args)
+    (src / "part1b.parquet").unlink()
+    (src / "part3.parquet").rename(tmp_path / "away.parquet")
+    with pytest.raises(P.DataError, match="part3.parquet is gone"):
+        P.prepare(str(out), **args)
+    (tmp_path / "away.parquet").rename(src / "part3.parquet")
+    P.prepare(str(out), **args)  # the same files again: the resume goes on
+    assert (out / "manifest.json").exists()
+
+
+def test_complete_output_is_verified_and_repaired(tmp_path, capsys):
+    pattern, _ = make_corpus(tmp_path)
+    args = dict(input=pattern, val_tokens=333, shard_tokens=600, workers=1)
+    out = tmp_path / "out"
+    P.prepare(str(out), quiet=True, **args)
+    whole = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    capsys.readouterr()
+
+    overwritten = bytearray(whole["train_000002.bin"])
+    overwritten[3000:3010] = b"\x01" * 10  # same size: only the sha256 sees it
+    (out / "train_000002.bin").write_bytes(bytes(overwritten))
+    (out / "train_000004.bin").unlink()
+    (out / "val_000000.bin").write_bytes(whole["val_000000.bin"][:-2])
+    P.prepare(str(out), **args)
+    printed = capsys.readouterr().out
+    assert [line.split(":")[0] for line in printed.splitlines()] == \
+        ["rebuilding val_000000.bin", "rebuilding train_000002.bin", "rebuilding train_000004.bin"]
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == whole and not list(out.glob("*.tmp"))
+    P.prepare(str(out), **args)
+    assert "complete" in capsys.readouterr().out
+
+    P.write_shard(str(out / "train_000099.bin"), np.arange(5))
+    with pytest.raises(P.DataError, match="train_000099.bin is not listed in manifest.json"):
+        P.prepare(str(out), **args)
+    (out / "train_000099.bin").unlink()
+    (out / "train_000001.bin").unlink()
+    with open(tmp_path / "src" / "c.txt", "a") as f:
+        f.write("changed")
+    with pytest.raises(P.DataError, match=r"input files differ .*c.txt was \d+ bytes, now"):
+        P.prepare(str(out), **args)
+
+
+def test_bad_rows_and_files_name_where(tmp_path):
+    def fails(name, content, match):
+        path = tmp_path / name
+        path.write_bytes(content) if isinstance(content, bytes) else content(str(path))
+        with pytest.raises(P.DataError, match=match):
+            P.prepare(str(tmp_path / ("out_" + name)), input=str(path), workers=1, quiet=True)
+        assert not list((tmp_path / ("out_" + name)).glob("*.bin"))
+
+    fails("null.jsonl", b'{"text": "fine"}\n\n{"text": null}\n', r"null.jsonl:3: 'text' is null, not a string")
+    fails("number.jsonl", b'{"text": 7}\n', r"number.jsonl:1: 'text' is 7, not a string")
+    fails("latin1.jsonl", '{"text": "ok"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"), r"latin1.jsonl:2: not UTF-8")
+    fails("latin1.txt", ("x" * 70000 + "caf\u00e9").encode("latin-1"), r"latin1.txt: not UTF-8 text \(byte 70003")
+    fails("ints.parquet", lambda p: pq.write_table(pa.table({"text": [1, 2]}), p), r"ints.parquet: column 'text' holds int64")
+    fails("nulls.parquet", lambda p: write_parquet(p, ["a", "b", "c", None, "e"], [2, 3]), r"nulls.parquet: row 3: 'text' is null")
+
+
+def test_out_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "taken").write_text("x")
+    (tmp_path / "a.txt").write_text("some text")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), "--input", str(tmp_path / "a.txt"),
+                           "--out_dir", str(tmp_path / "taken")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == f"error: out_dir {tmp_path / 'taken'} is a file; choose a directory\n"
