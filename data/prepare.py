@@ -9,7 +9,10 @@ $ python data/prepare.py --input='docs/*.parquet' --out_dir=data/mine   # local 
 The token stream is every document in input order (sorted paths, rows in file order), each
 preceded by <|endoftext|>; the shards cut it in order whatever the number of workers. A run that
 is interrupted continues where its last complete shard ended when started again with the same
-arguments, and writes byte-identical shards; a finished output directory is left alone.
+arguments and input files, and writes byte-identical shards. Started on a finished output, it
+checks every shard against manifest.json (sha256) and rebuilds any that is missing or damaged.
+Training reads shards with find_shards / open_shard / verify_manifest, which also accept llm.c,
+modded-nanogpt and build-nanogpt shards. Format and guarantees: docs/shards.md.
 """
 
 import argparse
