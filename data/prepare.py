@@ -489,7 +489,7 @@ def prepare(out_dir, input=None, subset="sample-10BT", max_tokens=None, val_toke
     check_tokenizer_file()  # fail now, not in a worker, if the vocabulary file is damaged
     paths, files = input_files(input, subset, out_dir)
     progress = previous.get(progress_path) or dict(arguments=arguments, inputs=files, shards=[], next=[0, 0, 0])
-    check_inputs(progress["inputs"], files, out_dir)
+    check_inputs(progress.setdefault("inputs", files), files, out_dir)  # (a progress.json older than the record adopts it)
     for shard in progress["shards"]:  # a resume trusts only shards that still open cleanly
         open_shard(os.path.join(out_dir, shard["name"]))
 
