@@ -14,6 +14,7 @@ or the peak RSS of a fresh subprocess on CPU - noisy); MFU on GPUs with a known 
 train.py's --key=value overrides (model shape, batch_size, block_size, device, dtype, compile).
 """
 
+import dataclasses
 import json
 import os
 import resource
@@ -27,20 +28,19 @@ import torch
 
 import train
 from configurator import ConfigError, configure
-from model import GPT
+from model import GPT, RESIDUALS, GPTConfig
 
-VARIANTS = {
-    "standard": dict(residual="standard"),
-    "attnres_full": dict(residual="attnres", attnres_block_size=1),
-    "attnres_block": dict(residual="attnres"),
-    "rd_attnres": dict(residual="rd_attnres"),
-    "dar": dict(residual="dar"),
-    "hc": dict(residual="hc"),
-    "mhc": dict(residual="mhc"),
-}
-BENCH_DEFAULTS = dict(train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4,
-                      dtype="bfloat16", mode="model", variants=list(VARIANTS), rounds=5, steps=5,
-                      peak_mem=True, out="bench.json", input="", copies=40, one_variant="")
+VARIANTS = {}  # one row per scheme in model.RESIDUALS at its defaults; AttnRes in its Full and Block forms
+for name in RESIDUALS:
+    if name == "attnres":
+        VARIANTS |= dict(attnres_full=dict(residual=name, attnres_block_size=1), attnres_block=dict(residual=name))
+    else:
+        VARIANTS[name] = dict(residual=name)
+# every GPTConfig field is a key (train.DEFAULTS holds them with train.py's values)
+BENCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)} | dict(
+    train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4, dtype="bfloat16",
+    mode="model", variants=list(VARIANTS), rounds=5, steps=5, peak_mem=True, out="bench.json", input="",
+    copies=40, one_variant="")
 
 
 def setup_variant(name, cfg, device, autocast):

@@ -1,6 +1,6 @@
 """
 A GPT whose residual connections are pluggable: one decoder, every depth-routing scheme behind
-`GPTConfig.residual`.
+`GPTConfig.residual` (the `RESIDUALS` registry; docs/variants.md writes out the math of each).
 
 - standard:    x <- x + f_k(x), the pre-norm baseline.
 - attnres:     Attention Residuals (Kimi Team, arXiv 2603.15031). Each sublayer reads a softmax
@@ -11,16 +11,18 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
                streams, each read by the other's keys, fused into one sublayer input.
 - hc, mhc:     Hyper-Connections (arXiv 2409.19606) and Manifold-Constrained HC (arXiv
                2512.24880): n residual streams mixed by learned (doubly stochastic) matrices.
+- denseformer: DenseFormer (arXiv 2402.02622): after each layer, a learned static weighted
+               average of the embedding and every layer output so far.
 
 The transformer branch (attention, MLP) never learns which scheme feeds it: attention takes one
-input for Q/K and one for V, the MLP takes one input. A scheme is a small module with four
-methods - start (from the embedding), read (for an MLP sublayer and for the output), read_attention
-(Q/K and V inputs) and write (a sublayer's output) - and GPT.hidden is one loop over the 2L
-sublayers.
+input for Q/K and one for V (plus RD's optional value gain), the MLP takes one input. A scheme is
+a small module with the methods ResidualScheme declares, and GPT.hidden is one loop over the 2L
+sublayers. To add one: a subclass and a line in RESIDUALS; the tests take their list from there.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -127,8 +129,8 @@ def depth_weights(keys, queries, key_gain, eps):
     acc = torch.promote_types(keys[0].dtype, torch.float32)
     with torch.autocast(keys[0].device.type, enabled=False):
         directions = queries.to(acc) * key_gain.to(acc)
-        logits = torch.stack([(k.to(acc).unsqueeze(-2) * directions).sum(-1)
-                              * torch.rsqrt(k.to(acc).pow(2).mean(-1, keepdim=True) + eps) for k in keys], dim=-1)
+        logits = torch.stack([(key.to(acc).unsqueeze(-2) * directions).sum(-1)
+                              * torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps) for key in keys], dim=-1)
         return logits.softmax(dim=-1)
 
 
@@ -169,89 +171,139 @@ def js_divergence(p, q):
     return 0.5 * kl(p) + 0.5 * kl(q)
 
 
-def block_sources(state):
-    """An AttnRes history (sealed blocks, running partial) as the read's source list."""
-    done, partial = state
-    return done if partial is None else done + [partial]
-
-
-def read_name(k, n_sublayers):
-    """Diagnostic name of read k: attention reads are even, MLP reads odd, the last is the output."""
-    return "out" if k == n_sublayers else f"attn.{k // 2}" if k % 2 == 0 else f"mlp.{k // 2}"
-
-
 # -----------------------------------------------------------------------------
 # Residual schemes. State flows functionally: write() returns the new state.
 
 class ResidualScheme(nn.Module):
-    """What GPT.hidden drives: start(x) -> state; read(state, k) -> the input of sublayer k (k = 2L:
-    the output read); read_attention(state, k) -> (Q/K input, V input, optional V gain);
-    write(state, k, out) -> new state. record, when a dict, collects per-token diagnostics."""
+    """
+    What GPT.hidden drives. Sublayers are numbered k = 0 .. n_sublayers - 1 (n_sublayers = 2L):
+    even k is layer k // 2's attention, odd k its MLP, and k = n_sublayers is the output read
+    (into ln_f and the head). `options` are the GPTConfig fields only this scheme reads; another
+    scheme must leave them at their defaults (GPTConfig checks this).
 
-    def read_attention(self, state, k, record):
-        x = self.read(state, k, record)  # one input for queries, keys and values
-        return x, x, None
-
-
-class StandardResidual(ResidualScheme):
-    """x <- x + f_k(x). No parameters."""
+    Diagnostics: while GPT.routing_diagnostics runs, self.record is a dict of per-token tensors
+    (B, T, ...). A key without '/' holds a read's depth weights over its sources (embedding first,
+    summing to 1), named read_name(k) plus the route when a read has several ('attn_v.{l}' for
+    RD's value route, '.s0' / '.s1' for DAR's streams); any other quantity is 'group/read name'.
+    """
+    options = ()
+    record = None
 
     def __init__(self, config):
         super().__init__()
+        self.n_sublayers = 2 * config.n_layer
+
+    @staticmethod
+    def check(config):
+        """Raise ValueError, one line, for settings this scheme cannot run (called by GPTConfig)."""
+
+    def start(self, x):
+        """The state before sublayer 0, from the embedding x (B, T, d)."""
+        raise NotImplementedError
+
+    def read(self, state, k):
+        """The input (B, T, d) of MLP sublayer k, or of the output when k == n_sublayers."""
+        raise NotImplementedError
+
+    def read_attention(self, state, k):
+        """(Q/K input, V input, per-channel V gain or None) of attention sublayer k; one read feeds all by default."""
+        x = self.read(state, k)
+        return x, x, None
+
+    def write(self, state, k, out):
+        """The state once sublayer k's output `out` (B, T, d) has joined it."""
+        raise NotImplementedError
+
+    def read_name(self, k):
+        """The diagnostics name of read k: attn.{layer}, mlp.{layer}, or out."""
+        return "out" if k == self.n_sublayers else f"attn.{k // 2}" if k % 2 == 0 else f"mlp.{k // 2}"
+
+
+class StandardResidual(ResidualScheme):
+    """x <- x + f_k(x). No parameters; the state is the stream x."""
 
     def start(self, x):
         return x
 
-    def read(self, x, k, record):
+    def read(self, x, k):
         return x
 
-    def write(self, x, k, out, record):
+    def write(self, x, k, out):
         return x + out
+
+
+class History(NamedTuple):
+    """An AttnRes stream: its sealed blocks (the embedding, then one sum of attnres_block_size
+    sublayer outputs each) and the open block's running sum, `partial` (None right after a seal)."""
+    blocks: list
+    partial: torch.Tensor | None
+
+    def sources(self):
+        """What a depth read looks at, oldest first: the sealed blocks, then the partial."""
+        return self.blocks if self.partial is None else self.blocks + [self.partial]
+
+    def advance(self, partial, seal):
+        """The history with a new running sum; seal=True closes the block, which becomes a source."""
+        return History(self.blocks + [partial], None) if seal else History(self.blocks, partial)
 
 
 class AttnRes(ResidualScheme):
     """
     Full (block_size=1) and Block AttnRes. Sources are the embedding, every sealed block (a sum
-    of S sublayer outputs) and the running partial sum of the current block. Sublayer k reads
-    them with its own (query[k], key_gain[k]); row 2L is the output read.
+    of block_size sublayer outputs) and the running partial sum of the current block. Sublayer k
+    reads them with its own (query[k], key_gain[k]); row n_sublayers is the output read.
+    Parameters: 2 (2L + 1) d.
     """
 
+    @staticmethod
+    def check(config):
+        size, n_sublayers = config.attnres_block_size, 2 * config.n_layer
+        if size < 1 or (size != 1 and size % 2 != 0) or n_sublayers % size != 0:
+            valid = [s for s in range(1, n_sublayers + 1) if n_sublayers % s == 0 and (s == 1 or s % 2 == 0)]
+            raise ValueError(f"attnres_block_size={size} must be 1 (Full) or an even divisor of "
+                             f"2*n_layer={n_sublayers}; valid: {', '.join(map(str, valid))}")
+
     def __init__(self, config):
-        super().__init__()
-        n_reads = 2 * config.n_layer + 1
+        super().__init__(config)
         # zero queries = uniform weights = the mean of the sources, which is the standard residual
         # stream divided by the source count; the next RMSNorm removes the scale: standard at init
-        self.query = nn.Parameter(torch.zeros(n_reads, config.n_embd))
-        self.key_gain = nn.Parameter(torch.ones(n_reads, config.n_embd))
+        self.query = nn.Parameter(torch.zeros(self.n_sublayers + 1, config.n_embd))
+        self.key_gain = nn.Parameter(torch.ones(self.n_sublayers + 1, config.n_embd))
         self.block_size = config.attnres_block_size
         self.eps = config.norm_eps
 
     def start(self, x):
-        return [x], None  # (sealed blocks, running partial)
+        return History([x], None)
 
-    def read(self, state, k, record):
-        (out,), weights = depth_read(block_sources(state), self.query[k:k + 1], self.key_gain[k], self.eps)
-        if record is not None:
-            record[read_name(k, self.query.size(0) - 1)] = weights[..., 0, :]
+    def read(self, state, k):
+        (out,), weights = depth_read(state.sources(), self.query[k:k + 1], self.key_gain[k], self.eps)
+        if self.record is not None:
+            self.record[self.read_name(k)] = weights[..., 0, :]
         return out
 
-    def write(self, state, k, out, record):
-        done, partial = state
-        partial = out if partial is None else partial + out
-        if (k + 1) % self.block_size == 0:  # seal the block: it becomes a source of its own
-            return done + [partial], None
-        return done, partial
+    def write(self, state, k, out):
+        partial = out if state.partial is None else state.partial + out
+        return state.advance(partial, seal=(k + 1) % self.block_size == 0)
 
 
 class RDAttnRes(AttnRes):
     """
     RD-AttnRes: Block AttnRes whose attention sublayer reads the same sources twice with the same
     key gain - query[k] routes Q/K (the parent's parameter), value_query[l] routes V. Controls:
-      none     the method: a zero-init value query per layer (+d parameters per layer)
+      none     the method: a zero-init value query per layer (+L d parameters)
       dup      both routes use the parent's query: the parent's function at RD's cost
-      param    one route, plus a zero-init per-channel gain u on the value input: V = W_V((1+u) n(a))
+      param    one route, plus a zero-init per-channel gain u on the value input: V = W_V((1+u) n(a)),
+               applied after the block's norm (+L d parameters)
       fixed_v  the value route has uniform weights (a constant zero query, not a parameter)
     """
+    options = ("rd_control",)
+    CONTROLS = ("none", "dup", "param", "fixed_v")
+
+    @staticmethod
+    def check(config):
+        AttnRes.check(config)
+        if config.rd_control not in RDAttnRes.CONTROLS:
+            raise ValueError(f"unknown rd_control {config.rd_control!r}; choose one of {', '.join(RDAttnRes.CONTROLS)}")
 
     def __init__(self, config):
         super().__init__(config)
@@ -261,10 +313,10 @@ class RDAttnRes(AttnRes):
         elif self.control == "param":
             self.value_gain = nn.Parameter(torch.zeros(config.n_layer, config.n_embd))
 
-    def read_attention(self, state, k, record):
+    def read_attention(self, state, k):
         layer = k // 2
         if self.control == "param":
-            x = self.read(state, k, record)
+            x = self.read(state, k)
             return x, x, self.value_gain[layer]
         query = self.query[k]
         if self.control == "none":
@@ -273,127 +325,168 @@ class RDAttnRes(AttnRes):
             value_query = query
         else:  # fixed_v
             value_query = torch.zeros_like(query)
-        (x_qk, x_v), weights = depth_read(block_sources(state), torch.stack([query, value_query]),
+        (x_qk, x_v), weights = depth_read(state.sources(), torch.stack([query, value_query]),
                                           self.key_gain[k], self.eps)
-        if record is not None:
-            record[f"attn.{layer}"], record[f"attn_v.{layer}"] = weights[..., 0, :], weights[..., 1, :]
+        if self.record is not None:
+            self.record[f"attn.{layer}"], self.record[f"attn_v.{layer}"] = weights[..., 0, :], weights[..., 1, :]
         return x_qk, x_v, None
 
 
 class DualAttnRes(ResidualScheme):
     """
-    DAR (design inferred from the abstract): two streams, each with its own AttnRes history
-    (sealed blocks + running partial), same block boundaries. Sublayer k reads stream s with its
-    query w[k, s] against the keys of the OTHER stream (reciprocal; dar_keys='self' uses its own)
-    and the values of its own; a softmax fusion pi[k] mixes the two reads into the one input of
-    the sublayer. The output y is written to both partials with gates beta[k, s] = 2 sigmoid(.),
-    after the partials are mixed by the doubly stochastic [[rho, 1-rho], [1-rho, rho]].
+    DAR (design inferred from the abstract): two streams, each with its own History, same block
+    boundaries; the state is the pair. Sublayer k reads stream s with its query w[k, s] against the
+    keys of the OTHER stream (reciprocal; dar_keys='self' uses its own) and the values of its own;
+    a softmax fusion pi[k] mixes the two reads into the one input of the sublayer. The output y is
+    written to both partials with gates beta[k, s] = 2 sigmoid(.), after the partials are mixed
+    by the doubly stochastic [[rho, 1-rho], [1-rho, rho]]:
+        p0 <- rho p0 + (1 - rho) p1 + beta0 y,    p1 <- (1 - rho) p0 + rho p1 + beta1 y.
     While the streams are equal the model is Block AttnRes, so at init it is `standard`; the
     alternating fusion init (stream 0 on even sublayers, stream 1 on odd) breaks the symmetry.
+    Parameters: (2L + 1)(3d + 2) + 6L.
     """
+    options = ("dar_keys",)
+    KEYS = ("reciprocal", "self")
+
+    @staticmethod
+    def check(config):
+        AttnRes.check(config)
+        if config.dar_keys not in DualAttnRes.KEYS:
+            raise ValueError(f"unknown dar_keys {config.dar_keys!r}; choose one of {', '.join(DualAttnRes.KEYS)}")
 
     def __init__(self, config):
-        super().__init__()
-        n_sub, d = 2 * config.n_layer, config.n_embd
-        self.query = nn.Parameter(torch.zeros(n_sub + 1, 2, d))  # row n_sub: the output read
-        self.key_gain = nn.Parameter(torch.ones(n_sub + 1, d))  # one key gain for both streams
-        fusion = torch.zeros(n_sub + 1, 2)
-        fusion[0:n_sub:2] = torch.tensor([3.0, -3.0])
-        fusion[1:n_sub:2] = torch.tensor([-3.0, 3.0])
+        super().__init__(config)
+        n_sublayers, d = self.n_sublayers, config.n_embd
+        self.query = nn.Parameter(torch.zeros(n_sublayers + 1, 2, d))  # row n_sublayers: the output read
+        self.key_gain = nn.Parameter(torch.ones(n_sublayers + 1, d))  # one key gain for both streams
+        fusion = torch.zeros(n_sublayers + 1, 2)
+        fusion[0:n_sublayers:2] = torch.tensor([3.0, -3.0])
+        fusion[1:n_sublayers:2] = torch.tensor([-3.0, 3.0])
         self.fusion = nn.Parameter(fusion)  # the output read starts at (0, 0): an even mix
-        self.write_gate = nn.Parameter(torch.zeros(n_sub, 2))  # beta = 2 sigmoid(0) = 1
-        self.mixing = nn.Parameter(torch.full((n_sub,), 3.0))  # rho = sigmoid(3): mostly keep own
-        self.block_size, self.eps, self.n_sub = config.attnres_block_size, config.norm_eps, n_sub
+        self.write_gate = nn.Parameter(torch.zeros(n_sublayers, 2))  # beta = 2 sigmoid(0) = 1
+        self.mixing = nn.Parameter(torch.full((n_sublayers,), 3.0))  # rho = sigmoid(3): mostly keep own
+        self.block_size, self.eps = config.attnres_block_size, config.norm_eps
         self.reciprocal = config.dar_keys == "reciprocal"
 
     def start(self, x):
-        return ([x], None), ([x], None)  # per stream: (sealed blocks, running partial)
+        return History([x], None), History([x], None)
 
-    def read(self, state, k, record):
-        sources = [block_sources(stream) for stream in state]
+    def read(self, state, k):
+        sources = [stream.sources() for stream in state]
         keys = sources[::-1] if self.reciprocal else sources
         weights = [depth_weights(keys[s], self.query[k, s:s + 1], self.key_gain[k], self.eps) for s in (0, 1)]
         pi = self.fusion[k].softmax(-1)
         # both streams' reads and their fusion in one pass: x = sum_s pi_s sum_i alpha_si h_si
         (x,) = depth_mix(sources[0] + sources[1], torch.cat([pi[0] * weights[0], pi[1] * weights[1]], dim=-1))
-        if record is not None:
-            name = read_name(k, self.n_sub)
+        if self.record is not None:
+            name = self.read_name(k)
             for s in (0, 1):
-                record[f"{name}.s{s}"] = weights[s][..., 0, :]
-            record[f"fusion/{name}"] = pi.expand(*x.shape[:-1], 2)
+                self.record[f"{name}.s{s}"] = weights[s][..., 0, :]
+            self.record[f"fusion/{name}"] = pi.expand(*x.shape[:-1], 2)
             if len(sources[0]) > 1:  # the embedding is shared; compare the rest of the histories
-                record[f"stream_cosine/{name}"] = torch.stack([F.cosine_similarity(a, b, dim=-1)
-                                                               for a, b in zip(sources[0][1:], sources[1][1:])]).mean(0)
+                self.record[f"stream_cosine/{name}"] = torch.stack([F.cosine_similarity(a, b, dim=-1)
+                                                                    for a, b in zip(sources[0][1:], sources[1][1:])]).mean(0)
         return x
 
-    def write(self, state, k, out, record):
-        (done0, p0), (done1, p1) = state
+    def write(self, state, k, out):
+        p0, p1 = state[0].partial, state[1].partial
         beta = 2 * torch.sigmoid(self.write_gate[k])
         if p0 is None:  # a block starts: nothing to mix yet
             p0, p1 = beta[0] * out, beta[1] * out
         else:
             rho = torch.sigmoid(self.mixing[k])
             p0, p1 = rho * p0 + (1 - rho) * p1 + beta[0] * out, (1 - rho) * p0 + rho * p1 + beta[1] * out
-            if record is not None:
-                record[f"mixing/{read_name(k, self.n_sub)}"] = rho.expand(out.shape[:-1])
-        if record is not None:
-            record[f"write_gate/{read_name(k, self.n_sub)}"] = beta.expand(*out.shape[:-1], 2)
-        if (k + 1) % self.block_size == 0:
-            return (done0 + [p0], None), (done1 + [p1], None)
-        return (done0, p0), (done1, p1)
+            if self.record is not None:
+                self.record[f"mixing/{self.read_name(k)}"] = rho.expand(out.shape[:-1])
+        if self.record is not None:
+            self.record[f"write_gate/{self.read_name(k)}"] = beta.expand(*out.shape[:-1], 2)
+        seal = (k + 1) % self.block_size == 0
+        return state[0].advance(p0, seal), state[1].advance(p1, seal)
+
+
+class Streams(NamedTuple):
+    """HC/mHC state: n streams H (B, T, n, d) and their normalised features, computed once per
+    state for the read and the write of the next sublayer (None after the last write)."""
+    H: torch.Tensor
+    features: torch.Tensor | None
 
 
 class MultiStream(ResidualScheme):
     """n residual streams H (B, T, n, d), all starting as the embedding. Sublayer k reads
     x = sum_j pre_j H_j and writes H_i <- sum_j mix[i, j] H_j + post_i f(x); the output is the sum
-    of the streams. Subclasses say how (pre, mix, post) follow from H."""
+    of the streams. Subclasses say how (pre, mix, post) follow from the features of H."""
+    options = ("hc_streams",)
+
+    @staticmethod
+    def check(config):
+        if config.hc_streams < 2:
+            raise ValueError(f"hc_streams={config.hc_streams} must be at least 2")
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.n_streams, self.eps = config.hc_streams, config.norm_eps
+
+    def features(self, H):
+        """What the stream weights are computed from (fp32)."""
+        raise NotImplementedError
+
+    def read_weights(self, state, k):
+        """pre (B, T, n): sublayer k reads sum_j pre_j H_j."""
+        raise NotImplementedError
+
+    def write_weights(self, state, k):
+        """(mix (B, T, n, n), post (B, T, n)): H_i <- sum_j mix[i, j] H_j + post_i f(x)."""
+        raise NotImplementedError
 
     def start(self, x):
-        return x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.size(-1))
+        H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n_streams, x.size(-1))
+        with torch.autocast(x.device.type, enabled=False):  # stream weights in fp32
+            return Streams(H, self.features(H))
 
-    def read(self, H, k, record):
-        if k == self.n_sub:
-            return H.sum(-2)
-        with torch.autocast(H.device.type, enabled=False):  # stream weights in fp32
-            return (self.read_weights(H, k).unsqueeze(-1) * H).sum(-2)
+    def read(self, state, k):
+        if k == self.n_sublayers:
+            return state.H.sum(-2)
+        with torch.autocast(state.H.device.type, enabled=False):
+            return (self.read_weights(state, k).unsqueeze(-1) * state.H).sum(-2)
 
-    def write(self, H, k, out, record):
-        with torch.autocast(H.device.type, enabled=False):
-            mix, post = self.write_weights(H, k)
-            if record is not None:
-                record[f"stream_mixing/{read_name(k, self.n_sub)}"] = mix
-            return torch.einsum("btij,btjd->btid", mix, H) + post.unsqueeze(-1) * out.unsqueeze(-2)
+    def write(self, state, k, out):
+        with torch.autocast(out.device.type, enabled=False):
+            mix, post = self.write_weights(state, k)
+            if self.record is not None:
+                self.record[f"stream_mixing/{self.read_name(k)}"] = mix
+            H = torch.einsum("btij,btjd->btid", mix, state.H) + post.unsqueeze(-1) * out.unsqueeze(-2)
+            return Streams(H, self.features(H) if k + 1 < self.n_sublayers else None)
 
 
 class HyperConnections(MultiStream):
     """
-    HC (arXiv 2409.19606): static weights plus dynamic terms s * tanh(RMSNorm(H) W) for the read
+    HC (arXiv 2409.19606): static weights plus dynamic terms s * tanh(RMSNorm(H_j) W) for the read
     vector, the write vector and the mixing matrix. Init: read e_{k mod n}, mixing I, write 1,
     W = 0, s = 0.01 (both at 0 would keep their gradients at 0 forever): every stream is then
-    the pre-norm residual stream.
+    the pre-norm residual stream. Parameters: 2L (2n + n^2 + (2 + n) d + 3).
     """
 
     def __init__(self, config):
-        super().__init__()
-        n, d, n_sub = config.hc_streams, config.n_embd, 2 * config.n_layer
-        self.read_static = nn.Parameter(F.one_hot(torch.arange(n_sub) % n, n).float())
-        self.mix_static = nn.Parameter(torch.eye(n).repeat(n_sub, 1, 1))
-        self.write_static = nn.Parameter(torch.ones(n_sub, n))
-        self.read_dynamic = nn.Parameter(torch.zeros(n_sub, d))
-        self.mix_dynamic = nn.Parameter(torch.zeros(n_sub, d, n))
-        self.write_dynamic = nn.Parameter(torch.zeros(n_sub, d))
-        self.dynamic_scale = nn.Parameter(torch.full((n_sub, 3), 0.01))  # read, mix, write
-        self.n, self.n_sub, self.eps = n, n_sub, config.norm_eps
+        super().__init__(config)
+        n, d, n_sublayers = self.n_streams, config.n_embd, self.n_sublayers
+        self.read_static = nn.Parameter(F.one_hot(torch.arange(n_sublayers) % n, n).float())
+        self.mix_static = nn.Parameter(torch.eye(n).repeat(n_sublayers, 1, 1))
+        self.write_static = nn.Parameter(torch.ones(n_sublayers, n))
+        self.read_dynamic = nn.Parameter(torch.zeros(n_sublayers, d))
+        self.mix_dynamic = nn.Parameter(torch.zeros(n_sublayers, d, n))
+        self.write_dynamic = nn.Parameter(torch.zeros(n_sublayers, d))
+        self.dynamic_scale = nn.Parameter(torch.full((n_sublayers, 3), 0.01))  # read, mix, write
 
-    def read_weights(self, H, k):
-        normed = F.rms_norm(H, (H.size(-1),), eps=self.eps)
-        return self.read_static[k] + self.dynamic_scale[k, 0] * torch.tanh(normed @ self.read_dynamic[k])
+    def features(self, H):
+        return F.rms_norm(H, (H.size(-1),), eps=self.eps)  # each stream on its own
 
-    def write_weights(self, H, k):
-        normed = F.rms_norm(H, (H.size(-1),), eps=self.eps)
+    def read_weights(self, state, k):
+        return self.read_static[k] + self.dynamic_scale[k, 0] * torch.tanh(state.features @ self.read_dynamic[k])
+
+    def write_weights(self, state, k):
         # HC's A_r: row j holds stream j's contributions, H_i <- sum_j A_r[j, i] H_j
-        mix = self.mix_static[k] + self.dynamic_scale[k, 1] * torch.tanh(normed @ self.mix_dynamic[k])
-        post = self.write_static[k] + self.dynamic_scale[k, 2] * torch.tanh(normed @ self.write_dynamic[k])
+        mix = self.mix_static[k] + self.dynamic_scale[k, 1] * torch.tanh(state.features @ self.mix_dynamic[k])
+        post = self.write_static[k] + self.dynamic_scale[k, 2] * torch.tanh(state.features @ self.write_dynamic[k])
         return mix.transpose(-1, -2), post
 
 
@@ -412,39 +505,72 @@ class ManifoldHyperConnections(MultiStream):
     + b_pre), post = 2 sigmoid(a x' phi_post + b_post), mix = Sinkhorn(exp(a x' phi_res + b_res)),
     a doubly stochastic matrix. Init: phi = 0, a = 0.01, post = 1, mix near I (b_res 0 on the
     diagonal, -4 off it), pre favouring stream k mod n (+2 / -2; a stream-symmetric init would
-    give every stream identical gradients forever).
+    give every stream identical gradients forever). Parameters: 2L (n^2 d (2 + n) + 2n + n^2 + 3).
     """
 
     def __init__(self, config):
-        super().__init__()
-        n, d, n_sub = config.hc_streams, config.n_embd, 2 * config.n_layer
-        self.phi_pre = nn.Parameter(torch.zeros(n_sub, n * d, n))
-        self.phi_post = nn.Parameter(torch.zeros(n_sub, n * d, n))
-        self.phi_res = nn.Parameter(torch.zeros(n_sub, n * d, n * n))
-        self.scale = nn.Parameter(torch.full((n_sub, 3), 0.01))  # a for pre, post, res
-        self.bias_pre = nn.Parameter(torch.where(F.one_hot(torch.arange(n_sub) % n, n).bool(), 2.0, -2.0))
-        self.bias_post = nn.Parameter(torch.zeros(n_sub, n))
-        self.bias_res = nn.Parameter(torch.where(torch.eye(n).bool(), 0.0, -4.0).repeat(n_sub, 1, 1))
-        self.n, self.n_sub, self.eps = n, n_sub, config.norm_eps
+        super().__init__(config)
+        n, d, n_sublayers = self.n_streams, config.n_embd, self.n_sublayers
+        self.phi_pre = nn.Parameter(torch.zeros(n_sublayers, n * d, n))
+        self.phi_post = nn.Parameter(torch.zeros(n_sublayers, n * d, n))
+        self.phi_res = nn.Parameter(torch.zeros(n_sublayers, n * d, n * n))
+        self.scale = nn.Parameter(torch.full((n_sublayers, 3), 0.01))  # a for pre, post, res
+        self.bias_pre = nn.Parameter(torch.where(F.one_hot(torch.arange(n_sublayers) % n, n).bool(), 2.0, -2.0))
+        self.bias_post = nn.Parameter(torch.zeros(n_sublayers, n))
+        self.bias_res = nn.Parameter(torch.where(torch.eye(n).bool(), 0.0, -4.0).repeat(n_sublayers, 1, 1))
 
     def features(self, H):
-        return F.rms_norm(H.flatten(-2), (H.size(-2) * H.size(-1),), eps=self.eps)
+        return F.rms_norm(H.flatten(-2), (H.size(-2) * H.size(-1),), eps=self.eps)  # all streams as one vector
 
-    def read_weights(self, H, k):
-        return torch.sigmoid(self.scale[k, 0] * (self.features(H) @ self.phi_pre[k]) + self.bias_pre[k])
+    def read_weights(self, state, k):
+        return torch.sigmoid(self.scale[k, 0] * (state.features @ self.phi_pre[k]) + self.bias_pre[k])
 
-    def write_weights(self, H, k):
-        features = self.features(H)
-        post = 2 * torch.sigmoid(self.scale[k, 1] * (features @ self.phi_post[k]) + self.bias_post[k])
-        logits = self.scale[k, 2] * (features @ self.phi_res[k]).unflatten(-1, (self.n, self.n)) + self.bias_res[k]
-        return sinkhorn(logits), post
+    def write_weights(self, state, k):
+        post = 2 * torch.sigmoid(self.scale[k, 1] * (state.features @ self.phi_post[k]) + self.bias_post[k])
+        logits = self.scale[k, 2] * (state.features @ self.phi_res[k]).unflatten(-1, (self.n_streams, self.n_streams))
+        return sinkhorn(logits + self.bias_res[k]), post
 
 
-# -----------------------------------------------------------------------------
+class Dense(NamedTuple):
+    """DenseFormer state: the stream x and every layer output so far (the embedding first)."""
+    x: torch.Tensor
+    outputs: list
 
-RESIDUALS = ("standard", "attnres", "rd_attnres", "dar", "hc", "mhc")
-RD_CONTROLS = ("none", "dup", "param", "fixed_v")
-DAR_KEYS = ("reciprocal", "self")
+
+class DenseFormer(ResidualScheme):
+    """
+    DenseFormer (Pagliardini et al., arXiv 2402.02622): the standard stream, except that after
+    layer l (its MLP write) the stream becomes a depth-weighted average (DWA) of the embedding
+    y_0 and the layer outputs y_1 .. y_{l+1} so far, y_{l+1} = x + attn + mlp being layer l's:
+        x <- sum_{j <= l+1} alpha[l][j] y_j.
+    Static weights (the same at every token), l + 2 for layer l: L (L + 3) / 2 parameters. Init
+    alpha[l] = (0, .., 0, 1), the paper's: the model is `standard`.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.dwa = nn.ParameterList([nn.Parameter(F.one_hot(torch.tensor(l + 1), l + 2).float())
+                                     for l in range(config.n_layer)])
+
+    def start(self, x):
+        return Dense(x, [x])
+
+    def read(self, state, k):
+        return state.x
+
+    def write(self, state, k, out):
+        x = state.x + out
+        if k % 2 == 0:  # after attention the layer is not done yet
+            return Dense(x, state.outputs)
+        outputs, alpha = state.outputs + [x], self.dwa[k // 2]
+        if self.record is not None:
+            self.record[f"dwa/{self.read_name(k)}"] = alpha.expand(*x.shape[:-1], len(outputs))
+        return Dense(sum(alpha[j] * y for j, y in enumerate(outputs)), outputs)
+
+
+# the one list of schemes: the config check, train.py, bench.py and the tests read it
+RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
+                 hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer)
 
 
 @dataclass
@@ -456,8 +582,8 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     norm_eps: float = 1e-6
-    residual: str = "standard"
-    attnres_block_size: int = 4  # sublayers per block; 1 = Full AttnRes
+    residual: str = "standard"  # a key of RESIDUALS
+    attnres_block_size: int = 4  # attnres, rd_attnres, dar: sublayers per block; 1 = Full AttnRes
     rd_control: str = "none"  # rd_attnres only
     dar_keys: str = "reciprocal"  # dar only: address a stream by the other's keys, or its own ('self')
     hc_streams: int = 4  # hc and mhc only
@@ -465,35 +591,16 @@ class GPTConfig:
     def __post_init__(self):
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
-        if self.rd_control not in RD_CONTROLS:
-            raise ValueError(f"unknown rd_control {self.rd_control!r}; choose one of {', '.join(RD_CONTROLS)}")
-        if self.rd_control != "none" and self.residual != "rd_attnres":
-            raise ValueError(f"rd_control={self.rd_control!r} needs residual='rd_attnres' "
-                             f"(got {self.residual!r}); use rd_control='none' for other residuals")
-        if self.dar_keys not in DAR_KEYS:
-            raise ValueError(f"unknown dar_keys {self.dar_keys!r}; choose one of {', '.join(DAR_KEYS)}")
-        if self.dar_keys != "reciprocal" and self.residual != "dar":
-            raise ValueError(f"dar_keys={self.dar_keys!r} needs residual='dar' (got {self.residual!r}); "
-                             f"use dar_keys='reciprocal' for other residuals")
-        if self.residual in ("hc", "mhc") and self.hc_streams < 2:
-            raise ValueError(f"hc_streams={self.hc_streams} must be at least 2")
-        if self.hc_streams != 4 and self.residual not in ("hc", "mhc"):
-            raise ValueError(f"hc_streams={self.hc_streams} needs residual='hc' or 'mhc' (got {self.residual!r}); "
-                             f"use hc_streams=4 for other residuals")
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even "
                              f"size (rotary embeddings rotate channel pairs)")
-        if self.residual in ("attnres", "rd_attnres", "dar"):
-            S, n_sub = self.attnres_block_size, 2 * self.n_layer
-            if S < 1 or (S != 1 and S % 2 != 0) or n_sub % S != 0:
-                valid = [s for s in range(1, n_sub + 1) if n_sub % s == 0 and (s == 1 or s % 2 == 0)]
-                raise ValueError(f"attnres_block_size={S} must be 1 (Full) or an even divisor of "
-                                 f"2*n_layer={n_sub}; valid: {', '.join(map(str, valid))}")
-
-
-def residual_scheme(config):
-    return dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
-                hc=HyperConnections, mhc=ManifoldHyperConnections)[config.residual](config)
+        for field in fields(self):  # a scheme's own option set under another scheme is a mistake
+            owners = [name for name, scheme in RESIDUALS.items() if field.name in scheme.options]
+            value = getattr(self, field.name)
+            if owners and self.residual not in owners and value != field.default:
+                raise ValueError(f"{field.name}={value!r} needs residual={' or '.join(map(repr, owners))} "
+                                 f"(got {self.residual!r}); use {field.name}={field.default!r} for other residuals")
+        RESIDUALS[self.residual].check(self)
 
 
 class GPT(nn.Module):
@@ -511,7 +618,7 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # tied embedding and unembedding
         # the scheme's parameters are constants at init and draw nothing from the RNG, so the shared
         # weights below are bit-identical for one seed whatever the variant (paired arms)
-        self.residual = residual_scheme(config)
+        self.residual = RESIDUALS[config.residual](config)
         for name, p in self.transformer.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled init of the projections into the residual
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
@@ -525,28 +632,34 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wte.weight.numel() if non_embedding else n
 
-    def hidden(self, idx, record=None):
-        """Final normalised hidden states (B, T, d); record, if a dict, collects depth weights."""
+    def hidden(self, idx):
+        """Final normalised hidden states (B, T, d)."""
         x = self.transformer.drop(self.transformer.wte(idx))
         state = self.residual.start(x)
-        for k in range(2 * self.config.n_layer):
+        for k in range(self.residual.n_sublayers):
             block = self.transformer.h[k // 2]
             if k % 2 == 0:
-                out = block.attention(*self.residual.read_attention(state, k, record))
+                out = block.attention(*self.residual.read_attention(state, k))
             else:
-                out = block.feedforward(self.residual.read(state, k, record))
+                out = block.feedforward(self.residual.read(state, k))
             # sublayer outputs join the stream in its own dtype (fp32 under autocast) in every
             # scheme, so all arms sum their residuals at the same precision
-            state = self.residual.write(state, k, out.to(x.dtype), record)
-        return self.transformer.ln_f(self.residual.read(state, 2 * self.config.n_layer, record))
+            state = self.residual.write(state, k, out.to(x.dtype))
+        return self.transformer.ln_f(self.residual.read(state, self.residual.n_sublayers))
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, reduction="mean"):
+        """
+        Without targets: the last position's logits and None. With targets (B, T): all logits and
+        the fp32 cross-entropy over the tokens whose target is not -1, as their mean
+        (reduction="mean"), their sum ("sum"), or per token ("none": (B, T), 0 where ignored).
+        """
         x = self.hidden(idx)
         if targets is None:  # inference: only the last position is needed
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=reduction)
+        return logits, loss.view(targets.shape) if reduction == "none" else loss
 
     @torch.no_grad()
     def routing_diagnostics(self, idx):
@@ -560,11 +673,15 @@ class GPT(nn.Module):
                     averaged over tokens (nats); only for schemes with a value route
         and, averaged over tokens, what a scheme records beside its depth weights: DAR's fusion
         (pi per read), write_gate (beta per sublayer), mixing (rho) and stream_cosine (of the two
-        histories); HC/mHC's stream_mixing matrices (per sublayer, H_i <- sum_j M[i, j] H_j).
-        DAR's depth weights are per stream: attn.{l}.s0, attn.{l}.s1, ..., out.s1.
+        histories); HC/mHC's stream_mixing matrices (per sublayer, H_i <- sum_j M[i, j] H_j);
+        DenseFormer's dwa weights (per layer, named by its MLP sublayer: mlp.{l}). DAR's depth
+        weights are per stream: attn.{l}.s0, attn.{l}.s1, ..., out.s1. Naming: ResidualScheme.
         """
-        record = {}
-        self.hidden(idx, record)
+        record = self.residual.record = {}  # the schemes fill it during this one pass
+        try:
+            self.hidden(idx)
+        finally:
+            self.residual.record = None
         weights = {name: w for name, w in record.items() if "/" not in name}
         result = dict(weights={name: w.mean(dim=(0, 1)).cpu() for name, w in weights.items()},
                       entropy={name: -torch.special.xlogy(w, w).sum(-1).mean().item() for name, w in weights.items()},

@@ -1,23 +1,23 @@
+import math
+
 import pytest
 import torch
+from torch.nn import functional as F
 
-from model import GPT, DualAttnRes, GPTConfig, depth_read, sinkhorn
+from model import (GPT, RESIDUALS, CausalSelfAttention, DualAttnRes, GPTConfig, History, HyperConnections, Streams,
+                   depth_read, sinkhorn)
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=96)
-VARIANTS = {
-    "standard": dict(residual="standard"),
+# every scheme in the registry at its defaults (attnres, rd_attnres, dar: blocks of 4 sublayers), so a
+# new scheme goes through every test below with no edit here; then the other settings worth testing
+VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {
     "attnres_full": dict(residual="attnres", attnres_block_size=1),
     "attnres_s2": dict(residual="attnres", attnres_block_size=2),
-    "attnres_s4": dict(residual="attnres", attnres_block_size=4),
-    "rd_none": dict(residual="rd_attnres", attnres_block_size=4),
-    "rd_dup": dict(residual="rd_attnres", attnres_block_size=4, rd_control="dup"),
-    "rd_param": dict(residual="rd_attnres", attnres_block_size=4, rd_control="param"),
-    "rd_fixed_v": dict(residual="rd_attnres", attnres_block_size=4, rd_control="fixed_v"),
-    "dar_s4": dict(residual="dar", attnres_block_size=4),
+    "rd_dup": dict(residual="rd_attnres", rd_control="dup"),
+    "rd_param": dict(residual="rd_attnres", rd_control="param"),
+    "rd_fixed_v": dict(residual="rd_attnres", rd_control="fixed_v"),
     "dar_full": dict(residual="dar", attnres_block_size=1),
-    "dar_self": dict(residual="dar", attnres_block_size=4, dar_keys="self"),
-    "hc": dict(residual="hc"),
-    "mhc": dict(residual="mhc"),
+    "dar_self": dict(residual="dar", dar_keys="self"),
 }
 ROUTED = [v for v in VARIANTS if v != "standard"]
 
@@ -58,7 +58,7 @@ def test_zero_init_equals_standard(variant):
 
 
 def test_default_eps_shifts_zero_init_but_not_much():
-    # SPEC.md: the read divides the stream by the source count, so eps weighs more; still small
+    # a uniform read divides the stream by the source count, so the norm's eps weighs more; still small
     idx = tokens()
     err = rel_err(logits_of(make("attnres_full", seed=3), idx), logits_of(make("standard", seed=3), idx))
     assert 1e-6 < err < 0.1
@@ -74,14 +74,14 @@ def test_shared_init_is_bit_identical_across_variants():
 
 
 def test_rd_dup_and_tied_rd_equal_their_parent():
-    parent = make("attnres_s4", seed=7)
+    parent = make("attnres", seed=7)
     randomize_routing(parent)
     idx = tokens()
     expected = logits_of(parent, idx)
     dup = make("rd_dup")
     dup.load_state_dict(parent.state_dict(), strict=True)
     assert rel_err(logits_of(dup, idx), expected) < 1e-5
-    rd = make("rd_none")
+    rd = make("rd_attnres")
     rd.load_state_dict(parent.state_dict(), strict=False)
     with torch.no_grad():
         rd.residual.value_query.copy_(parent.residual.query[0:-1:2])  # tie w_v := w_qk per layer
@@ -92,10 +92,10 @@ def test_rd_dup_and_tied_rd_equal_their_parent():
 
 
 def test_parameter_counts_and_strict_parent_loads():
-    parent = make("attnres_s4")
+    parent = make("attnres")
     d, L = TINY["n_embd"], TINY["n_layer"]
     assert parent.num_params() - make("standard").num_params() == 4 * d * L + 2 * d
-    for control in ("rd_none", "rd_param"):
+    for control in ("rd_attnres", "rd_param"):
         assert make(control).num_params() == parent.num_params() + L * d
     for control in ("rd_dup", "rd_fixed_v"):
         model = make(control)
@@ -104,10 +104,10 @@ def test_parameter_counts_and_strict_parent_loads():
     assert parent.num_params(non_embedding=False) - parent.num_params() == TINY["vocab_size"] * d
 
 
-EXPECTED_SOURCES = {  # SPEC.md bookkeeping, 4 layers = 8 sublayer reads, then the output read
+EXPECTED_SOURCES = {  # the AttnRes paper's block bookkeeping, 4 layers = 8 sublayer reads, then the output read
     "attnres_full": [1, 2, 3, 4, 5, 6, 7, 8, 9],
     "attnres_s2": [1, 2, 2, 3, 3, 4, 4, 5, 5],
-    "attnres_s4": [1, 2, 2, 2, 2, 3, 3, 3, 3],
+    "attnres": [1, 2, 2, 2, 2, 3, 3, 3, 3],
 }
 
 
@@ -123,7 +123,7 @@ def test_routing_weights_source_counts(variant):
 
 
 def test_value_route_alone_moves_only_attn_v():
-    model = make("rd_none")
+    model = make("rd_attnres")
     with torch.no_grad():
         model.residual.value_query.normal_(std=3.0)
     diag = model.routing_diagnostics(tokens())
@@ -146,7 +146,7 @@ def test_jsd_is_token_wise_not_of_averages():
     assert js_divergence(p, q).mean().item() > 0.3
 
 
-# --- a slow, obviously-correct AttnRes written straight from SPEC.md sections 2-3 ---------------
+# --- a slow, obviously-correct AttnRes written straight from the paper's equations --------------
 
 def reference_logits(model, idx):
     cfg, res = model.config, model.residual
@@ -177,7 +177,7 @@ def reference_logits(model, idx):
     return model.lm_head(model.transformer.ln_f(a_out))
 
 
-@pytest.mark.parametrize("variant", ["attnres_full", "attnres_s4", "attnres_s2", "rd_none"])
+@pytest.mark.parametrize("variant", ["attnres_full", "attnres", "attnres_s2", "rd_attnres"])
 def test_matches_slow_reference(variant):
     model = make(variant)
     randomize_routing(model)
@@ -205,13 +205,13 @@ def test_causality(variant):
     assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
 
 
-@pytest.mark.parametrize("variant", ["attnres_s4", "rd_none"])
+@pytest.mark.parametrize("variant", ["attnres", "rd_attnres"])
 def test_bf16_autocast_depth_weights_are_fp32(variant):
     model = make(variant)
     randomize_routing(model)
-    record = {}
+    record = model.residual.record = {}  # per-token diagnostics, as routing_diagnostics collects them
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        hidden = model.hidden(tokens(), record)
+        hidden = model.hidden(tokens())
         outputs, _ = depth_read([torch.randn(2, 3, 32) for _ in range(3)], torch.randn(2, 32), torch.ones(32), 1e-6)
     assert hidden.dtype == torch.float32
     assert all(o.dtype == torch.float32 for o in outputs)  # the residual stream stays fp32
@@ -221,7 +221,7 @@ def test_bf16_autocast_depth_weights_are_fp32(variant):
 
 
 def dead_rows(model, name):
-    """Rows of a routing parameter that cannot get a gradient (SPEC.md sections 2-3)."""
+    """Rows of a routing parameter that cannot get a gradient (one row per read, sublayer or layer)."""
     if name in ("query", "key_gain", "value_query", "fusion"):
         return {0}  # sublayer 0 reads only the embedding (DAR: the same one in both streams)
     if name == "mixing":  # DAR's rho is unused where a block starts
@@ -246,7 +246,7 @@ def test_every_routing_parameter_gets_a_gradient(variant):
 
 
 def naive_depth_read(sources, queries, key_gain, eps, keys=None):
-    """The read as written in SPEC.md, with a stacked copy of the sources, in float64."""
+    """The depth read from its definition, with a stacked copy of the sources, in float64."""
     V = torch.stack(sources).double()  # (S, B, T, d)
     K = V if keys is None else torch.stack(keys).double()
     normed = key_gain.double() * K / torch.sqrt(K.pow(2).mean(-1, keepdim=True) + eps)
@@ -283,9 +283,9 @@ def test_dar_fused_read_equals_two_naive_reads_with_gradients(dar_keys):
         p.data.normal_()
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)  # the shared embedding
     own = [[torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)] for _ in range(2)]
-    state = tuple(([x, blocks[0]], blocks[1]) for blocks in own)  # (sealed blocks, running partial)
+    state = tuple(History([x, blocks[0]], blocks[1]) for blocks in own)
     k = 3
-    fused = scheme.read(state, k, None)
+    fused = scheme.read(state, k)
     streams = [[x] + blocks for blocks in own]
     keys = streams[::-1] if dar_keys == "reciprocal" else streams
     pi = scheme.fusion[k].softmax(-1)
@@ -337,12 +337,12 @@ def test_bad_config_raises_one_line(kwargs, needle):
 
 
 def test_block_size_checked_only_where_used():
-    for residual in ("standard", "hc", "mhc"):
+    for residual in ("standard", "hc", "mhc", "denseformer"):
         GPTConfig(**TINY, residual=residual, attnres_block_size=3)
 
 
 def test_optimizer_groups_keep_routing_out_of_decay():
-    model = make("rd_none")
+    model = make("rd_attnres")
     decay, no_decay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
     routing = {id(p) for p in model.residual.parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -352,17 +352,16 @@ def test_optimizer_groups_keep_routing_out_of_decay():
 
 
 def test_generate_and_flops():
-    model = make("rd_none").eval()
+    model = make("rd_attnres").eval()
     out = model.generate(tokens(B=1, T=4), max_new_tokens=20, top_k=5)  # runs past block_size
     assert out.shape == (1, 24)
     n = model.num_params(non_embedding=False)
     assert model.flops_per_token(16) == 6 * n + 12 * 4 * 32 * 16
 
 
-@pytest.mark.parametrize("variant", ["standard", "attnres_full", "rd_none", "rd_dup", "rd_param", "rd_fixed_v",
-                                     "dar_s4", "hc", "mhc"])
+@pytest.mark.parametrize("variant", list(RESIDUALS) + ["attnres_full", "rd_dup", "rd_param", "rd_fixed_v"])
 def test_compile_fullgraph_matches_eager(variant):
-    model = make(variant)
+    model = make(variant, n_layer=2)  # 2 layers: compile time grows with depth, the code paths do not
     if variant != "standard":
         randomize_routing(model)
     idx = tokens()
@@ -374,27 +373,38 @@ def test_compile_fullgraph_matches_eager(variant):
 
 # --- DAR, HC, mHC -----------------------------------------------------------------------------
 
-def test_multi_stream_parameter_counts_as_documented():
-    d, L, n = TINY["n_embd"], TINY["n_layer"], 4
-    base = make("standard").num_params()
-    for variant in ("dar_s4", "dar_full", "dar_self"):  # README: (2L+1)(3d+2) + 6L
-        assert make(variant).num_params() - base == (2 * L + 1) * (3 * d + 2) + 6 * L
-    assert make("hc").num_params() - base == 2 * L * (2 * n + n * n + (2 + n) * d + 3)
-    assert make("mhc").num_params() - base == 2 * L * (n * n * d * (2 + n) + 2 * n + n * n + 3)
+def documented_params(config):
+    """Each scheme's parameters beyond `standard`, as its docstring and docs/variants.md state them."""
+    d, L, n = config.n_embd, config.n_layer, config.hc_streams
+    attnres = 2 * (2 * L + 1) * d
+    return dict(standard=0, attnres=attnres,
+                rd_attnres=attnres + (L * d if config.rd_control in ("none", "param") else 0),
+                dar=(2 * L + 1) * (3 * d + 2) + 6 * L,
+                hc=2 * L * (2 * n + n * n + (2 + n) * d + 3),
+                mhc=2 * L * (n * n * d * (2 + n) + 2 * n + n * n + 3),
+                denseformer=L * (L + 3) // 2).get(config.residual)
 
 
-@pytest.mark.parametrize("variant", ["dar_s4", "dar_full"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parameter_counts_as_documented(variant):
+    model = make(variant)
+    expected = documented_params(model.config)
+    assert expected is not None, f"write {variant}'s parameter count into documented_params and docs/variants.md"
+    assert model.num_params() - make("standard").num_params() == expected
+
+
+@pytest.mark.parametrize("variant", ["dar", "dar_full"])
 def test_dar_routing_weights_per_stream(variant):
     model = make(variant)
     randomize_routing(model)
     diag = model.routing_diagnostics(tokens())
-    counts = EXPECTED_SOURCES["attnres_s4" if variant == "dar_s4" else "attnres_full"]
+    counts = EXPECTED_SOURCES["attnres" if variant == "dar" else "attnres_full"]
     names = [f"{kind}.{l}" for l in range(TINY["n_layer"]) for kind in ("attn", "mlp")] + ["out"]
     for name, count in zip(names, counts):
         for s in ("s0", "s1"):
             assert diag["weights"][f"{name}.{s}"].numel() == count
     assert set(diag["fusion"]) == set(names) and set(diag["write_gate"]) == set(names[:-1])
-    assert ("mixing" in diag) == (variant == "dar_s4")  # no partial to mix in the per-sublayer form
+    assert ("mixing" in diag) == (variant == "dar")  # no partial to mix in the per-sublayer form
     assert all(-1 <= c <= 1 for c in diag["stream_cosine"].values())
 
 
@@ -406,7 +416,7 @@ def sgd_step(model, idx, lr=0.1):
                 p -= lr * p.grad
 
 
-@pytest.mark.parametrize("variant", ["dar_s4", "dar_full"])
+@pytest.mark.parametrize("variant", ["dar", "dar_full"])
 def test_dar_alternating_reads_break_the_stream_symmetry(variant):
     idx = tokens()
     model = make(variant)
@@ -428,13 +438,13 @@ def test_dar_alternating_reads_break_the_stream_symmetry(variant):
 
 
 def test_dar_mixing_is_exactly_doubly_stochastic():
-    model = make("dar_s4")
+    model = make("dar")
     randomize_routing(model)
     p0, p1 = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
     zero = torch.zeros(2, 3, 32)
-    (_, q0), (_, q1) = model.residual.write((([zero], p0), ([zero], p1)), 1, zero, None)
+    (_, q0), (_, q1) = model.residual.write((History([zero], p0), History([zero], p1)), 1, zero)
     assert torch.allclose(q0 + q1, p0 + p1, atol=1e-6)  # columns sum to 1: the total is kept
-    (_, q0), (_, q1) = model.residual.write((([zero], p0), ([zero], p0)), 1, zero, None)
+    (_, q0), (_, q1) = model.residual.write((History([zero], p0), History([zero], p0)), 1, zero)
     assert torch.allclose(q0, p0, atol=1e-6) and torch.allclose(q1, p0, atol=1e-6)  # rows sum to 1
 
 
@@ -457,3 +467,147 @@ def test_hc_and_mhc_stream_mixing_in_fp32_under_autocast():
             diag = model.routing_diagnostics(tokens())
             assert model.hidden(tokens()).dtype == torch.float32
         assert all(m.dtype == torch.float32 for m in diag["stream_mixing"].values())
+
+
+# --- the loss reductions ------------------------------------------------------------------------
+
+def test_loss_reductions_agree_with_cross_entropy():
+    model = make("rd_attnres")
+    randomize_routing(model)
+    idx = tokens()
+    targets = tokens(seed=9)
+    targets[0, :5] = targets[1, -3:] = -1  # ignored positions
+    keep = targets != -1
+    logits, mean = model(idx, targets)
+    _, total = model(idx, targets, reduction="sum")
+    _, per_token = model(idx, targets, reduction="none")
+    expected = F.cross_entropy(logits.double().transpose(1, 2), targets, ignore_index=-1, reduction="none")
+    assert per_token.shape == targets.shape and per_token.dtype == mean.dtype == total.dtype == torch.float32
+    assert torch.allclose(per_token.double(), expected, atol=1e-5) and (per_token[~keep] == 0).all()
+    assert abs(total.item() - expected.sum().item()) < 1e-4
+    assert abs(mean.item() - expected.sum().item() / keep.sum().item()) < 1e-6
+    assert abs(mean.item() - total.item() / keep.sum().item()) < 1e-6
+
+
+# --- independent references for the attention and the stream updates -----------------------------
+
+def naive_attention(attn, x_qk, x_v):
+    """Causal self-attention with rotary embeddings, from the definitions, in float64: per head of
+    size D, q_t and k_t turn each channel pair (i, i + D/2) by the angle t * 10000^(-2i/D); then
+    softmax(q k^T / sqrt(D) + causal mask) v, heads concatenated, the output projection."""
+    B, T, C = x_qk.shape
+    H = attn.n_head
+    D = C // H
+    W = attn.c_attn.weight.double()
+    q, k, v = ((x.double() @ W[i * C:(i + 1) * C].T).view(B, T, H, D) for i, x in enumerate((x_qk, x_qk, x_v)))
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * torch.arange(D // 2).double() / D)
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # (T, 1, D/2): every head alike
+
+    def rotate(x):
+        a, b = x[..., :D // 2], x[..., D // 2:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+    scores = torch.einsum("bthd,bshd->bhts", rotate(q), rotate(k)) / math.sqrt(D)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).reshape(B, T, C)
+    return y @ attn.c_proj.weight.double().T
+
+
+def test_attention_equals_naive_reference():
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(GPTConfig(**TINY)).eval()
+    x_qk, x_v = torch.randn(2, 12, 32), torch.randn(2, 12, 32)  # T < block_size: the tables are cut
+    with torch.no_grad():
+        for qk, v in ((x_qk, x_v), (x_qk, x_qk)):  # separate value input, and the fused projection
+            expected = naive_attention(attn, qk, v)
+            assert rel_err(attn(qk, v).double(), expected) < 1e-5
+        # the reference is sensitive: no rotation at all is far from it
+        attn.rotary_sin.zero_(), attn.rotary_cos.fill_(1.0)
+        assert rel_err(attn(x_qk, x_v).double(), naive_attention(attn, x_qk, x_v)) > 1e-2
+
+
+def test_dar_write_updates_each_stream_by_its_formula():
+    scheme = DualAttnRes(GPTConfig(**TINY, residual="dar"))  # blocks of 4 sublayers
+    with torch.no_grad():
+        scheme.write_gate.copy_(torch.tensor([0.8, -0.6]).repeat(scheme.n_sublayers, 1))
+        scheme.mixing.fill_(0.7)
+    sigmoid = lambda z: 1 / (1 + math.exp(-z))
+    rho, beta0, beta1 = sigmoid(0.7), 2 * sigmoid(0.8), 2 * sigmoid(-0.6)
+    embedding, p0, p1, y = (torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(s)) for s in range(4))
+    expect0 = rho * p0 + (1 - rho) * p1 + beta0 * y  # p0 <- rho p0 + (1 - rho) p1 + beta0 y
+    expect1 = (1 - rho) * p0 + rho * p1 + beta1 * y  # p1 <- (1 - rho) p0 + rho p1 + beta1 y
+    with torch.no_grad():
+        s0, s1 = scheme.write((History([embedding], p0), History([embedding], p1)), 1, y)  # inside a block
+        assert torch.allclose(s0.partial, expect0, atol=1e-6) and torch.allclose(s1.partial, expect1, atol=1e-6)
+        assert len(s0.blocks) == len(s1.blocks) == 1
+        s0, s1 = scheme.write((History([embedding], p0), History([embedding], p1)), 3, y)  # the block ends: sealed
+        assert s0.partial is None and s1.partial is None
+        assert torch.allclose(s0.blocks[1], expect0, atol=1e-6) and torch.allclose(s1.blocks[1], expect1, atol=1e-6)
+        s0, s1 = scheme.write((History([embedding, p0], None), History([embedding, p1], None)), 4, y)  # a block starts
+        assert torch.allclose(s0.partial, beta0 * y, atol=1e-6) and torch.allclose(s1.partial, beta1 * y, atol=1e-6)
+
+
+def naive_sinkhorn(logits, iterations=20):
+    m = logits.double().exp()
+    for _ in range(iterations):  # columns, then rows, as mHC's Sinkhorn-Knopp
+        m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
+    return m
+
+
+def stream_weights_from_the_papers(scheme, H, k):
+    """(pre (B, T, n), M (B, T, n, n), post (B, T, n)) in float64, M[i, j] the weight of stream j in the
+    new stream i. HC: H_i <- sum_j A_r[j, i] H_j (HC's A_r, rows per source stream); mHC: H <- H_res H."""
+    H = H.double()
+    p = {name: t.detach().double() for name, t in scheme.named_parameters()}
+    if isinstance(scheme, HyperConnections):
+        normed = H / torch.sqrt(H.pow(2).mean(-1, keepdim=True) + scheme.eps)  # each stream on its own
+        s = p["dynamic_scale"][k]
+        pre = p["read_static"][k] + s[0] * torch.tanh(normed @ p["read_dynamic"][k])
+        A = p["mix_static"][k] + s[1] * torch.tanh(normed @ p["mix_dynamic"][k])  # A[..., j, i], j = source
+        post = p["write_static"][k] + s[2] * torch.tanh(normed @ p["write_dynamic"][k])
+        return pre, A.transpose(-1, -2), post
+    flat = H.flatten(-2)
+    x = flat / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + scheme.eps)
+    a, n = p["scale"][k], H.size(-2)
+    pre = torch.sigmoid(a[0] * (x @ p["phi_pre"][k]) + p["bias_pre"][k])
+    post = 2 * torch.sigmoid(a[1] * (x @ p["phi_post"][k]) + p["bias_post"][k])
+    H_res = naive_sinkhorn(a[2] * (x @ p["phi_res"][k]).view(*x.shape[:-1], n, n) + p["bias_res"][k])
+    return pre, H_res, post
+
+
+@pytest.mark.parametrize("variant", ["hc", "mhc"])
+def test_stream_updates_follow_their_formulas(variant):
+    model = make(variant)
+    randomize_routing(model)
+    scheme = model.residual
+    g = torch.Generator().manual_seed(3)
+    H, y = torch.randn(2, 3, 4, 32, generator=g), torch.randn(2, 3, 32, generator=g)
+    k = 2
+    pre, M, post = stream_weights_from_the_papers(scheme, H, k)
+    assert (M - M.transpose(-1, -2)).abs().max() > 1e-2  # not symmetric: a transposed mix must fail
+    state = Streams(H, scheme.features(H))
+    with torch.no_grad():
+        x, new = scheme.read(state, k), scheme.write(state, k, y).H
+    Hd = H.double()
+    assert rel_err(x.double(), sum(pre[..., j, None] * Hd[..., j, :] for j in range(4))) < 1e-5
+    for i in range(4):  # each stream: H_i <- sum_j M[i, j] H_j + post_i y
+        expected = sum(M[..., i, j, None] * Hd[..., j, :] for j in range(4)) + post[..., i, None] * y.double()
+        assert rel_err(new[..., i, :].double(), expected) < 1e-5, i
+
+
+def test_denseformer_matches_its_definition():
+    model = make("denseformer")
+    randomize_routing(model)
+    idx = tokens()
+    with torch.no_grad():
+        x = model.transformer.wte(idx)
+        outputs = [x]  # y_0 = the embedding, then each layer's output y_{l+1} = x + attn + mlp
+        for l, block in enumerate(model.transformer.h):
+            x = x + block.attn(block.ln_1(x), block.ln_1(x))
+            x = x + block.mlp(block.ln_2(x))
+            outputs.append(x)
+            x = sum(a * y for a, y in zip(model.residual.dwa[l], outputs))  # the depth-weighted average
+        expected = model.lm_head(model.transformer.ln_f(x))
+        assert rel_err(logits_of(model, idx), expected) < 1e-5
+        assert rel_err(logits_of(make("standard"), idx), expected) > 1e-3
