@@ -11,12 +11,17 @@ Rules, fixing nanoGPT's sharp edges:
 - the value must have the default's type: an int is accepted for a float, a whole float for an
   int (1e4), a tuple, a comma list of words or a single value for a list, true/false for a bool;
   a key whose default is None takes any value;
-- a comma list of its keys for a dict-valued key keeps those entries (--arms=parent,rd_attnres).
+- a comma list of its keys for a dict-valued key keeps those entries (--arms=parent,rd_attnres);
+- a config file is found from the working directory or else this file's directory, and runs with
+  __file__ set, so it can exec a neighbour from any working directory; one that fails to run is
+  one error line.
 """
 
 import ast
 import difflib
 import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class ConfigError(Exception):
@@ -81,11 +86,18 @@ def configure(defaults, argv):
             check_key(key, config)
             config[key] = coerce(key, parse_literal(text), current(key, config, defaults))
         else:
-            if not os.path.isfile(arg):
+            path = arg if os.path.isfile(arg) else os.path.join(HERE, arg)  # config/x.py from any directory
+            if not os.path.isfile(path):
                 raise ConfigError(f"config file {arg} not found (arguments are config files or --key=value)")
-            scope = {}
-            with open(arg) as f:
-                exec(compile(f.read(), arg, "exec"), scope)
+            scope = {"__file__": os.path.abspath(path)}  # a config file can read its neighbours from there
+            try:
+                with open(path) as f:
+                    exec(compile(f.read(), path, "exec"), scope)
+            except SyntaxError as e:
+                where = e.filename if e.filename and not e.filename.startswith("<") else arg  # exec'd text has none
+                raise ConfigError(f"config file {where} line {e.lineno}: {e.msg}; fix its Python") from None
+            except Exception as e:
+                raise ConfigError(f"config file {arg} raised {type(e).__name__}: {e}; fix the file") from None
             for key, value in scope.items():
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue  # helpers and imports inside the config file

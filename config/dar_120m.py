@@ -1,7 +1,9 @@
 # DAR (two-stream reciprocal depth routing, block form) against standard and Block AttnRes at the
 # 120m size proxy; the paired protocol of config/rd_120m.py (5 seeds, 2.0B tokens, 2^19 tokens/step).
 # $ torchrun --standalone --nproc_per_node=8 train.py config/dar_120m.py
-exec(open("config/rd_120m.py").read())
+import os
+
+exec(open(os.path.join(os.path.dirname(__file__), "rd_120m.py")).read())
 out_dir = "out/dar_120m"
 arms = {
     "standard": {"residual": "standard"},

@@ -2,7 +2,9 @@
 # route, or from extra compute (dup), extra parameters (param), or any second route (fixed_v)?
 # 0.5B tokens per run (a quarter of the full budget), 3 paired seeds; otherwise config/rd_120m.py.
 # $ torchrun --standalone --nproc_per_node=8 train.py config/rd_controls_120m.py
-exec(open("config/rd_120m.py").read())
+import os
+
+exec(open(os.path.join(os.path.dirname(__file__), "rd_120m.py")).read())
 out_dir = "out/rd_controls_120m"
 arms = {
     "attnres": {"residual": "attnres"},

@@ -1,9 +1,9 @@
+import dataclasses
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -11,11 +11,13 @@ import torch
 
 import train
 from configurator import ConfigError, configure
-from data.prepare import write_shard
+from data.prepare import DataError, write_shard
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+torch.set_num_threads(1)  # tiny models: threads only contend with each other on a shared machine (3-20x slower)
+TIMINGS = ("ms_per_step", "tokens_per_s", "mfu", "eta_cell_s", "eta_grid_s")
 
 
 # --- configurator ----------------------------------------------------------------------------
@@ -58,176 +60,101 @@ def test_configurator_errors(argv, message):
         configure(DEFAULTS, argv)
 
 
-def test_config_file_unknown_key(tmp_path):
-    (tmp_path / "bad.py").write_text("n_layers = 3\n")
-    with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
-        configure({"n_layer": 2}, [str(tmp_path / "bad.py")])
+def test_config_file_errors_are_one_line(tmp_path):
+    cases = {"unknown.py": ("n_layers = 3\n", "unknown config key 'n_layers'"),
+             "syntax.py": ("max_iters = (\n", "syntax.py line 1"),
+             "raises.py": ("max_iters = 1 // 0\n", "raised ZeroDivisionError")}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            configure({"n_layer": 2, "max_iters": 1}, [str(tmp_path / name)])
 
 
-# --- tiny runs on synthetic shards -----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    # a learnable stream: a repeating pattern with noise, tokens < 64
-    stream = (np.arange(60_000) % 17 + rng.integers(0, 3, 60_000)).astype(np.uint16)
-    write_shard(str(d / "val_000000.bin"), stream[:3000])
-    write_shard(str(d / "train_000001.bin"), stream[3000:30000])
-    write_shard(str(d / "train_000002.bin"), stream[30000:])
-    return str(d)
+def test_config_files_that_exec_neighbours_work_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = configure(train.DEFAULTS, ["config/dar_120m.py"])  # not under tmp_path: found beside configurator.py
+    assert cfg["n_layer"] == 12 and cfg["out_dir"] == "out/dar_120m" and "dar" in cfg["arms"]
 
 
-def tiny(shards, out_dir, *extra):
-    return [f"--data_dir={shards}", f"--out_dir={out_dir}", "--n_layer=2", "--n_head=2", "--n_embd=32",
-            "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=8", "--eval_interval=4",
-            "--log_interval=1", "--eval_tokens=1000", "--compile=False", "--seeds=0", "--warmup_iters=2",
-            "--learning_rate=1e-2", "--min_lr=1e-3", "--device=cpu", *extra]
+# --- keys, checks, device --------------------------------------------------------------------
+
+def test_every_model_field_is_a_key_and_can_be_set_per_arm():
+    for field in dataclasses.fields(GPTConfig):
+        value = train.DEFAULTS[field.name]
+        cfg = configure(train.DEFAULTS, [f"--{field.name}={value!r}", f"--arms={{'a': {{'{field.name}': {value!r}}}}}"])
+        train.check_config(cfg, 1)
+        assert getattr(train.model_config(cfg, cfg["arms"]["a"]), field.name) == value
+    # the ablations the README names, as arms
+    cfg = configure(train.DEFAULTS, ["--arms={'self': {'residual': 'dar', 'dar_keys': 'self'}, "
+                                     "'hc2': {'residual': 'hc', 'hc_streams': 2}}"])
+    train.check_config(cfg, 1)
+    assert train.cell_config(cfg, "self", 0)["dar_keys"] == "self" and train.cell_config(cfg, "hc2", 0)["hc_streams"] == 2
+    assert train.model_config(cfg, cfg["arms"]["hc2"]).hc_streams == 2
 
 
-def records(out_dir, arm, seed=0, key="loss"):
-    with open(os.path.join(out_dir, arm, f"seed{seed}", "log.jsonl")) as f:
-        return [r[key] for r in map(json.loads, f) if key in r]
-
-
-def result(out_dir, arm, seed=0):
-    with open(os.path.join(out_dir, arm, f"seed{seed}", "result.json")) as f:
-        return json.load(f)
-
-
-def test_run_contract_and_pairing(shards, tmp_path):
-    out = str(tmp_path / "grid")
-    train.main(tiny(shards, out, "--seeds=0,1"))
-    for arm in ("attnres", "rd_attnres"):
-        for seed in (0, 1):
-            cell = os.path.join(out, arm, f"seed{seed}")
-            assert {"config.json", "log.jsonl", "ckpt.pt", "result.json"} <= set(os.listdir(cell))
-            r = result(out, arm, seed)
-            assert r["tokens"] == 8 * 4 * 16 and r["steps"] == 8 and np.isfinite(r["val_loss"])
-            log = [json.loads(line) for line in open(os.path.join(cell, "log.jsonl"))]
-            assert [x["step"] for x in log if "loss" in x] == list(range(1, 9))
-            assert all({"step", "loss", "lr"} <= set(x) for x in log if "loss" in x)
-            assert [x["step"] for x in log if "val_loss" in x] == [0, 4, 8]
-        assert records(out, arm)[-1] < records(out, arm)[0]  # it learns
-    # pairing, checked: within a seed, the same shared init and the same batches; across seeds not
-    for seed in (0, 1):
-        a, b = result(out, "attnres", seed), result(out, "rd_attnres", seed)
-        assert a["init_hash"] == b["init_hash"] and a["data_hash"] == b["data_hash"]
-    assert result(out, "attnres", 0)["init_hash"] != result(out, "attnres", 1)["init_hash"]
-    assert result(out, "attnres", 0)["data_hash"] != result(out, "attnres", 1)["data_hash"]
-    torch.manual_seed(train.seed_for(0, 0))
-    standard = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
-    assert train.shared_init_hash(standard) == result(out, "attnres", 0)["init_hash"]
-    # the routing diagnostics are logged with each evaluation
-    routing = result(out, "rd_attnres")["routing"]
-    assert set(routing["qk_v_jsd"]) == {"0", "1"} and len(routing["weights"]["out"]) == 2
-    # the paired report
-    paired = json.load(open(os.path.join(out, "paired.json")))
-    assert paired["reference"] == "attnres" and paired["arms"]["rd_attnres"]["n"] == 2
-    # a finished cell is skipped; --arms/--seeds select a subset
-    before = os.path.getmtime(os.path.join(out, "attnres", "seed0", "result.json"))
-    train.main(tiny(shards, out, "--seeds=0", "--arms=attnres"))
-    assert os.path.getmtime(os.path.join(out, "attnres", "seed0", "result.json")) == before
-
-
-def test_one_micro_batch_of_2b_equals_two_of_b(shards, tmp_path):
-    train.main(tiny(shards, tmp_path / "one", "--batch_size=4", "--gradient_accumulation_steps=1", "--arms=rd_attnres"))
-    train.main(tiny(shards, tmp_path / "two", "--batch_size=2", "--gradient_accumulation_steps=2", "--arms=rd_attnres"))
-    one, two = records(tmp_path / "one", "rd_attnres"), records(tmp_path / "two", "rd_attnres")
-    np.testing.assert_allclose(one, two, rtol=1e-5)
-    assert abs(result(tmp_path / "one", "rd_attnres")["val_loss"] - result(tmp_path / "two", "rd_attnres")["val_loss"]) < 1e-5
-    # while half the batch is a different run
-    train.main(tiny(shards, tmp_path / "half", "--batch_size=2", "--arms=rd_attnres"))
-    assert abs(records(tmp_path / "half", "rd_attnres")[-1] - one[-1]) > 1e-4
-
-
-def test_evaluation_is_independent_of_eval_batch_size(shards):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, residual="rd_attnres"))
-    with torch.no_grad():
-        model.residual.value_query.normal_()
-    val = train.open_shard(os.path.join(shards, "val_000000.bin"))
-    cfg = dict(block_size=16, eval_tokens=1000)
-    ctx = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
-    losses = [train.evaluate(model, val, dict(cfg, eval_batch_size=b), ctx) for b in (1, 7, 62)]
-    assert max(losses) - min(losses) < 1e-6
-    assert abs(train.evaluate(model, val, dict(cfg, eval_tokens=500, eval_batch_size=7), ctx) - losses[0]) > 1e-6
-
-
-def run_cli(args, env=ENV, **kwargs):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, **kwargs)
-
-
-def test_ddp_equals_single_process(shards, tmp_path):
-    args = tiny(shards, tmp_path / "ddp", "--batch_size=2", "--gradient_accumulation_steps=2", "--arms=attnres")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    # the reference runs as a process too, with the ranks' thread count (it changes fp32 rounding)
-    single = run_cli(tiny(shards, tmp_path / "single", "--batch_size=2", "--gradient_accumulation_steps=2", "--arms=attnres"))
-    assert single.returncode == 0, single.stderr[-2000:]
-    np.testing.assert_allclose(records(tmp_path / "ddp", "attnres"), records(tmp_path / "single", "attnres"), rtol=1e-5)
-    np.testing.assert_allclose(records(tmp_path / "ddp", "attnres", key="val_loss"),
-                               records(tmp_path / "single", "attnres", key="val_loss"), rtol=1e-6)
-
-
-def test_compiled_cpu_runs_repeat_exactly(shards, tmp_path):
-    # on two threads, compiled CPU kernels differ from run to run unless train.py asks for the
-    # deterministic ones; each run is a fresh process, as a rerun would be
-    for run in ("a", "b"):
-        proc = run_cli(tiny(shards, tmp_path / run, "--compile=True", "--max_iters=20", "--eval_interval=20",
-                            "--arms=attnres"), env={**ENV, "OMP_NUM_THREADS": "2"})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    assert records(tmp_path / "a", "attnres") == records(tmp_path / "b", "attnres")
-    assert records(tmp_path / "a", "attnres", key="val_loss") == records(tmp_path / "b", "attnres", key="val_loss")
-
-
-def test_sigkill_then_resume_equals_uninterrupted(shards, tmp_path):
-    args = ["--max_iters=60", "--eval_interval=10", "--dropout=0.1", "--arms=rd_attnres"]
-    train.main(tiny(shards, tmp_path / "whole", *args))
-    out = tmp_path / "killed"
-    ckpt = out / "rd_attnres" / "seed0" / "ckpt.pt"
-    proc = subprocess.Popen([sys.executable, "train.py", *tiny(shards, out, *args)], cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not ckpt.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "rd_attnres" / "seed0" / "result.json").exists(), "the run ended before it was killed"
-    resumed = run_cli(tiny(shards, out, *args))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from step" in resumed.stdout
-    assert result(out, "rd_attnres")["val_loss"] == result(tmp_path / "whole", "rd_attnres")["val_loss"]
-    assert records(out, "rd_attnres") == records(tmp_path / "whole", "rd_attnres")
-
-
-@pytest.mark.parametrize("extra, message", [
-    (["--n_layers=3"], "unknown config key 'n_layers'; did you mean n_layer?"),
-    (["--max_iters=ten"], "max_iters must be a int"),
-    (["--data_dir=/nonexistent"], "data_dir /nonexistent does not exist"),
-    (["--arms={'x': {'residual': 'attnres', 'rd_control': 'dup'}}"], "arm 'x': rd_control='dup' needs residual='rd_attnres'"),
-    (["--arms={'x': {'residual': 'attnres', 'attnres_block_size': 3}}"], "attnres_block_size=3"),
-    (["--dtype=float16"], "dtype='float16': choose auto, bfloat16 or float32"),
-    (["--gradient_accumulation_steps=0"], "must be a positive multiple of the world size"),
+@pytest.mark.parametrize("override, message", [
+    ({"batch_size": 0}, "batch_size=0 must be at least 1"),
+    ({"learning_rate": -1e-3}, "learning_rate=-0.001 must be positive"),
+    ({"seeds": [""]}, "seeds=['']: give distinct non-negative integers"),
+    ({"seeds": ["a", "b"]}, "seeds=['a', 'b']"),
+    ({"seeds": [-1]}, "seeds=[-1]"),
+    ({"seeds": []}, "seeds=[]"),
+    ({"seeds": [1, 1]}, "seeds=[1, 1]"),
+    ({"eval_interval": 0}, "eval_interval=0 must be at least 1"),
+    ({"log_interval": 0}, "log_interval=0 must be at least 1"),
+    ({"eval_batch_size": 0}, "eval_batch_size=0 must be at least 1"),
+    ({"dropout": 1.5}, "dropout=1.5 must be in [0, 1)"),
+    ({"residual": "resnet"}, "residual='resnet' is not a residual scheme"),  # though every arm sets its own
+    ({"eval_tokens": 128}, "eval_tokens=128 is less than one sequence of block_size+1 = 129"),
+    ({"arms": {"x": {"residual": "attnres", "rd_control": "dup"}}}, "arm 'x': rd_control='dup' needs residual"),
+    ({"arms": {"x": {"n_layers": 3}}}, "settings must be a dict of model keys"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be at least 1"),
+    ({"batch_size": 3, "world": 2}, "3 sequences do not split evenly over 2 processes"),
 ])
-def test_bad_input_gives_one_line(shards, tmp_path, extra, message):
-    proc = run_cli(tiny(shards, tmp_path / "o", *extra))
-    assert proc.returncode != 0
-    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr, proc.stderr[-2000:]
+def test_bad_settings_are_one_line(override, message):
+    world = override.pop("world", 1)
+    with pytest.raises(ConfigError) as e:
+        train.check_config(dict(train.DEFAULTS, **override), world)
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_corrupt_shard_gives_one_line(shards, tmp_path):
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for name in os.listdir(shards):
-        (bad / name).write_bytes(open(os.path.join(shards, name), "rb").read())
-    with open(bad / "train_000002.bin", "r+b") as f:
-        f.truncate(2000)
-    proc = run_cli(tiny(str(bad), tmp_path / "o"))
-    assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0
-    assert "train_000002.bin" in proc.stderr and "truncated or corrupt" in proc.stderr
+@pytest.mark.parametrize("requested, world, local_rank, cuda, mps, expected", [
+    ("auto", 1, 0, 0, False, "cpu"),
+    ("auto", 1, 0, 0, True, "mps"),
+    ("auto", 1, 0, 1, True, "cuda:0"),  # one process: an indexed device, as torch.cuda.set_device needs
+    ("auto", 4, 3, 8, False, "cuda:3"),  # torchrun: the process's own GPU
+    ("cuda", 1, 0, 2, False, "cuda:0"),
+    ("cuda", 1, 1, 2, False, "cuda:1"),  # torchrun --nproc_per_node=1 on a later local rank
+    ("cuda", 2, 1, 2, False, "cuda:1"),
+    ("cuda:1", 1, 0, 2, False, "cuda:1"),
+    ("cpu", 1, 0, 8, True, "cpu"),
+    ("cpu", 2, 1, 0, False, "cpu"),
+    ("mps", 1, 0, 0, True, "mps"),
+    ("cuda", 1, 0, 0, False, "sees no CUDA GPU"),
+    ("cuda:0", 1, 0, 0, True, "sees no CUDA GPU"),
+    ("cuda:1", 2, 0, 2, False, "names one GPU for 2 processes"),
+    ("cuda:2", 1, 0, 2, False, "cuda:2 does not exist"),
+    ("cuda", 4, 3, 2, False, "cuda:3 does not exist"),
+    ("mps", 1, 0, 1, False, "sees no MPS device"),
+    ("gpu", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
+    ("cpu:0", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
+    ("cuda:x", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
+])
+def test_resolve_device(requested, world, local_rank, cuda, mps, expected):
+    if expected in ("cpu", "mps") or expected.startswith("cuda:") and " " not in expected:
+        assert train.resolve_device(requested, world, local_rank, cuda, mps) == expected
+    else:
+        with pytest.raises(ConfigError, match=expected):
+            train.resolve_device(requested, world, local_rank, cuda, mps)
+
+
+def test_micro_batches():
+    assert train.micro_batches(8, 8) == [8] and train.micro_batches(4, 8) == [4]
+    assert train.micro_batches(8, 4) == [4, 4] and train.micro_batches(5, 4) == [3, 2]
+    for n in range(1, 30):
+        for b in range(1, 10):
+            sizes = train.micro_batches(n, b)
+            assert sum(sizes) == n and max(sizes) <= b and len(sizes) == -(-n // b) and max(sizes) - min(sizes) <= 1
 
 
 def test_learning_rate_schedules():
@@ -249,3 +176,336 @@ def test_config_files_are_valid(path, world, monkeypatch):
     if world == 8:  # the paper protocol: 2^19 tokens per step, 2.0B (controls: 0.5B) tokens per run
         assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2 ** 19
         assert cfg["max_iters"] * 2 ** 19 == pytest.approx(0.5e9 if "controls" in path else 2.0e9, rel=1e-3)
+
+
+def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    train.save_atomically({"step": 1}, path)
+
+    def full_disk(obj, p):
+        with open(p, "wb") as f:
+            f.write(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\nbasic_ios::clear")
+    with pytest.raises(ConfigError, match="could not write .*ckpt.pt .*unexpected pos.*last good copy is kept") as e:
+        train.save_atomically({"step": 2}, path, full_disk)
+    assert "\n" not in str(e.value)
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and torch.load(path)["step"] == 1
+
+
+# --- the step's gradient and the evaluation, in process ----------------------------------------
+
+def tiny_model(residual="rd_attnres", dropout=0.0):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, residual=residual,
+                          dropout=dropout))
+    with torch.no_grad():  # routing away from its zero init, so the routes matter
+        for p in model.residual.parameters():
+            p.normal_()
+    return model
+
+
+def test_gradients_equal_for_any_split_of_the_step():
+    model = tiny_model(dropout=0.0)
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, 64, (8, 17), generator=g)
+    x, y = batch[:, :-1], batch[:, 1:]
+
+    def grads(ranks):
+        """Gradients of one step of 8 sequences; ranks: each rank's micro-batch sizes over consecutive
+        sequences; the ranks' gradients are averaged, as DDP's all-reduce does."""
+        total, loss, start = {}, 0.0, 0
+        for sizes in ranks:
+            batches = []
+            for n in sizes:
+                batches.append((x[start:start + n], y[start:start + n]))
+                start += n
+            loss += train.backward_step(model, batches, 8, dict(world=len(ranks), autocast=train.nullcontext()))
+            for name, p in model.named_parameters():
+                total[name] = total.get(name, 0) + p.grad / len(ranks)
+            model.zero_grad(set_to_none=True)
+        return total, loss
+
+    # the reference, from the definition: the gradient of the mean token loss over the 8 sequences
+    logits = model.lm_head(model.hidden(x))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for ranks in ([[8]], [[4, 4]], [[3, 3, 2]], [[4], [4]], [[2, 2], [2, 2]]):
+        grad, loss = grads(ranks)
+        assert abs(loss.item() - model(x, y)[1].item()) < 1e-6, ranks
+        for name in reference:
+            torch.testing.assert_close(grad[name], reference[name], rtol=1e-5, atol=1e-8, msg=f"{ranks} {name}")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    # a learnable stream: a repeating pattern with noise, tokens < 64
+    stream = (np.arange(60_000) % 17 + rng.integers(0, 3, 60_000)).astype(np.uint16)
+    write_shard(str(d / "val_000000.bin"), stream[:3000])
+    write_shard(str(d / "train_000001.bin"), stream[3000:30000])
+    write_shard(str(d / "train_000002.bin"), stream[30000:])
+    return str(d)
+
+
+def test_evaluation_is_independent_of_eval_batch_size(shards):
+    model = tiny_model()
+    val = train.open_shard(os.path.join(shards, "val_000000.bin"))
+    cfg = dict(block_size=16, eval_tokens=1000)
+    ctx = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
+    losses = [train.evaluate(model, val, dict(cfg, eval_batch_size=b), ctx) for b in (1, 7, 62, 100)]
+    assert max(losses) - min(losses) < 1e-6
+    # the reference: per-token losses of the 62 whole sequences in the first 1000 tokens, one pass
+    seqs = torch.from_numpy(np.stack([val[j * 16:j * 16 + 17] for j in range(62)]).astype(np.int64))
+    with torch.no_grad():
+        logits, _ = model(seqs[:, :-1], seqs[:, 1:])
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten()).item()
+    assert abs(losses[0] - expected) < 1e-6
+    # two ranks' halves, summed as the all-reduce does, are the same set
+    assert abs(train.evaluate(model, val, dict(cfg, eval_tokens=500, eval_batch_size=7), ctx) - losses[0]) > 1e-6
+
+
+# --- tiny runs on synthetic shards -----------------------------------------------------------
+
+def tiny(shards, out_dir, *extra):
+    return [f"--data_dir={shards}", f"--out_dir={out_dir}", "--n_layer=2", "--n_head=2", "--n_embd=32",
+            "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=8", "--eval_interval=4",
+            "--log_interval=1", "--eval_tokens=1000", "--compile=False", "--seeds=0", "--warmup_iters=2",
+            "--learning_rate=1e-2", "--min_lr=1e-3", "--device=cpu", *extra]
+
+
+def log_records(out_dir, arm, seed=0):
+    with open(os.path.join(out_dir, arm, f"seed{seed}", "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def records(out_dir, arm, seed=0, key="loss"):
+    return [r[key] for r in log_records(out_dir, arm, seed) if key in r]
+
+
+def result(out_dir, arm, seed=0):
+    with open(os.path.join(out_dir, arm, f"seed{seed}", "result.json")) as f:
+        return json.load(f)
+
+
+def without_timings(log):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in log]
+
+
+def test_run_contract_pairing_provenance_and_reruns(shards, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "grid")
+    train.main(tiny(shards, out, "--seeds=0,1"))
+    code = train.code_record()
+    assert len(code["fingerprint"]) == 64 and set(code) == {"fingerprint", "git_commit", "git_dirty"}
+    for arm in ("attnres", "rd_attnres"):
+        for seed in (0, 1):
+            cell = os.path.join(out, arm, f"seed{seed}")
+            assert {"config.json", "log.jsonl", "ckpt.pt", "result.json"} <= set(os.listdir(cell))
+            r = result(out, arm, seed)
+            assert r["tokens"] == 8 * 4 * 16 and r["steps"] == 8 and np.isfinite(r["val_loss"])
+            assert r["status"] == "finished" and r["diverged_at"] is None and r["reason"] is None and r["wall_time_s"] > 0
+            config = json.load(open(os.path.join(cell, "config.json")))
+            assert config["residual"] == arm and config["model"]["residual"] == arm and config["code"] == code
+            assert config["arm"] == arm and config["seed"] == seed and r["config"] == config and r["code"] == code
+            assert set(train.DEFAULTS) <= set(config) and config["learning_rate"] == 1e-2
+            log = log_records(out, arm, seed)
+            assert [x["step"] for x in log if "loss" in x] == list(range(1, 9))
+            assert all({"step", "loss", "lr", "eta_cell_s", "eta_grid_s"} <= set(x) for x in log if "loss" in x)
+            assert log[-2]["step"] == 8 and log[-2]["eta_cell_s"] == 0 and log[1]["eta_cell_s"] > 0
+            assert (log[-2]["eta_grid_s"] == 0) == ((arm, seed) == ("rd_attnres", 1))  # the grid's last cell
+            assert [x["step"] for x in log if "val_loss" in x] == [0, 4, 8]
+        assert records(out, arm)[-1] < records(out, arm)[0]  # it learns
+    # pairing, checked: within a seed, the same shared init, batches and settings; across seeds not
+    for seed in (0, 1):
+        a, b = result(out, "attnres", seed)["pairing"], result(out, "rd_attnres", seed)["pairing"]
+        assert a == b and set(a) == {"init_hash", "data_hash", "eval_tokens", "code", "init_from", "settings"}
+        assert a["eval_tokens"] == 62 * 16 and a["code"] == code["fingerprint"] and a["init_from"] is None
+        assert a["settings"]["learning_rate"] == 1e-2 and "residual" not in a["settings"]
+        assert not {"arm", "seed", "seeds", "arms", "out_dir", "log_interval", "eval_batch_size"} & set(a["settings"])
+    p0, p1 = result(out, "attnres", 0)["pairing"], result(out, "attnres", 1)["pairing"]
+    assert p0["init_hash"] != p1["init_hash"] and p0["data_hash"] != p1["data_hash"]
+    torch.manual_seed(train.seed_for(0, 0))
+    standard = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    assert train.shared_init_hash(standard) == p0["init_hash"]
+    # the routing diagnostics are logged with each evaluation
+    routing = result(out, "rd_attnres")["routing"]
+    assert set(routing["qk_v_jsd"]) == {"0", "1"} and len(routing["weights"]["out"]) == 2
+    paired = json.load(open(os.path.join(out, "paired.json")))
+    assert paired["reference"] == "attnres" and paired["arms"]["rd_attnres"]["n"] == 2
+    # a finished cell is skipped; --arms/--seeds select a subset, and the grid's config.json keeps both
+    before = os.path.getmtime(os.path.join(out, "attnres", "seed0", "result.json"))
+    train.main(tiny(shards, out, "--seeds=0", "--arms=attnres"))
+    assert os.path.getmtime(os.path.join(out, "attnres", "seed0", "result.json")) == before
+    grid = json.load(open(os.path.join(out, "config.json")))
+    assert grid["seeds"] == [0, 1] and list(grid["arms"]) == ["attnres", "rd_attnres"]
+    # a changed rerun is refused, naming what changed; nothing is written
+    with pytest.raises(ConfigError, match=r"config.json was made with other settings: learning_rate \(0.01 -> 0.0001\), "
+                                          r"max_iters \(8 -> 50\); .*--allow_changes=True"):
+        train.main(tiny(shards, out, "--learning_rate=1e-4", "--max_iters=50"))
+    monkeypatch.setattr(train, "code_record", lambda: dict(code, fingerprint="0" * 64))
+    with pytest.raises(ConfigError, match="made with other settings: code changed;"):
+        train.main(tiny(shards, out))
+    assert json.load(open(os.path.join(out, "config.json")))["code"] == code
+    # extending the grid under new code, opted in: old cells stay as they were, new ones record the new code
+    capsys.readouterr()
+    train.main(tiny(shards, out, "--seeds=0,2", "--allow_changes=True"))
+    assert "(recorded with other settings: code; not retrained)" in capsys.readouterr().out
+    assert result(out, "attnres", 0)["pairing"]["code"] == code["fingerprint"]
+    assert result(out, "attnres", 2)["pairing"]["code"] == "0" * 64
+    grid = json.load(open(os.path.join(out, "config.json")))
+    assert grid["seeds"] == [0, 1, 2] and grid["code"]["fingerprint"] == "0" * 64
+    assert grid["changes"] == [{"code": [code["fingerprint"], "0" * 64]}]
+
+
+def test_changed_resume_is_recorded_and_unpairs(shards, tmp_path):
+    out = str(tmp_path / "o")
+    train.main(tiny(shards, out, "--max_iters=6", "--eval_interval=3"))
+    for arm in ("attnres", "rd_attnres"):  # as if killed after the checkpoint at step 3
+        os.remove(os.path.join(out, arm, "seed0", "result.json"))
+    with pytest.raises(ConfigError, match=r"learning_rate \(0.01 -> 0.02\)"):
+        train.main(tiny(shards, out, "--max_iters=6", "--eval_interval=3", "--learning_rate=2e-2"))
+    # the same change to one arm only, opted in: recorded in its cell, and the seed is not paired
+    train.main(tiny(shards, out, "--max_iters=6", "--eval_interval=3", "--learning_rate=2e-2", "--arms=attnres",
+                    "--allow_changes=True"))
+    train.main(tiny(shards, out, "--max_iters=6", "--eval_interval=3", "--arms=rd_attnres", "--allow_changes=True"))
+    changed, same = result(out, "attnres"), result(out, "rd_attnres")
+    assert changed["pairing"]["changes"] == [{"step": 6, "changed": {"learning_rate": [0.01, 0.02]}}]
+    assert changed["config"]["changes"] == changed["pairing"]["changes"] and "changes" not in same["pairing"]
+    assert changed["pairing"]["settings"]["learning_rate"] == 0.02 and changed["pairing"] != same["pairing"]
+
+
+def test_divergence_stops_the_cell_and_the_grid_goes_on(shards, tmp_path, capsys):
+    out = str(tmp_path / "o")
+    train.main(tiny(shards, out, "--learning_rate=1e9", "--warmup_iters=0", "--grad_clip=0", "--seeds=0,1"))
+    lines = capsys.readouterr().out
+    for arm in ("attnres", "rd_attnres"):
+        for seed in (0, 1):
+            r = result(out, arm, seed)
+            assert r["status"] == "diverged" and r["val_loss"] is None and 0 < r["diverged_at"] <= 8
+            assert "loss" in r["reason"] and ("nan" in r["reason"] or "inf" in r["reason"])
+            assert f"[{arm} seed{seed}] diverged: " in lines
+    train.main(tiny(shards, out, "--learning_rate=1e9", "--warmup_iters=0", "--grad_clip=0", "--seeds=0,1"))
+    assert "[attnres seed0] done already: diverged at step" in capsys.readouterr().out
+
+
+def test_damaged_cells_and_outputs_are_one_line(shards, tmp_path):
+    out = tmp_path / "o"
+    args = tiny(shards, out, "--max_iters=4", "--eval_interval=2", "--log_interval=1", "--arms=attnres")
+    train.main(args)
+    cell = out / "attnres" / "seed0"
+    whole = log_records(out, "attnres")
+    os.remove(cell / "result.json")  # as if killed after the last checkpoint
+    good = (cell / "ckpt.pt").read_bytes()
+    for damage, message in [(good[:1000], "ckpt.pt is unreadable, truncated or empty"),
+                            (b"", "ckpt.pt is unreadable, truncated or empty")]:
+        (cell / "ckpt.pt").write_bytes(damage)
+        with pytest.raises(ConfigError, match=message):
+            train.main(args)
+    (cell / "ckpt.pt").write_bytes(good)
+    shutil.move(cell / "log.jsonl", tmp_path / "log.jsonl")
+    with pytest.raises(ConfigError, match="log.jsonl is missing beside its ckpt.pt"):
+        train.main(args)
+    # a half-written last line (a full disk, a kill mid-write) is dropped on resume
+    text = (tmp_path / "log.jsonl").read_text()
+    (cell / "log.jsonl").write_text(text[:len(text) // 2] + "\n" + text[len(text) // 2:][:7])
+    with pytest.raises(ConfigError, match="log.jsonl line .* is not JSON"):  # damage before the last line is not
+        train.main(args)
+    (cell / "log.jsonl").write_text(text + '{"step": 5, "lo')
+    train.main(args)
+    assert without_timings(log_records(out, "attnres")) == without_timings(whole)
+    # an out_dir that cannot be written is reported before training
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="out_dir .*file/o is not writable"):
+        train.main(tiny(shards, tmp_path / "file" / "o"))
+    # eval_tokens beyond the validation shard, token ids beyond vocab_size, a damaged shard
+    with pytest.raises(ConfigError, match="eval_tokens=5000 is more than the validation shard .* holds .3,000 tokens"):
+        train.main(tiny(shards, tmp_path / "o3", "--eval_tokens=5000"))
+    with pytest.raises(DataError, match=r"token id .* >= vocab_size 16"):
+        train.main(tiny(shards, tmp_path / "o4", "--vocab_size=16"))
+    bad = tmp_path / "bad"
+    shutil.copytree(shards, bad)
+    with open(bad / "train_000002.bin", "r+b") as f:
+        f.truncate(2000)
+    with pytest.raises(DataError, match="train_000002.bin"):
+        train.main(tiny(str(bad), tmp_path / "o2"))
+
+
+def test_relative_data_dir_is_under_the_project_from_any_directory(shards, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train.main(tiny(os.path.relpath(shards, ROOT), "rel", "--max_iters=1", "--arms=attnres"))
+    assert result(tmp_path / "rel", "attnres")["steps"] == 1  # out_dir: under the working directory
+
+
+def run_cli(args, env=ENV, **kwargs):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, **kwargs)
+
+
+def test_cli_errors_are_one_line(shards, tmp_path):
+    proc = run_cli(tiny(shards, tmp_path / "o", "--seeds=a,b"))
+    assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: seeds=['a', 'b']: give distinct non-negative integers")
+
+
+def test_ddp_default_batch_equals_single_process(shards, tmp_path):
+    # the default batch (8 sequences x 1 micro-step) under 2 ranks: each rank takes half of each step
+    args = ["--batch_size=8", "--gradient_accumulation_steps=1", "--arms=attnres", "--max_iters=6", "--eval_interval=3"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", *tiny(shards, tmp_path / "ddp", *args)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the reference runs as a process too, with the ranks' thread count (it changes fp32 rounding)
+    single = run_cli(tiny(shards, tmp_path / "single", *args))
+    assert single.returncode == 0, single.stderr[-2000:]
+    np.testing.assert_allclose(records(tmp_path / "ddp", "attnres"), records(tmp_path / "single", "attnres"), rtol=1e-5)
+    np.testing.assert_allclose(records(tmp_path / "ddp", "attnres", key="val_loss"),
+                               records(tmp_path / "single", "attnres", key="val_loss"), rtol=1e-6)
+    assert result(tmp_path / "ddp", "attnres")["pairing"] == result(tmp_path / "single", "attnres")["pairing"]
+
+
+def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
+    # on two threads, compiled CPU kernels differ from run to run unless train.py asks for the
+    # deterministic ones; each run is a fresh process, as a rerun would be. eval_tokens leaves a
+    # short last evaluation batch, which must not recompile
+    args = ["--compile=True", "--max_iters=12", "--eval_interval=6", "--log_interval=3", "--arms=attnres",
+            "--eval_tokens=600", "--eval_batch_size=8"]
+    for run in ("a", "b"):
+        proc = run_cli(tiny(shards, tmp_path / run, *args), env={**ENV, "OMP_NUM_THREADS": "2", "TORCH_LOGS": "recompiles"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        # training and evaluation graphs, compiled once each: no recompile for a batch shape (the short
+        # last evaluation batch is padded), none per evaluation (dynamo stops recompiling after 8)
+        assert "size mismatch" not in proc.stderr and proc.stderr.count("Recompiling function") <= 2, proc.stderr[-3000:]
+    assert records(tmp_path / "a", "attnres") == records(tmp_path / "b", "attnres")
+    assert records(tmp_path / "a", "attnres", key="val_loss") == records(tmp_path / "b", "attnres", key="val_loss")
+    # the compiled evaluation at the last checkpoint equals an eager one of the same weights
+    ckpt = torch.load(tmp_path / "a" / "attnres" / "seed0" / "ckpt.pt", weights_only=False)
+    model = GPT(GPTConfig(**ckpt["config"]["model"]))
+    model.load_state_dict(ckpt["model"])
+    val = train.open_shard(os.path.join(shards, "val_000000.bin"))
+    ctx = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
+    eager = train.evaluate(model, val, dict(block_size=16, eval_tokens=600, eval_batch_size=8), ctx)
+    assert abs(eager - records(tmp_path / "a", "attnres", key="val_loss")[-1]) < 1e-5
+
+
+def test_resume_equals_uninterrupted_line_for_line(shards, tmp_path, monkeypatch):
+    # eval_interval (checkpoints) not a multiple of log_interval: a resumed interval holds steps from
+    # before the interruption; and dropout, whose RNG state the checkpoint carries
+    args = ["--max_iters=14", "--eval_interval=5", "--log_interval=3", "--dropout=0.1", "--arms=rd_attnres"]
+    train.main(tiny(shards, tmp_path / "whole", *args))
+    real = train.learning_rate_at
+
+    def killed_at_step_12(step, cfg):
+        if step == 12:
+            raise KeyboardInterrupt
+        return real(step, cfg)
+    monkeypatch.setattr(train, "learning_rate_at", killed_at_step_12)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(shards, tmp_path / "killed", *args))
+    monkeypatch.setattr(train, "learning_rate_at", real)
+    assert not os.path.exists(tmp_path / "killed" / "rd_attnres" / "seed0" / "result.json")
+    train.main(tiny(shards, tmp_path / "killed", *args))
+    whole, resumed = (log_records(tmp_path / d, "rd_attnres") for d in ("whole", "killed"))
+    assert [r["step"] for r in whole if "loss" in r] == [3, 6, 9, 12, 14]
+    assert without_timings(resumed) == without_timings(whole)
+    assert result(tmp_path / "killed", "rd_attnres")["val_loss"] == result(tmp_path / "whole", "rd_attnres")["val_loss"]
