@@ -185,9 +185,12 @@ class ResidualScheme(nn.Module):
     (B, T, ...). A key without '/' holds a read's depth weights over its sources (embedding first,
     summing to 1), named read_name(k) plus the route when a read has several ('attn_v.{l}' for
     RD's value route, '.s0' / '.s1' for DAR's streams); any other quantity is 'group/read name'.
+    Analyses may set self.intervention to one of `interventions` (see GPT.intervene).
     """
     options = ()
+    interventions = ()
     record = None
+    intervention = None
 
     def __init__(self, config):
         super().__init__()
@@ -217,6 +220,10 @@ class ResidualScheme(nn.Module):
     def read_name(self, k):
         """The diagnostics name of read k: attn.{layer}, mlp.{layer}, or out."""
         return "out" if k == self.n_sublayers else f"attn.{k // 2}" if k % 2 == 0 else f"mlp.{k // 2}"
+
+    def uniform(self, query, name):
+        """query, or zeros (uniform depth weights) where an analysis made read `name` uniform."""
+        return torch.zeros_like(query) if self.intervention == ("uniform", name) else query
 
 
 class StandardResidual(ResidualScheme):
@@ -254,6 +261,7 @@ class AttnRes(ResidualScheme):
     reads them with its own (query[k], key_gain[k]); row n_sublayers is the output read.
     Parameters: 2 (2L + 1) d.
     """
+    interventions = ("uniform",)
 
     @staticmethod
     def check(config):
@@ -276,7 +284,8 @@ class AttnRes(ResidualScheme):
         return History([x], None)
 
     def read(self, state, k):
-        (out,), weights = depth_read(state.sources(), self.query[k:k + 1], self.key_gain[k], self.eps)
+        query = self.uniform(self.query[k:k + 1], self.read_name(k))
+        (out,), weights = depth_read(state.sources(), query, self.key_gain[k], self.eps)
         if self.record is not None:
             self.record[self.read_name(k)] = weights[..., 0, :]
         return out
@@ -297,6 +306,7 @@ class RDAttnRes(AttnRes):
       fixed_v  the value route has uniform weights (a constant zero query, not a parameter)
     """
     options = ("rd_control",)
+    interventions = ("uniform", "tie_value")
     CONTROLS = ("none", "dup", "param", "fixed_v")
 
     @staticmethod
@@ -318,11 +328,11 @@ class RDAttnRes(AttnRes):
         if self.control == "param":
             x = self.read(state, k)
             return x, x, self.value_gain[layer]
-        query = self.query[k]
-        if self.control == "none":
-            value_query = self.value_query[layer]
-        elif self.control == "dup":
+        query = self.uniform(self.query[k], f"attn.{layer}")
+        if self.control == "dup" or self.intervention == ("tie_value",):
             value_query = query
+        elif self.control == "none":
+            value_query = self.uniform(self.value_query[layer], f"attn_v.{layer}")
         else:  # fixed_v
             value_query = torch.zeros_like(query)
         (x_qk, x_v), weights = depth_read(state.sources(), torch.stack([query, value_query]),
@@ -346,6 +356,7 @@ class DualAttnRes(ResidualScheme):
     Parameters: (2L + 1)(3d + 2) + 6L.
     """
     options = ("dar_keys",)
+    interventions = ("uniform", "own_keys", "one_stream")
     KEYS = ("reciprocal", "self")
 
     @staticmethod
@@ -373,9 +384,12 @@ class DualAttnRes(ResidualScheme):
 
     def read(self, state, k):
         sources = [stream.sources() for stream in state]
-        keys = sources[::-1] if self.reciprocal else sources
-        weights = [depth_weights(keys[s], self.query[k, s:s + 1], self.key_gain[k], self.eps) for s in (0, 1)]
+        keys = sources[::-1] if self.reciprocal and self.intervention != ("own_keys",) else sources
+        query = self.uniform(self.query[k], self.read_name(k))
+        weights = [depth_weights(keys[s], query[s:s + 1], self.key_gain[k], self.eps) for s in (0, 1)]
         pi = self.fusion[k].softmax(-1)
+        if self.intervention in (("one_stream", 0), ("one_stream", 1)):
+            pi = torch.eye(2, dtype=pi.dtype, device=pi.device)[self.intervention[1]]
         # both streams' reads and their fusion in one pass: x = sum_s pi_s sum_i alpha_si h_si
         (x,) = depth_mix(sources[0] + sources[1], torch.cat([pi[0] * weights[0], pi[1] * weights[1]], dim=-1))
         if self.record is not None:
@@ -416,6 +430,7 @@ class MultiStream(ResidualScheme):
     x = sum_j pre_j H_j and writes H_i <- sum_j mix[i, j] H_j + post_i f(x); the output is the sum
     of the streams. Subclasses say how (pre, mix, post) follow from the features of H."""
     options = ("hc_streams",)
+    interventions = ("identity_mixing",)
 
     @staticmethod
     def check(config):
@@ -452,6 +467,8 @@ class MultiStream(ResidualScheme):
     def write(self, state, k, out):
         with torch.autocast(out.device.type, enabled=False):
             mix, post = self.write_weights(state, k)
+            if self.intervention == ("identity_mixing",):
+                mix = torch.eye(self.n_streams, device=mix.device).expand_as(mix)
             if self.record is not None:
                 self.record[f"stream_mixing/{self.read_name(k)}"] = mix
             H = torch.einsum("btij,btjd->btid", mix, state.H) + post.unsqueeze(-1) * out.unsqueeze(-2)
@@ -694,6 +711,20 @@ class GPT(nn.Module):
                 group, name = key.split("/")
                 result.setdefault(group, {})[name] = value.float().mean(dim=(0, 1)).cpu()
         return result
+
+    def intervene(self, change=None):
+        """
+        Analysis only, off by default (then free): replace one piece of the learned routing until the
+        next call; intervene() turns it off. change is ("uniform", read name): that read's depth
+        weights become uniform (AttnRes family; RD's value route is 'attn_v.{l}'); ("tie_value",):
+        RD's value route uses the QK query; ("own_keys",): DAR addresses each stream by its own keys;
+        ("one_stream", s): DAR feeds every sublayer from stream s alone; ("identity_mixing",): HC and
+        mHC keep every stream as it is (M = I).
+        """
+        if change is not None and change[0] not in self.residual.interventions:
+            raise ValueError(f"residual={self.config.residual!r} has no intervention {change[0]!r}; "
+                             f"it has: {', '.join(self.residual.interventions) or 'none'}")
+        self.residual.intervention = change
 
     def routing_weights(self, idx):
         return self.routing_diagnostics(idx)["weights"]

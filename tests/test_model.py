@@ -611,3 +611,37 @@ def test_denseformer_matches_its_definition():
         expected = model.lm_head(model.transformer.ln_f(x))
         assert rel_err(logits_of(model, idx), expected) < 1e-5
         assert rel_err(logits_of(make("standard"), idx), expected) > 1e-3
+
+
+# --- the analysis switch (GPT.intervene) ---------------------------------------------------------
+
+INTERVENTIONS = {  # (variant, change, exact): at init each changes nothing; exact where no rounding enters
+    ("attnres", ("uniform", "mlp.2"), True), ("rd_attnres", ("uniform", "attn_v.2"), True),
+    ("rd_attnres", ("uniform", "attn.2"), True), ("rd_attnres", ("tie_value",), True),
+    ("dar", ("uniform", "out"), True), ("dar", ("own_keys",), True),  # the two streams start bit-identical
+    ("dar", ("one_stream", 1), False), ("hc", ("identity_mixing",), True), ("mhc", ("identity_mixing",), False),
+}
+
+
+@pytest.mark.parametrize("variant, change, exact", sorted(INTERVENTIONS))
+def test_interventions_change_nothing_at_init_and_something_after(variant, change, exact):
+    model = make(variant)
+    idx = tokens()
+    with torch.no_grad():
+        for randomized in (False, True):
+            if randomized:
+                randomize_routing(model)
+            before = model(idx, idx)[1].item()
+            model.intervene(change)
+            after = model(idx, idx)[1].item()
+            model.intervene()
+            assert model(idx, idx)[1].item() == before  # switched off again
+            if not randomized:
+                assert after == before if exact else abs(after - before) < 1e-6 * before
+            else:
+                assert abs(after - before) > 1e-4
+
+
+def test_unknown_intervention_is_one_line():
+    with pytest.raises(ValueError, match="has no intervention 'identity_mixing'; it has: uniform, tie_value"):
+        make("rd_attnres").intervene(("identity_mixing",))
