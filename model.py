@@ -106,6 +106,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def attention(self, x_qk, x_v, value_gain=None):
+        # value_gain: RD's 'param' control, a per-channel gain after the norm (before it, the norm would undo part of it)
         h_qk = self.ln_1(x_qk)
         h_v = h_qk if x_v is x_qk else self.ln_1(x_v)
         if value_gain is not None:
