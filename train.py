@@ -329,12 +329,20 @@ def write_text(text, path):
         f.write(text)
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "rng", "data_hash", "config", "loss_sum", "step_last", "wall_time_s")
+
+
 def load_checkpoint(path, device):
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        ckpt = torch.load(path, map_location=device, weights_only=False)
     except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{path} is unreadable, truncated or empty ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                           f"delete it to train the cell from scratch") from None
+    missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
+    if missing:
+        raise ConfigError(f"{path} was written by an older train.py (no {', '.join(missing)}); delete it to train "
+                          f"the cell from scratch")
+    return ckpt
 
 
 def log_until(log_path, step):

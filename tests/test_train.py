@@ -1,4 +1,5 @@
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import torch
 
 import train
 from configurator import ConfigError, configure
-from data.prepare import DataError, write_shard
+from data.prepare import BUNDLED_OUT, DataError, write_shard
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -397,8 +398,11 @@ def test_damaged_cells_and_outputs_are_one_line(shards, tmp_path):
     whole = log_records(out, "attnres")
     os.remove(cell / "result.json")  # as if killed after the last checkpoint
     good = (cell / "ckpt.pt").read_bytes()
+    older = io.BytesIO()
+    torch.save({"model": {}, "step": 2}, older)
     for damage, message in [(good[:1000], "ckpt.pt is unreadable, truncated or empty"),
-                            (b"", "ckpt.pt is unreadable, truncated or empty")]:
+                            (b"", "ckpt.pt is unreadable, truncated or empty"),
+                            (older.getvalue(), "ckpt.pt was written by an older train.py")]:
         (cell / "ckpt.pt").write_bytes(damage)
         with pytest.raises(ConfigError, match=message):
             train.main(args)
@@ -431,10 +435,28 @@ def test_damaged_cells_and_outputs_are_one_line(shards, tmp_path):
         train.main(tiny(str(bad), tmp_path / "o2"))
 
 
+def test_shards_are_checked_against_their_manifest(tmp_path):
+    from data.prepare import prepare
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    data = tmp_path / "data"
+    prepare(str(data), input=str(tmp_path / "*.txt"), val_tokens=1000, shard_tokens=100_000, workers=1, quiet=True)
+    args = tiny(str(data), tmp_path / "o", "--vocab_size=50304")
+    write_shard(str(data / "train_000099.bin"), np.zeros(100, dtype=np.uint16))
+    with pytest.raises(DataError, match="train_000099.bin is not listed in manifest.json"):
+        train.main(args)
+    os.remove(data / "train_000099.bin")
+    with open(data / "train_000001.bin", "r+b") as f:  # other tokens, same size: only the sha256 tells
+        f.seek(-2, 2)
+        f.write(b"\x01\x00")
+    with pytest.raises(DataError, match="train_000001.bin: its tokens differ from manifest.json"):
+        train.main(args + ["--verify_shards=True"])
+
+
 def test_relative_data_dir_is_under_the_project_from_any_directory(shards, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     train.main(tiny(os.path.relpath(shards, ROOT), "rel", "--max_iters=1", "--arms=attnres"))
     assert result(tmp_path / "rel", "attnres")["steps"] == 1  # out_dir: under the working directory
+    assert os.path.abspath(os.path.join(train.HERE, train.DEFAULTS["data_dir"])) == BUNDLED_OUT
 
 
 def run_cli(args, env=ENV, **kwargs):
