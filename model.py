@@ -165,6 +165,13 @@ def depth_read(sources, queries, key_gain, eps):
     return depth_mix(sources, weights), weights
 
 
+def cosine_matrix(sources):
+    """Token-wise cosine similarity of every pair of sources (B, T, d): (B, T, S, S) in fp32."""
+    with torch.autocast(sources[0].device.type, enabled=False):
+        unit = F.normalize(torch.stack([s.float() for s in sources], dim=-2), dim=-1)
+        return unit @ unit.transpose(-1, -2)
+
+
 def js_divergence(p, q):
     """Jensen-Shannon divergence (nats) between distributions on the last axis."""
     m = 0.5 * (p + q)
@@ -186,7 +193,8 @@ class ResidualScheme(nn.Module):
     (B, T, ...). A key without '/' holds a read's depth weights over its sources (embedding first,
     summing to 1), named read_name(k) plus the route when a read has several ('attn_v.{l}' for
     RD's value route, '.s0' / '.s1' for DAR's streams); any other quantity is 'group/read name'.
-    Analyses may set self.intervention to one of `interventions` (see GPT.intervene).
+    Analyses may set self.intervention to a change of one of the kinds in `interventions`;
+    changes() lists every change this model can make (see GPT.intervene).
     """
     options = ()
     interventions = ()
@@ -217,6 +225,10 @@ class ResidualScheme(nn.Module):
     def write(self, state, k, out):
         """The state once sublayer k's output `out` (B, T, d) has joined it."""
         raise NotImplementedError
+
+    def changes(self):
+        """Every change GPT.intervene accepts for this scheme's settings, in a fixed order."""
+        return []
 
     def read_name(self, k):
         """The diagnostics name of read k: attn.{layer}, mlp.{layer}, or out."""
@@ -284,11 +296,17 @@ class AttnRes(ResidualScheme):
     def start(self, x):
         return History([x], None)
 
+    def changes(self):
+        # read 0 sees the embedding alone (the identity whatever its weights); every later read sees 2+ sources
+        return [("uniform", self.read_name(k)) for k in range(1, self.n_sublayers + 1)]
+
     def read(self, state, k):
         query = self.uniform(self.query[k:k + 1], self.read_name(k))
         (out,), weights = depth_read(state.sources(), query, self.key_gain[k], self.eps)
         if self.record is not None:
             self.record[self.read_name(k)] = weights[..., 0, :]
+            if k == self.n_sublayers:  # every source exists here: how alike they are (depth-wise diversity)
+                self.record["source_cosine/out"] = cosine_matrix(state.sources())
         return out
 
     def write(self, state, k, out):
@@ -324,13 +342,20 @@ class RDAttnRes(AttnRes):
         elif self.control == "param":
             self.value_gain = nn.Parameter(torch.zeros(config.n_layer, config.n_embd))
 
+    def changes(self):
+        if self.control != "none":  # no learned value route: nothing of RD's own to change
+            return super().changes()
+        layers = range(1, self.n_sublayers // 2)  # layer 0's attention reads the embedding alone
+        return (super().changes() + [("uniform", f"attn_v.{l}") for l in layers]
+                + [("tie_value", l) for l in layers] + [("tie_value",)])
+
     def read_attention(self, state, k):
         layer = k // 2
         if self.control == "param":
             x = self.read(state, k)
             return x, x, self.value_gain[layer]
         query = self.uniform(self.query[k], f"attn.{layer}")
-        if self.control == "dup" or self.intervention == ("tie_value",):
+        if self.control == "dup" or self.intervention in (("tie_value",), ("tie_value", layer)):
             value_query = query
         elif self.control == "none":
             value_query = self.uniform(self.value_query[layer], f"attn_v.{layer}")
@@ -383,6 +408,11 @@ class DualAttnRes(ResidualScheme):
     def start(self, x):
         return History([x], None), History([x], None)
 
+    def changes(self):
+        own = [("own_keys",)] if self.reciprocal else []  # dar_keys='self' reads by its own keys already
+        return ([("uniform", self.read_name(k)) for k in range(1, self.n_sublayers + 1)] + own
+                + [("one_stream", 0), ("one_stream", 1)])
+
     def read(self, state, k):
         sources = [stream.sources() for stream in state]
         keys = sources[::-1] if self.reciprocal and self.intervention != ("own_keys",) else sources
@@ -401,6 +431,11 @@ class DualAttnRes(ResidualScheme):
             if len(sources[0]) > 1:  # the embedding is shared; compare the rest of the histories
                 self.record[f"stream_cosine/{name}"] = torch.stack([F.cosine_similarity(a, b, dim=-1)
                                                                     for a, b in zip(sources[0][1:], sources[1][1:])]).mean(0)
+            if k == self.n_sublayers:  # every block exists here: each stream's diversity, and the streams' per block
+                for s in (0, 1):
+                    self.record[f"source_cosine/out.s{s}"] = cosine_matrix(sources[s])
+                self.record["block_cosine/out"] = torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1)
+                                                               for a, b in zip(sources[0][1:], sources[1][1:])], -1)
         return x
 
     def write(self, state, k, out):
@@ -459,8 +494,13 @@ class MultiStream(ResidualScheme):
         with torch.autocast(x.device.type, enabled=False):  # stream weights in fp32
             return Streams(H, self.features(H))
 
+    def changes(self):
+        return [("identity_mixing",)]
+
     def read(self, state, k):
         if k == self.n_sublayers:
+            if self.record is not None:  # are the streams used as different streams?
+                self.record["stream_cosine/out"] = cosine_matrix(state.H.unbind(-2))
             return state.H.sum(-2)
         with torch.autocast(state.H.device.type, enabled=False):
             return (self.read_weights(state, k).unsqueeze(-1) * state.H).sum(-2)
@@ -564,6 +604,7 @@ class DenseFormer(ResidualScheme):
     Static weights (the same at every token), l + 2 for layer l: L (L + 3) / 2 parameters. Init
     alpha[l] = (0, .., 0, 1), the paper's: the model is `standard`.
     """
+    interventions = ("identity_dwa",)
 
     def __init__(self, config):
         super().__init__(config)
@@ -572,6 +613,9 @@ class DenseFormer(ResidualScheme):
 
     def start(self, x):
         return Dense(x, [x])
+
+    def changes(self):
+        return [("identity_dwa", l) for l in range(len(self.dwa))] + [("identity_dwa",)]
 
     def read(self, state, k):
         return state.x
@@ -583,6 +627,10 @@ class DenseFormer(ResidualScheme):
         outputs, alpha = state.outputs + [x], self.dwa[k // 2]
         if self.record is not None:
             self.record[f"dwa/{self.read_name(k)}"] = alpha.expand(*x.shape[:-1], len(outputs))
+            if k == self.n_sublayers - 1:  # every layer output exists here: how alike they are
+                self.record["source_cosine/out"] = cosine_matrix(outputs)
+        if self.intervention in (("identity_dwa",), ("identity_dwa", k // 2)):
+            return Dense(x, outputs)  # the standard residual: alpha = (0, .., 0, 1) exactly
         return Dense(sum(alpha[j] * y for j, y in enumerate(outputs)), outputs)
 
 
@@ -687,12 +735,18 @@ class GPT(nn.Module):
                     partial last), averaged over batch and positions. Names: attn.{l} (the QK
                     route for RD), attn_v.{l} (RD's value route), mlp.{l}, out.
           entropy   read name -> token-averaged entropy of its depth weights (nats)
+          effective_sources  read name -> exp(entropy) per token, averaged over tokens: 1 when a read
+                    takes one source, S when it weighs its S sources equally
           qk_v_jsd  layer -> token-wise Jensen-Shannon divergence between attn.{l} and attn_v.{l},
                     averaged over tokens (nats); only for schemes with a value route
         and, averaged over tokens, what a scheme records beside its depth weights: DAR's fusion
         (pi per read), write_gate (beta per sublayer), mixing (rho) and stream_cosine (of the two
         histories); HC/mHC's stream_mixing matrices (per sublayer, H_i <- sum_j M[i, j] H_j);
-        DenseFormer's dwa weights (per layer, named by its MLP sublayer: mlp.{l}). DAR's depth
+        DenseFormer's dwa weights (per layer, named by its MLP sublayer: mlp.{l}). At the output,
+        where every source exists, the depth-wise diversity: source_cosine (S x S cosine similarity
+        of the sources, token-wise; per stream for DAR: out.s0, out.s1; DenseFormer: the embedding
+        and the layer outputs), DAR's block_cosine (the two streams' cosine per source after the
+        shared embedding) and HC/mHC's stream_cosine (n x n, of the streams). DAR's depth
         weights are per stream: attn.{l}.s0, attn.{l}.s1, ..., out.s1. Naming: ResidualScheme.
         """
         record = self.residual.record = {}  # the schemes fill it during this one pass
@@ -701,8 +755,10 @@ class GPT(nn.Module):
         finally:
             self.residual.record = None
         weights = {name: w for name, w in record.items() if "/" not in name}
+        entropy = {name: -torch.special.xlogy(w, w).sum(-1) for name, w in weights.items()}
         result = dict(weights={name: w.mean(dim=(0, 1)).cpu() for name, w in weights.items()},
-                      entropy={name: -torch.special.xlogy(w, w).sum(-1).mean().item() for name, w in weights.items()},
+                      entropy={name: h.mean().item() for name, h in entropy.items()},
+                      effective_sources={name: h.exp().mean().item() for name, h in entropy.items()},
                       qk_v_jsd={})
         for layer in range(self.config.n_layer):
             if f"attn_v.{layer}" in weights:
@@ -717,15 +773,21 @@ class GPT(nn.Module):
         """
         Analysis only, off by default (then free): replace one piece of the learned routing until the
         next call; intervene() turns it off. change is ("uniform", read name): that read's depth
-        weights become uniform (AttnRes family; RD's value route is 'attn_v.{l}'); ("tie_value",):
-        RD's value route uses the QK query; ("own_keys",): DAR addresses each stream by its own keys;
-        ("one_stream", s): DAR feeds every sublayer from stream s alone; ("identity_mixing",): HC and
-        mHC keep every stream as it is (M = I).
+        weights become uniform (AttnRes family; RD's value route is 'attn_v.{l}'); ("tie_value",)
+        or ("tie_value", l): RD's value route uses the QK query (every layer, or layer l);
+        ("own_keys",): DAR addresses each stream by its own keys; ("one_stream", s): DAR feeds every
+        sublayer from stream s alone; ("identity_mixing",): HC and mHC keep every stream as it is
+        (M = I); ("identity_dwa",) or ("identity_dwa", l): DenseFormer's averages (or layer l's)
+        become the standard residual's alpha = (0, .., 0, 1). interventions() lists them all.
         """
         if change is not None and change[0] not in self.residual.interventions:
             raise ValueError(f"residual={self.config.residual!r} has no intervention {change[0]!r}; "
                              f"it has: {', '.join(self.residual.interventions) or 'none'}")
         self.residual.intervention = change
+
+    def interventions(self):
+        """Every change intervene() accepts for this model, in a fixed order (none for standard)."""
+        return self.residual.changes()
 
     def routing_weights(self, idx):
         return self.routing_diagnostics(idx)["weights"]

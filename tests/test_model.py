@@ -215,8 +215,8 @@ def test_bf16_autocast_depth_weights_are_fp32(variant):
         outputs, _ = depth_read([torch.randn(2, 3, 32) for _ in range(3)], torch.randn(2, 32), torch.ones(32), 1e-6)
     assert hidden.dtype == torch.float32
     assert all(o.dtype == torch.float32 for o in outputs)  # the residual stream stays fp32
-    for w in record.values():
-        assert w.dtype == torch.float32
+    assert all(v.dtype == torch.float32 for v in record.values())
+    for w in (v for name, v in record.items() if "/" not in name):  # the depth weights
         assert (w.sum(-1) - 1).abs().max().item() < 1e-6  # bf16 softmax would be off by ~1e-3
 
 
@@ -620,6 +620,8 @@ INTERVENTIONS = {  # (variant, change, exact): at init each changes nothing; exa
     ("rd_attnres", ("uniform", "attn.2"), True), ("rd_attnres", ("tie_value",), True),
     ("dar", ("uniform", "out"), True), ("dar", ("own_keys",), True),  # the two streams start bit-identical
     ("dar", ("one_stream", 1), False), ("hc", ("identity_mixing",), True), ("mhc", ("identity_mixing",), False),
+    ("rd_attnres", ("tie_value", 1), True), ("denseformer", ("identity_dwa", 2), True),
+    ("denseformer", ("identity_dwa",), True),
 }
 
 
@@ -645,3 +647,18 @@ def test_interventions_change_nothing_at_init_and_something_after(variant, chang
 def test_unknown_intervention_is_one_line():
     with pytest.raises(ValueError, match="has no intervention 'identity_mixing'; it has: uniform, tie_value"):
         make("rd_attnres").intervene(("identity_mixing",))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_listed_interventions_are_accepted_and_each_matters(variant):
+    model = make(variant)
+    changes = model.interventions()
+    assert len(set(changes)) == len(changes) and (changes == []) == (variant == "standard")
+    idx = tokens()
+    randomize_routing(model)
+    with torch.no_grad():
+        before = model(idx, idx)[1].item()
+        for change in changes:
+            model.intervene(change)
+            assert abs(model(idx, idx)[1].item() - before) > 1e-5, change
+        model.intervene()

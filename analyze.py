@@ -1,0 +1,229 @@
+"""
+Interventions and representation diagnostics of one trained cell (docs/analyses.md says how to
+read them).
+
+$ python analyze.py out/rd_attnres/seed0                   # the cell's whole fixed validation set
+$ python analyze.py out/dar/seed0 --max_tokens=65536 --device=cuda
+
+Loads the cell's ckpt.pt and config.json (written by train.py) and evaluates on the cell's own
+fixed validation set (the first eval_tokens tokens of its validation shard, as train.py does;
+--max_tokens takes fewer, recorded). Writes into the cell folder analysis.json, analysis.md and,
+when matplotlib is installed, analysis_interventions.png and analysis_cosine.png:
+
+- interventions: every change GPT.interventions() lists (uniform weights for one depth read, RD's
+  value route tied to its QK route per layer and everywhere, DAR by its own keys or from one
+  stream, HC/mHC identity mixing, DenseFormer's averages replaced by the standard residual),
+  each as the validation NLL with the change minus the NLL without it, on the same tokens;
+- representations, averaged over the same tokens: per read the mean weights over its sources and
+  the effective number of sources, exp(entropy) per token averaged over tokens; at the output
+  read, the cosine-similarity matrix of the depth sources per stream; DAR's cross-stream cosine per
+  block and HC/mHC's per pair of streams; RD's QK/V divergence per layer.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+import train
+from configurator import ConfigError
+from data.prepare import DataError, find_shards, open_shard, write_json
+from model import GPT, GPTConfig
+
+
+def load_cell(cell_dir):
+    """(the cell's config.json record, its model with the checkpoint's weights, on the CPU, the checkpoint's step)"""
+    config_path, ckpt_path = os.path.join(cell_dir, "config.json"), os.path.join(cell_dir, "ckpt.pt")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{cell_dir} is not a cell folder (no config.json); give OUT_DIR/<arm>/seed<k> of a train.py run")
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+        config = GPTConfig(**cfg["model"])
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{config_path} is not a cell record of this code ({type(e).__name__}: {e}); "
+                          f"rerun train.py for the cell") from None
+    if not os.path.isfile(ckpt_path):
+        raise ConfigError(f"{ckpt_path} is missing: the cell saves it at its first evaluation after step 0; "
+                          f"train the cell (train.py) first")
+    ckpt = train.load_checkpoint(ckpt_path, "cpu")
+    model = GPT(config)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ConfigError(f"{ckpt_path} does not fit the model in {config_path} "
+                          f"({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e})") from None
+    return cfg, model, ckpt["step"]
+
+
+def accumulate(total, value, weight):
+    """total + weight * value, leaf by leaf (numbers and tensors in nested dicts)."""
+    if isinstance(value, dict):
+        return {k: accumulate(None if total is None else total[k], v, weight) for k, v in value.items()}
+    return weight * value if total is None else total + weight * value
+
+
+@torch.no_grad()
+def representations(model, val, cfg, ctx):
+    """GPT.routing_diagnostics averaged over the tokens of the fixed validation set."""
+    T = cfg["block_size"]
+    n_seq = (cfg["eval_tokens"] - 1) // T
+    model.eval()
+    total = None
+    for i in tqdm(range(0, n_seq, cfg["eval_batch_size"]), desc="representations", leave=False):
+        x, _ = train.validation_batch(val, range(i, min(i + cfg["eval_batch_size"], n_seq)), T, ctx["device"])
+        with ctx["autocast"]:
+            total = accumulate(total, model.routing_diagnostics(x), len(x) / n_seq)  # every batch: T tokens per sequence
+    return total
+
+
+def interventions(model, val, cfg, ctx):
+    """(base NLL, [(change, NLL with the change)]) on the fixed validation set, each through GPT.intervene."""
+    base = train.evaluate(model, val, cfg, ctx)
+    rows = []
+    try:
+        for change in tqdm(model.interventions(), desc="interventions"):
+            model.intervene(change)
+            rows.append((change, train.evaluate(model, val, cfg, ctx)))
+    finally:
+        model.intervene()
+    return base, rows
+
+
+def describe(change):
+    kind, *arg = change
+    return f"{kind} {arg[0]}" if arg else f"{kind} (all)" if kind in ("tie_value", "identity_dwa") else kind
+
+
+def matrix_table(name, matrix):
+    n = len(matrix)
+    lines = [f"**{name}**", "", "| | " + " | ".join(map(str, range(n))) + " |", "|---" * (n + 1) + "|"]
+    lines += [f"| {i} | " + " | ".join(f"{v:.2f}" for v in row) + " |" for i, row in enumerate(matrix)]
+    return lines + [""]
+
+
+def markdown(a):
+    lines = [f"# Analysis of {a['arm']}/seed{a['seed']} (residual={a['residual']}, step {a['step']})", "",
+             f"Validation: the first {a['tokens']:,} tokens of the cell's fixed validation set"
+             + (f" (capped by --max_tokens; the cell evaluates {a['cell_tokens']:,})" if a["capped"] else "")
+             + f"; device {a['device']}. NLL of the unmodified model: {a['base_nll']:.4f} nats/token"
+             + (f" (the cell recorded {a['recorded_val_loss']:.4f})" if a["recorded_val_loss"] is not None else "")
+             + ".", ""]
+    if not a["interventions"]:
+        return "\n".join(lines + [f"residual={a['residual']!r} has no depth reads: no interventions and no routing "
+                                  f"representations; the NLL above is the whole analysis.", ""])
+    lines += ["## Interventions", "", "NLL with the change minus NLL without it, on the same tokens "
+              "(positive: the learned routing that the change removes was helping).", "",
+              "| change | NLL | delta NLL |", "|---|---|---|"]
+    lines += [f"| {describe(r['change'])} | {r['nll']:.4f} | {r['delta']:+.3g} |" for r in a["interventions"]]
+    rep = a["representations"]
+    if rep["weights"]:
+        lines += ["", "## Depth reads", "", "Effective number of sources: exp(entropy of the read's weights) per token, "
+                  "averaged over tokens (1: one source; S: all S equally).", "",
+                  "| read | sources | effective | mean weights (embedding first) |", "|---|---|---|---|"]
+        lines += [f"| {name} | {len(w)} | {rep['effective_sources'][name]:.2f} | {' '.join(f'{v:.2f}' for v in w)} |"
+                  for name, w in rep["weights"].items()]
+    for group, title in (("dwa", "DenseFormer's depth-weighted averages (per layer, embedding first)"),
+                         ("fusion", "DAR's fusion of the two streams' reads (stream 0, stream 1)")):
+        if group in rep:
+            lines += ["", f"## {title}", "", "| after / read | weights |", "|---|---|"]
+            lines += [f"| {name} | {' '.join(f'{v:.2f}' for v in w)} |" for name, w in rep[group].items()]
+    if rep["qk_v_jsd"]:
+        lines += ["", "## QK vs V route", "", "Jensen-Shannon divergence (nats) between the two routes' weights, "
+                  "per token, averaged: 0 when the routes agree.", "", "| layer | JSD |", "|---|---|"]
+        lines += [f"| {layer} | {v:.4f} |" for layer, v in rep["qk_v_jsd"].items()]
+    if "source_cosine" in rep:
+        lines += ["", "## Depth-wise diversity", "", "Cosine similarity of the sources the output read sees "
+                  "(0: the embedding, then one per block or layer), per token, averaged.", ""]
+        for name, m in rep["source_cosine"].items():
+            lines += matrix_table(name, m)
+    if "block_cosine" in rep:
+        lines += ["## Cross-stream similarity", "", "Cosine similarity of the two streams' versions of each block "
+                  "(the embedding is shared), per token, averaged: 1 means the two streams hold the same thing.", "",
+                  "| block | " + " | ".join(str(b + 1) for b in range(len(rep["block_cosine"]["out"]))) + " |",
+                  "|---" * (len(rep["block_cosine"]["out"]) + 1) + "|",
+                  "| cosine | " + " | ".join(f"{v:.3f}" for v in rep["block_cosine"]["out"]) + " |", ""]
+    if "stream_cosine" in rep and "out" in rep["stream_cosine"] and isinstance(rep["stream_cosine"]["out"], list):
+        lines += ["## Cross-stream similarity", "", "Cosine similarity of the residual streams before the output.", ""]
+        lines += matrix_table("streams", rep["stream_cosine"]["out"])
+    return "\n".join(lines) + "\n"
+
+
+def plots(a, cell_dir):
+    """The deltas as bars and the cosine matrices as heatmaps, when matplotlib is installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    save = lambda fig, name: train.save_atomically(fig, os.path.join(cell_dir, name),
+                                                   writer=lambda f, p: f.savefig(p, format="png", dpi=120))
+    rows = a["interventions"]
+    fig, ax = plt.subplots(figsize=(6, 0.25 * len(rows) + 1))
+    ax.barh([describe(r["change"]) for r in rows][::-1], [r["delta"] for r in rows][::-1])
+    ax.set_xlabel("delta validation NLL (nats/token)")
+    ax.set_title(f"{a['arm']}/seed{a['seed']}: interventions", fontsize=9)
+    fig.tight_layout()
+    save(fig, "analysis_interventions.png")
+    plt.close(fig)
+    matrices = [(f"sources {k}", m) for k, m in a["representations"].get("source_cosine", {}).items()]
+    if isinstance(a["representations"].get("stream_cosine", {}).get("out"), list):
+        matrices.append(("streams", a["representations"]["stream_cosine"]["out"]))
+    if matrices:
+        fig, axes = plt.subplots(1, len(matrices), figsize=(3.2 * len(matrices), 3), squeeze=False)
+        for ax, (name, m) in zip(axes[0], matrices):
+            image = ax.imshow(m, vmin=-1, vmax=1, cmap="RdBu_r")
+            ax.set_title(f"cosine: {name}", fontsize=9)
+        fig.colorbar(image, ax=axes[0].tolist())
+        save(fig, "analysis_cosine.png")
+        plt.close(fig)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cell", help="a cell folder, OUT_DIR/<arm>/seed<k>")
+    parser.add_argument("--max_tokens", type=int, default=0, help="evaluate at most this many tokens (0: the cell's eval_tokens)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="", help="auto, bfloat16 or float32 (default: the cell's)")
+    args = parser.parse_args(argv)
+    cfg, model, step = load_cell(args.cell)
+    ctx = train.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"]))
+    model.to(ctx["device"])
+    data_dir = os.path.abspath(os.path.join(train.HERE, cfg["data_dir"]))  # train.py's rule: relative to the project
+    val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
+    T = cfg["block_size"]
+    if cfg["eval_tokens"] > len(val):
+        raise ConfigError(f"the validation shard in {data_dir} holds {len(val):,} tokens, fewer than the cell's "
+                          f"eval_tokens={cfg['eval_tokens']}: it is not the data the cell was trained with")
+    eval_tokens = min(args.max_tokens or cfg["eval_tokens"], cfg["eval_tokens"])
+    if eval_tokens < T + 1:
+        raise ConfigError(f"--max_tokens={args.max_tokens} is less than one sequence of block_size+1 = {T + 1} tokens")
+    ecfg = dict(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
+    base, rows = interventions(model, val, ecfg, ctx)
+    result_path = os.path.join(args.cell, "result.json")
+    recorded = None
+    if os.path.exists(result_path) and eval_tokens == cfg["eval_tokens"]:
+        with open(result_path) as f:
+            recorded = json.load(f).get("val_loss")
+    tokens = (eval_tokens - 1) // T * T
+    a = dict(cell=os.path.abspath(args.cell), arm=cfg.get("arm"), seed=cfg.get("seed"), residual=model.config.residual,
+             step=step, device=ctx["device"], tokens=tokens, cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
+             capped=eval_tokens < cfg["eval_tokens"], base_nll=base, recorded_val_loss=recorded,
+             interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
+             representations=train.rounded(representations(model, val, ecfg, ctx)) if rows else None)
+    write_json(os.path.join(args.cell, "analysis.json"), a)
+    train.save_atomically(markdown(a), os.path.join(args.cell, "analysis.md"), writer=train.write_text)
+    if rows:
+        plots(a, args.cell)
+    print(markdown(a))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError) as e:
+        sys.exit(f"error: {e}")
