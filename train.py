@@ -380,7 +380,7 @@ def gather_rng(ctx):
 def evals_after(step, cfg):
     """Evaluations still to come after step."""
     n, k = cfg["max_iters"], cfg["eval_interval"]
-    return n // k - step // k + (n % k != 0)
+    return n // k - step // k + (n % k != 0 and step < n)
 
 
 def duration(seconds):

@@ -158,6 +158,14 @@ def test_micro_batches():
             assert sum(sizes) == n and max(sizes) <= b and len(sizes) == -(-n // b) and max(sizes) - min(sizes) <= 1
 
 
+def test_evals_after_counts_the_evaluations_to_come():
+    for n in range(1, 25):
+        for k in range(1, 12):
+            for step in range(-1, n + 1):  # -1: a cell not started, whose step 0 is evaluated too
+                expected = sum(1 for s in range(step + 1, n + 1) if s % k == 0 or s == n)
+                assert train.evals_after(step, dict(max_iters=n, eval_interval=k)) == expected
+
+
 def test_learning_rate_schedules():
     cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, max_iters=110, lr_schedule="cosine", cooldown_frac=0.2)
     lr = lambda s, **kw: train.learning_rate_at(s, dict(cfg, **kw))
@@ -383,9 +391,14 @@ def test_divergence_stops_the_cell_and_the_grid_goes_on(shards, tmp_path, capsys
     for arm in ("attnres", "rd_attnres"):
         for seed in (0, 1):
             r = result(out, arm, seed)
-            assert r["status"] == "diverged" and r["val_loss"] is None and 0 < r["diverged_at"] <= 8
-            assert "loss" in r["reason"] and ("nan" in r["reason"] or "inf" in r["reason"])
-            assert f"[{arm} seed{seed}] diverged: " in lines
+            assert r["status"] == "diverged" and r["val_loss"] is None and r["routing"] is None
+            assert r["diverged_at"] == 2 and r["reason"] == "train loss nan over steps 2-2"
+            assert f"[{arm} seed{seed}] diverged: train loss nan" in lines
+    # logged after the next evaluation: the validation loss stops it
+    train.main(tiny(shards, tmp_path / "val", "--learning_rate=1e9", "--warmup_iters=0", "--grad_clip=0",
+                    "--log_interval=100", "--arms=attnres"))
+    r = result(tmp_path / "val", "attnres")
+    assert r["status"] == "diverged" and r["diverged_at"] == 4 and r["reason"] == "validation loss nan at step 4"
     train.main(tiny(shards, out, "--learning_rate=1e9", "--warmup_iters=0", "--grad_clip=0", "--seeds=0,1"))
     assert "[attnres seed0] done already: diverged at step" in capsys.readouterr().out
 
@@ -471,8 +484,10 @@ def test_cli_errors_are_one_line(shards, tmp_path):
 
 
 def test_ddp_default_batch_equals_single_process(shards, tmp_path):
-    # the default batch (8 sequences x 1 micro-step) under 2 ranks: each rank takes half of each step
-    args = ["--batch_size=8", "--gradient_accumulation_steps=1", "--arms=attnres", "--max_iters=6", "--eval_interval=3"]
+    # the default batch (8 sequences x 1 micro-step) under 2 ranks: each rank takes half of each step;
+    # checkpoints (every 3 steps) fall inside log intervals (every 2), where the ranks' losses are carried
+    args = ["--batch_size=8", "--gradient_accumulation_steps=1", "--arms=attnres", "--max_iters=6", "--eval_interval=3",
+            "--log_interval=2"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "train.py", *tiny(shards, tmp_path / "ddp", *args)], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300)
