@@ -477,7 +477,7 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
             if master:
                 print(f"{prefix} step {step}: val_loss {val_loss:.4f}")
                 log.write(json.dumps(dict(step=step, tokens=step * tokens_per_step, val_loss=val_loss,
-                                          routing=routing)) + "\n")
+                                          eval_s=round(time.time() - t_eval, 3), routing=routing)) + "\n")
                 log.flush()
             rng = gather_rng(ctx)
             if ctx["world"] > 1:  # the interval's loss so far, on rank 0 alone: a resume restores it exactly

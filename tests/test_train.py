@@ -18,7 +18,7 @@ from model import GPT, GPTConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 torch.set_num_threads(1)  # tiny models: threads only contend with each other on a shared machine (3-20x slower)
-TIMINGS = ("ms_per_step", "tokens_per_s", "mfu", "eta_cell_s", "eta_grid_s")
+TIMINGS = ("ms_per_step", "tokens_per_s", "mfu", "eta_cell_s", "eta_grid_s", "eval_s")
 
 
 # --- configurator ----------------------------------------------------------------------------
@@ -324,6 +324,7 @@ def test_run_contract_pairing_provenance_and_reruns(shards, tmp_path, monkeypatc
             assert log[-2]["step"] == 8 and log[-2]["eta_cell_s"] == 0 and log[1]["eta_cell_s"] > 0
             assert (log[-2]["eta_grid_s"] == 0) == ((arm, seed) == ("rd_attnres", 1))  # the grid's last cell
             assert [x["step"] for x in log if "val_loss" in x] == [0, 4, 8]
+            assert all(x["eval_s"] > 0 for x in log if "val_loss" in x)
         assert records(out, arm)[-1] < records(out, arm)[0]  # it learns
     # pairing, checked: within a seed, the same shared init, batches and settings; across seeds not
     for seed in (0, 1):
