@@ -4,6 +4,7 @@ shared-parameter init, same data order, same dropout RNG) and evaluated on one f
 
 $ python train.py                                       # default: a small paired run on the bundled corpus
 $ python train.py config/rd_120m.py --seeds=0 --arms=rd_attnres   # one cell, one GPU
+$ python train.py --init_from=out/standard/seed0/ckpt.pt       # every arm from a trained standard model
 $ torchrun --standalone --nproc_per_node=8 train.py config/rd_343m.py
 $ torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \
       --nproc_per_node=8 train.py config/rd_343m.py     # multi-node: out_dir on a shared filesystem
@@ -46,6 +47,7 @@ _before_config = set(globals())
 out_dir = "out"  # relative to the working directory
 data_dir = "data/shakespeare_gpt2"  # relative to this file's directory; the bundled corpus is prepared on demand
 verify_shards = False  # at start, also check each shard's sha256 against manifest.json (file names and sizes always)
+init_from = ""  # warm start: every cell from this standard checkpoint's weights (docs/protocol.md); "" = the seed's init
 eval_interval = 100
 log_interval = 10
 eval_tokens = 32768  # the fixed validation set: the first N tokens of the validation shard
@@ -166,6 +168,55 @@ def check_cell(cfg, arm, seed, code):
         return None, {}  # nothing trained yet: the cell starts from scratch
     return check_rerun(os.path.join(cell_dir, "config.json"), dict(cell_config(cfg, arm, seed), code=code),
                        cfg["allow_changes"])
+
+
+# the model keys that give the shared weights their meaning (n_head: not visible in the shapes)
+ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")
+
+
+def load_init_from(cfg):
+    """
+    The weights every cell starts from when init_from is set, and the sha256 of their file: a
+    train.py ckpt.pt of a residual='standard' arm, or a file holding a state_dict of one. Checked
+    against every arm before anything runs; each cell then copies them by name over its seed's
+    init, leaving its routing parameters (residual.*) at their init, which is the standard residual.
+    """
+    path = cfg["init_from"]
+    if not path:
+        return None, None
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"init_from={path} is missing or unreadable ({why}); give a train.py ckpt.pt of a "
+                          f"residual='standard' arm") from None
+    weights = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
+    if not isinstance(weights, dict) or not weights or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise ConfigError(f"init_from={path} holds neither a train.py ckpt.pt nor a state_dict")
+    source = ckpt.get("config", {}).get("model", {})  # a train.py checkpoint says what model it is
+    routing = [k for k in weights if k.startswith("residual.")]
+    if routing:
+        raise ConfigError(f"init_from={path} is not a standard checkpoint (residual={source.get('residual', '?')!r}, "
+                          f"routing parameters {routing[0]}, ...); warm starts begin from a residual='standard' model")
+    for arm, settings in cfg["arms"].items():
+        config = model_config(cfg, settings)
+        for key in ARCHITECTURE_KEYS:
+            if key in source and source[key] != getattr(config, key):
+                raise ConfigError(f"init_from={path} has {key}={source[key]}, arm {arm!r} has {key}="
+                                  f"{getattr(config, key)}; set --{key}={source[key]} or use another checkpoint")
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in GPT(config).state_dict().items() if not k.startswith("residual.")}
+        for name in sorted(set(shapes) | set(weights)):
+            have = tuple(weights[name].shape) if name in weights else "absent"
+            want = tuple(shapes[name]) if name in shapes else "absent"
+            if have != want:
+                raise ConfigError(f"init_from={path} does not fit arm {arm!r}: {name} is {have} there, {want} in "
+                                  f"the arm (n_layer, n_embd, vocab_size must be the checkpoint's)")
+    return weights, h.hexdigest()
 
 
 def seed_for(seed, purpose, rank=0):
@@ -408,6 +459,8 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
     record = dict(cell, model=dataclasses.asdict(config), code=code)
     torch.manual_seed(seed_for(seed, 0))
     model = GPT(config)
+    if grid["init"] is not None:  # warm start: every shared weight replaced, routing left at its init
+        model.load_state_dict(grid["init"], strict=False)
     init_hash = shared_init_hash(model)
     model.to(ctx["device"])
     optimizer = model.configure_optimizers(cell["weight_decay"], cell["learning_rate"], (cell["beta1"], cell["beta2"]),
@@ -538,8 +591,9 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
         log.close()
         if diverged:
             print(f"{prefix} diverged: {diverged}; the cell stops here, the grid goes on")
+        init_from = dict(path=cell["init_from"], sha256=cell["init_from_sha256"]) if cell["init_from"] else None
         pairing = dict(init_hash=init_hash, data_hash=data_hash, eval_tokens=eval_tokens, code=code["fingerprint"],
-                       init_from=None, settings=pairing_settings(cell, cfg["arms"][arm]))
+                       init_from=init_from, settings=pairing_settings(cell, cfg["arms"][arm]))
         if changes:
             pairing["changes"] = changes
         write_json(result_path, dict(arm=arm, seed=seed, status="diverged" if diverged else "finished",
@@ -669,6 +723,8 @@ def main(argv):
     check_config(cfg, ctx["world"])
     master = ctx["rank"] == 0
     code = code_record()
+    # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
+    init_weights, cfg["init_from_sha256"] = load_init_from(cfg)
     # a rerun goes on only with the recorded settings and code (or allow_changes=True)
     grid_path = os.path.join(cfg["out_dir"], "config.json")
     recorded, change = check_rerun(grid_path, dict(cfg, code=code), cfg["allow_changes"])
@@ -698,7 +754,7 @@ def main(argv):
                     code=code, changes=recorded.get("changes", []) + ([change] if change else []))
         write_json(grid_path, grid)
     todo = [c for c in cells if not os.path.exists(os.path.join(cfg["out_dir"], c[0], f"seed{c[1]}", "result.json"))]
-    grid = dict(records=records, todo=todo, rates={})
+    grid = dict(records=records, todo=todo, rates={}, init=init_weights)
     for arm, seed in cells:
         train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx)
     if ctx["world"] > 1:

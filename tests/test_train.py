@@ -1,4 +1,5 @@
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -13,7 +14,7 @@ import torch
 import train
 from configurator import ConfigError, configure
 from data.prepare import BUNDLED_OUT, DataError, write_shard
-from model import GPT, GPTConfig
+from model import GPT, RESIDUALS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -402,6 +403,66 @@ def test_divergence_stops_the_cell_and_the_grid_goes_on(shards, tmp_path, capsys
     assert r["status"] == "diverged" and r["diverged_at"] == 4 and r["reason"] == "validation loss nan at step 4"
     train.main(tiny(shards, out, "--learning_rate=1e9", "--warmup_iters=0", "--grad_clip=0", "--seeds=0,1"))
     assert "[attnres seed0] done already: diverged at step" in capsys.readouterr().out
+
+
+def test_warm_start_from_a_standard_checkpoint(shards, tmp_path, monkeypatch):
+    # with a tiny norm_eps every variant's init is the standard residual, so each arm warm-started from a
+    # standard model starts at that model's validation loss
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)  # its plots take most of the time; tested in test_report
+    eps = "--norm_eps=1e-10"
+    train.main(tiny(shards, tmp_path / "std", eps, "--arms={'standard': {}}"))
+    ckpt = tmp_path / "std" / "standard" / "seed0" / "ckpt.pt"
+    trained = torch.load(ckpt, weights_only=True)["model"]
+    sha256 = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    arms = {name: {"residual": name} for name in RESIDUALS}
+    warm = tiny(shards, tmp_path / "warm", eps, f"--arms={arms!r}", "--max_iters=2", "--eval_interval=2", "--seeds=0,1")
+    train.main(warm + [f"--init_from={ckpt}"])
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    model.load_state_dict(trained)
+    for seed in (0, 1):
+        pairings = [result(tmp_path / "warm", arm, seed)["pairing"] for arm in arms]
+        assert all(p == pairings[0] for p in pairings)
+        assert pairings[0]["init_from"] == {"path": str(ckpt), "sha256": sha256}
+        assert pairings[0]["init_hash"] == train.shared_init_hash(model)  # the checkpoint's weights, whatever the seed
+    for arm in arms:
+        assert records(tmp_path / "warm", arm, key="val_loss")[0] == pytest.approx(
+            records(tmp_path / "std", "standard", key="val_loss")[-1], rel=1e-4), arm
+        config = json.load(open(tmp_path / "warm" / arm / "seed0" / "config.json"))
+        assert config["init_from"] == str(ckpt) and config["init_from_sha256"] == sha256
+        state = torch.load(tmp_path / "warm" / arm / "seed0" / "ckpt.pt", weights_only=True)["optimizer"]["state"]
+        assert all(s["step"] == 2 for s in state.values())  # a fresh optimizer: 2 steps, not the checkpoint's 8 more
+    # the seed still orders the data
+    assert len({result(tmp_path / "warm", "dar", seed)["pairing"]["data_hash"] for seed in (0, 1)}) == 2
+    # a plain state_dict works too
+    weights = tmp_path / "weights.pt"
+    torch.save(trained, weights)
+    train.main(tiny(shards, tmp_path / "sd", eps, "--arms=attnres", "--max_iters=1", f"--init_from={weights}"))
+    from_weights, from_ckpt = (records(tmp_path / d, "attnres", key="val_loss")[0] for d in ("sd", "warm"))
+    assert from_weights == from_ckpt
+    # a rerun from other weights, or from the same weights at another path, is a change
+    shutil.copy(ckpt, tmp_path / "copy.pt")
+    with pytest.raises(ConfigError, match=r"made with other settings: init_from \("):
+        train.main(warm + [f"--init_from={tmp_path / 'copy.pt'}"])
+    torch.save(dict(torch.load(ckpt, weights_only=True), step=9), ckpt)
+    with pytest.raises(ConfigError, match=r"made with other settings: init_from_sha256 \("):
+        train.main(warm + [f"--init_from={ckpt}"])
+    # checkpoints that are missing, unreadable, not standard or of another shape: one line, before training
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    torch.save([1, 2], tmp_path / "list.pt")
+    for path, extra, message in [
+            (tmp_path / "none.pt", [], "none.pt is missing or unreadable .*No such file"),
+            (tmp_path / "junk.pt", [], "junk.pt is missing or unreadable"),
+            (tmp_path / "list.pt", [], "list.pt holds neither a train.py ckpt.pt nor a state_dict"),
+            (tmp_path / "warm" / "dar" / "seed0" / "ckpt.pt", [], r"not a standard checkpoint \(residual='dar'"),
+            (ckpt, ["--n_embd=64"], "has n_embd=32, arm 'attnres' has n_embd=64"),
+            (ckpt, ["--n_head=4"], "has n_head=2, arm 'attnres' has n_head=4"),
+            (weights, ["--n_layer=4"], r"does not fit arm 'attnres': transformer.h.2.attn.* is absent"),
+            (weights, ["--vocab_size=128"], r"lm_head.weight is \(64, 32\) there, \(128, 32\) in the arm")]:
+        with pytest.raises(ConfigError, match=message) as e:
+            train.main(tiny(shards, tmp_path / "bad", "--arms=attnres", f"--init_from={path}", *extra))
+        assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "bad")
 
 
 def test_damaged_cells_and_outputs_are_one_line(shards, tmp_path):
