@@ -12,6 +12,8 @@ training step (unique storages seen by torch.autograd.graph.saved_tensors_hooks,
 the same on any device) and their ratio to `standard`; peak memory (CUDA max_memory_allocated,
 or the peak RSS of a fresh subprocess on CPU - noisy); MFU on GPUs with a known peak. Takes
 train.py's --key=value overrides (model shape, batch_size, block_size, device, dtype, compile).
+compile_s is the time to build, compile and warm up (3 steps) a variant: with a warm inductor
+cache it is mostly the warm-up; --compile_only=True stops there.
 """
 
 import dataclasses
@@ -40,7 +42,7 @@ for name in RESIDUALS:
 BENCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)} | dict(
     train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4, dtype="bfloat16",
     mode="model", variants=list(VARIANTS), rounds=5, steps=5, peak_mem=True, out="bench.json", input="",
-    copies=40, one_variant="")
+    copies=40, one_variant="", compile_only=False)
 
 
 def setup_variant(name, cfg, device, autocast):
@@ -117,19 +119,24 @@ def bench_models(cfg, argv):
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
         return
     names = ["standard"] + [v for v in cfg["variants"] if v != "standard"]
+    if cfg["compile_only"]:  # warm the compile cache (gpu_check.py: one process per variant, all at once)
+        names = cfg["variants"]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise ConfigError(f"unknown variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     print(f"device {device}, dtype {cfg['dtype']}, compile {cfg['compile']}, {cfg['n_layer']} layers, "
           f"d={cfg['n_embd']}, T={cfg['block_size']}, B={cfg['batch_size']}")
-    setups = {}
+    setups, ready_s = {}, {}
     for name in names:
         t0 = time.perf_counter()
         model, step, batch = setup_variant(name, cfg, device, autocast)
         for _ in range(3):  # compile and warm up
             step()
-        setups[name] = (model, step, batch)
-        print(f"  {name}: ready in {time.perf_counter() - t0:.1f}s")
+        sync(device)
+        setups[name], ready_s[name] = (model, step, batch), time.perf_counter() - t0
+        print(f"  {name}: compiled and warmed up in {ready_s[name]:.1f}s")
+    if cfg["compile_only"]:
+        return [dict(variant=name, compile_s=ready_s[name]) for name in names]
     times = {name: [] for name in names}
     ratios = {name: [] for name in names}
     for _ in range(cfg["rounds"]):
@@ -144,7 +151,7 @@ def bench_models(cfg, argv):
     for name in names:
         model, step, batch = setups[name]
         ms = 1000 * statistics.median(times[name])
-        records.append(dict(variant=name, ms_per_step=ms, tokens_per_s=tokens / ms * 1000,
+        records.append(dict(variant=name, compile_s=ready_s[name], ms_per_step=ms, tokens_per_s=tokens / ms * 1000,
                             time_ratio=statistics.median(ratios[name]) if ratios[name] else 1.0,
                             saved_bytes=saved_bytes(model, batch, autocast),
                             peak_mem_bytes=peak_memory(name, cfg, argv, device, step),

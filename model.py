@@ -198,12 +198,13 @@ class ResidualScheme(nn.Module):
     """
     options = ()
     interventions = ()
-    record = None
-    intervention = None
 
     def __init__(self, config):
         super().__init__()
         self.n_sublayers = 2 * config.n_layer
+        # instance attributes from the start: setting one later (diagnostics, an analysis) would
+        # change what torch.compile guards on and recompile the training graph once
+        self.record, self.intervention = None, None
 
     @staticmethod
     def check(config):

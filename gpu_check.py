@@ -1,0 +1,130 @@
+"""
+The GPU check: everything a machine with one GPU should show, in about 8 minutes on an H100/H200,
+written into one folder (gpu_check.json, gpu_check.log and what each step wrote).
+
+$ python gpu_check.py                    # -> gpu_check/
+$ python gpu_check.py --out=runs/h200    # another folder
+$ python gpu_check.py --dry_run          # the same steps at a tiny shape on the CPU (minutes)
+
+Steps: (1) tests/test_cuda.py; (2) each benchmarked variant compiled once at the 120m shape in its
+own process, all at once (cold compiles are single-threaded, so this fills the machine's cores
+and fills the inductor cache; each variant's cold compile time is recorded); (3) bench.py at the
+120m shape for standard, attnres_block, rd_attnres and dar, interleaved, on the warm cache;
+(4) a 40-step single-GPU training smoke of config/rd_120m.py on the bundled corpus: ms/step, MFU
+and evaluation seconds.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from data.prepare import write_json
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = ["standard", "attnres_block", "rd_attnres", "dar"]
+SHAPE = ["--n_layer=12", "--n_embd=768", "--n_head=12", "--block_size=1024", "--batch_size=32"]
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=64", "--batch_size=2", "--device=cpu"]
+
+
+def start(name, argv, out):
+    """One step as a subprocess writing its output to out/name.log."""
+    log = open(os.path.join(out, f"{name}.log"), "w")
+    return subprocess.Popen([sys.executable, *argv], cwd=HERE, stdout=log, stderr=subprocess.STDOUT), time.perf_counter()
+
+
+def finish(name, started, timeout, summary, log):
+    """Wait for a step (at most timeout seconds from its start); record and log how it went."""
+    proc, t0 = started
+    try:
+        rc = proc.wait(timeout=None if timeout is None else max(1, timeout - (time.perf_counter() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
+    seconds = time.perf_counter() - t0
+    summary["steps"][name] = dict(ok=rc == 0, seconds=round(seconds, 1))
+    log(f"{name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {seconds:.0f}s - see {name}.log")
+    return rc == 0
+
+
+def main(argv):
+    dry = "--dry_run" in argv
+    out = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), "gpu_check")
+    unknown = [a for a in argv if a != "--dry_run" and not a.startswith("--out=")]
+    if unknown:
+        sys.exit(f"error: unknown arguments {' '.join(unknown)}; usage: python gpu_check.py [--out=DIR] [--dry_run]")
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    shape = TINY if dry else SHAPE
+    logfile = open(os.path.join(out, "gpu_check.log"), "w")
+
+    def log(line):
+        print(line, flush=True)
+        logfile.write(line + "\n")
+        logfile.flush()
+
+    import torch
+    if not dry and not torch.cuda.is_available():
+        sys.exit("error: no CUDA GPU here; run on a GPU machine, or try the steps on CPU with --dry_run")
+    summary = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                   torch=torch.__version__, dry_run=dry, steps={})
+    log(f"GPU check on {summary['device']}, torch {summary['torch']}, into {out}")
+    t_start = time.perf_counter()
+
+    # (1) and (2) at once: the tests need the GPU for seconds at a time, the compiles need CPU cores
+    # time caps keep the GPU check inside its 8 minutes; a --dry_run on a busy CPU takes what it takes
+    cap = lambda seconds: None if dry else seconds
+    running = {"cuda_tests": start("cuda_tests", ["-m", "pytest", "tests/test_cuda.py", "-q",
+                                                 f"--junitxml={os.path.join(out, 'cuda_tests.xml')}"], out)}
+    for v in VARIANTS:
+        running[f"compile_{v}"] = start(f"compile_{v}", ["bench.py", *shape, f"--variants={v}", "--compile_only=True",
+                                                         f"--out={os.path.join(out, f'compile_{v}.json')}"], out)
+    for name, started in running.items():
+        finish(name, started, cap(300), summary, log)
+    summary["cold_compile_s"] = {}
+    for v in VARIANTS:
+        path = os.path.join(out, f"compile_{v}.json")
+        if os.path.exists(path):
+            summary["cold_compile_s"][v] = json.load(open(path))[0]["compile_s"]
+    log(f"cold compile seconds (in parallel, one process each): {summary['cold_compile_s']}")
+
+    # (3) the interleaved benchmark on the warm cache
+    bench_json = os.path.join(out, "bench.json")
+    bench = ["bench.py", *shape, f"--variants={','.join(VARIANTS)}", "--rounds=1" if dry else "--rounds=6",
+             "--steps=2" if dry else "--steps=10", "--peak_mem=False" if dry else "--peak_mem=True", f"--out={bench_json}"]
+    if finish("bench", start("bench", bench, out), cap(240), summary, log):
+        summary["bench"] = json.load(open(bench_json))
+
+    # (4) 40 training steps of the RD-AttnRes 120m config on the bundled corpus, one GPU
+    train_out = os.path.join(out, "train_smoke")
+    shutil.rmtree(train_out, ignore_errors=True)  # a rerun of the check measures again, not "done already"
+    smoke = ["train.py", "config/rd_120m.py", "--data_dir=data/shakespeare_gpt2", "--seeds=0", "--arms=rd_attnres",
+             "--max_iters=40", "--gradient_accumulation_steps=1", "--warmup_iters=10", "--eval_interval=20",
+             "--log_interval=10", "--eval_tokens=102401", f"--out_dir={train_out}"]
+    if dry:
+        smoke += [a for a in TINY if not a.startswith("--batch_size")] + ["--batch_size=2", "--eval_tokens=4096",
+                                                                         "--max_iters=4", "--eval_interval=2", "--log_interval=1"]
+    finish("train_smoke", start("train_smoke", smoke, out), cap(240), summary, log)
+    log_path = os.path.join(train_out, "rd_attnres", "seed0", "log.jsonl")
+    if os.path.exists(log_path):
+        records = [json.loads(line) for line in open(log_path)]
+        train_records = [r for r in records if "loss" in r][1:]  # the first interval includes the compile
+        evals = [r for r in records if "val_loss" in r]
+        summary["train_smoke"] = dict(
+            ms_per_step=[round(r["ms_per_step"], 1) for r in train_records],
+            mfu=[r.get("mfu") for r in train_records],
+            val_loss=[round(r["val_loss"], 4) for r in evals],
+            eval_s=[r.get("eval_s") for r in evals])
+        log(f"train smoke: {summary['train_smoke']}")
+    summary["total_s"] = round(time.perf_counter() - t_start, 1)
+    summary["ok"] = all(s["ok"] for s in summary["steps"].values())
+    write_json(os.path.join(out, "gpu_check.json"), summary)
+    log(f"{'all steps passed' if summary['ok'] else 'SOME STEPS FAILED'} in {summary['total_s']:.0f}s; "
+        f"summary in {os.path.join(out, 'gpu_check.json')}")
+    sys.exit(0 if summary["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""
+Mutation check: does the suite catch plausible one-line bugs? Each mutant below replaces one exact
+snippet of a source file (it must occur exactly once); the check copies the repository, applies
+one mutant at a time and runs the test file that should catch it. A mutant is killed when that
+test file fails.
+
+$ python tests/mutate.py              # every mutant (about 20-40 minutes on 2 cores)
+$ python tests/mutate.py 3 7          # mutants 3 and 7 only
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (file, original, mutant, test file, what the bug is)
+MUTANTS = [
+    # model.py
+    ("model.py", "rotated = torch.cat([-x2, x1], dim=-1)", "rotated = torch.cat([x2, -x1], dim=-1)",
+     "tests/test_model.py", "rotary embedding rotates the wrong way"),
+    ("model.py", "torch.float32) / head_size)", "torch.float32) / (head_size // 2))",
+     "tests/test_model.py", "rotary frequencies over half the head size"),
+    ("model.py", "is_causal=True)", "is_causal=False)", "tests/test_model.py", "attention sees the future"),
+    ("model.py", "* torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps) for key in keys]",
+     "for key in keys]", "tests/test_model.py", "depth keys not RMS-normalised"),
+    ("model.py", "seal=(k + 1) % self.block_size == 0)", "seal=k % self.block_size == 0)",
+     "tests/test_model.py", "AttnRes blocks sealed one sublayer early"),
+    ("model.py", "value_query = self.uniform(self.value_query[layer], f\"attn_v.{layer}\")",
+     "value_query = self.uniform(self.query[k], f\"attn_v.{layer}\")", "tests/test_model.py",
+     "RD's value route reads with the QK query"),
+    ("model.py", "rho * p0 + (1 - rho) * p1 + beta[0] * out, (1 - rho) * p0 + rho * p1 + beta[1] * out",
+     "rho * p0 + (1 - rho) * p1 + beta[1] * out, (1 - rho) * p0 + rho * p1 + beta[0] * out",
+     "tests/test_model.py", "DAR write gates swapped between streams"),
+    ("model.py", "return mix.transpose(-1, -2), post", "return mix, post", "tests/test_model.py",
+     "HC stream mixing not transposed"),
+    ("model.py", "std=0.02 / math.sqrt(2 * config.n_layer))", "std=0.02)", "tests/test_model.py",
+     "residual projections without the scaled init"),
+    ("model.py", "targets.reshape(-1), ignore_index=-1,", "targets.reshape(-1),", "tests/test_model.py",
+     "ignored targets (-1) counted in the loss"),
+    # train.py
+    ("train.py", "return cfg[\"learning_rate\"] * (step + 1) / cfg[\"warmup_iters\"]",
+     "return cfg[\"learning_rate\"] * step / cfg[\"warmup_iters\"]", "tests/test_train.py", "warmup starts at lr 0"),
+    ("train.py", "return lo + 0.5 * (1.0 + math.cos(", "return lo + 0.5 * (1.0 - math.cos(", "tests/test_train.py",
+     "cosine schedule runs backwards"),
+    ("train.py", "share = x.size(0) / step_sequences", "share = 1 / len(batches)", "tests/test_train.py",
+     "uneven micro-batches weighted equally"),
+    ("train.py", "(loss * (share * ctx[\"world\"])).backward()", "(loss * share).backward()", "tests/test_train.py",
+     "gradients under DDP scaled by 1/world"),
+    ("train.py", "total += torch.stack([loss.double(), (y != -1).sum().double()])",
+     "total += torch.stack([loss.double(), torch.tensor(float(y.numel()), dtype=torch.float64, device=y.device)])",
+     "tests/test_train.py", "evaluation counts padded tokens"),
+    ("train.py", "np.random.default_rng([self.seed, self.epoch]).permutation(n)",
+     "np.random.default_rng([self.seed, 0]).permutation(n)", "tests/test_train.py", "every epoch in the same order"),
+    ("train.py", "if not math.isfinite(loss_avg):", "if False:", "tests/test_train.py",
+     "a non-finite training loss does not stop the cell"),
+    ("train.py", "        if not name.startswith(\"residual.\"):\n            h.update(name.encode())",
+     "        if True:\n            h.update(name.encode())", "tests/test_train.py",
+     "the init hash includes routing parameters (arms never pair)"),
+    # data/prepare.py
+    ("data/prepare.py", "if not groups and skip >= n:", "if skip >= n:", "tests/test_prepare.py",
+     "resume skips later, smaller row groups"),
+    ("data/prepare.py", "for part in (eot, d)]", "for part in (d, eot)]", "tests/test_prepare.py",
+     "<|endoftext|> after each document instead of before"),
+    ("data/prepare.py", "expected = HEADER_INTS * 4 + 2 * int(header[2])", "expected = HEADER_INTS * 4 + int(header[2])",
+     "tests/test_prepare.py", "shard size checked in tokens, not bytes"),
+    ("data/prepare.py", "j = int(np.searchsorted(ends, pos, side=\"right\"))",
+     "j = int(np.searchsorted(ends, pos, side=\"left\"))", "tests/test_prepare.py",
+     "resume position off by one document at a document boundary"),
+    ("data/prepare.py", "if n_line[1].strip())", "if n_line[1])", "tests/test_prepare.py", "blank jsonl lines count as rows"),
+    # report.py
+    ("report.py", "std = float(d.std(ddof=1))", "std = float(d.std(ddof=0))", "tests/test_report.py",
+     "population instead of sample standard deviation"),
+    ("report.py", "wins, losses = int((d < 0).sum())", "wins, losses = int((d <= 0).sum())", "tests/test_report.py",
+     "ties counted as wins"),
+    ("report.py", "half = stats.t.ppf(0.975, n - 1) * std", "half = stats.t.ppf(0.95, n - 1) * std", "tests/test_report.py",
+     "90% interval reported as 95%"),
+    ("report.py", "ppl_change=math.exp(mean) - 1", "ppl_change=math.exp(-mean) - 1", "tests/test_report.py",
+     "perplexity change with the wrong sign"),
+    ("report.py", "for k in sorted(set(ps) & set(qs))]", "for k in sorted(set(ps) & set(qs)) if k != \"learning_rate\"]",
+     "tests/test_report.py", "a differing learning rate does not stop pairing"),
+    ("report.py", "d.std(0, ddof=1) / math.sqrt(n)", "d.std(0) / math.sqrt(n)", "tests/test_report.py",
+     "delta curve's interval with the population std"),
+]
+
+
+def run_mutant(index, tmp):
+    path, original, mutant, test_file, what = MUTANTS[index]
+    source = open(os.path.join(ROOT, path)).read()
+    if source.count(original) != 1:
+        return "stale"  # the code moved on: fix the mutant's snippet
+    work = os.path.join(tmp, f"m{index}")
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv", "out*", "__pycache__", "*_gpt2", "gpu_check"))
+    with open(os.path.join(work, path), "w") as f:
+        f.write(source.replace(original, mutant))
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-x", "-q", "-p", "no:cacheprovider"],
+                          cwd=work, capture_output=True, text=True)
+    shutil.rmtree(work)
+    return "killed" if proc.returncode != 0 else "survived"
+
+
+def main(argv):
+    chosen = [int(a) for a in argv] or range(len(MUTANTS))
+    outcome = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in chosen:
+            outcome[i] = run_mutant(i, tmp)
+            path, _, _, test_file, what = MUTANTS[i]
+            print(f"{i:>3} {outcome[i]:<9} {path}: {what} ({test_file})", flush=True)
+    killed = sum(o == "killed" for o in outcome.values())
+    counted = sum(o != "stale" for o in outcome.values())
+    print(f"{killed} of {counted} mutants killed" + (f", {counted - killed} survived" if counted > killed else ""))
+    sys.exit(0 if killed == counted and counted == len(outcome) else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
