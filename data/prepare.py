@@ -103,10 +103,7 @@ def write_shard(path, tokens):
 
 def read_header(path):
     """A .bin shard's token count, after checking its magic, version and size."""
-    try:
-        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such shard; run data/prepare.py to create it") from None
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)  # OSErrors: one line in open_shard
     if len(header) < HEADER_INTS:
         raise DataError(f"{path}: truncated header ({len(header) * 4} of {HEADER_INTS * 4} bytes); re-run data/prepare.py")
     if header[0] != MAGIC:
@@ -126,17 +123,19 @@ def open_shard(path, vocab_size=None):
     header checked) or a headerless .npy (build-nanogpt's). With vocab_size, a token id the model
     cannot embed is an error here rather than a crash at the first step.
     """
-    if path.endswith(".npy"):
-        try:
+    try:
+        if path.endswith(".npy"):
             tokens = np.load(path, mmap_mode="r")
-        except FileNotFoundError:
-            raise DataError(f"{path}: no such shard") from None
-        except ValueError as e:
-            raise DataError(f"{path}: not a readable .npy array ({str(e).splitlines()[0]}); truncated or corrupt?") from None
-        if tokens.dtype != np.dtype("<u2") or tokens.ndim != 1:
-            raise DataError(f"{path}: a {tokens.ndim}-d {tokens.dtype} array; a token shard is 1-d uint16")
-    else:
-        tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(read_header(path),))
+            if tokens.dtype != np.dtype("<u2") or tokens.ndim != 1:
+                raise DataError(f"{path}: a {tokens.ndim}-d {tokens.dtype} array; a token shard is 1-d uint16")
+        else:
+            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(read_header(path),))
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such shard; run data/prepare.py to create it") from None
+    except (OSError, ValueError, EOFError) as e:  # a directory, no permission, an empty or damaged .npy, ...
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise DataError(f"{path}: cannot be read as a token shard ({reason}); replace it, "
+                        f"or re-run data/prepare.py if it made it") from None
     if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:  # one pass: 100M tokens in ~0.02 s (page cache)
         first = int(np.argmax(tokens >= vocab_size))
         raise DataError(f"{path}: token id {int(tokens[first])} at position {first:,} is >= vocab_size {vocab_size}; "
@@ -156,6 +155,13 @@ def shard_split(name):
     return None
 
 
+def shard_kind(name):
+    """A shard's naming scheme: its name up to the split, and its extension (fineweb_*.bin)."""
+    stem, ext = os.path.splitext(name)
+    parts = stem.split("_")
+    return "_".join(parts[:parts.index(shard_split(name))] + ["*"]) + ext
+
+
 def find_shards(data_dir):
     """The validation shard and the sorted train shards in data_dir."""
     make = ("create it with data/prepare.py (python data/prepare.py shakespeare for the bundled corpus), "
@@ -165,6 +171,13 @@ def find_shards(data_dir):
     if not os.path.isdir(data_dir):
         raise DataError(f"data_dir {data_dir} is a file, not a directory of shards; {make}")
     names = sorted(os.listdir(data_dir))
+    kinds = {}  # one example file per naming scheme: two schemes are likely the same data twice
+    for n in names:
+        if shard_split(n):
+            kinds.setdefault(shard_kind(n), n)
+    if len(kinds) > 1:
+        raise DataError(f"data_dir {data_dir}: found shards of {len(kinds)} kinds: {', '.join(kinds.values())}; "
+                        f"keep one kind per data_dir")
     val = [n for n in names if shard_split(n) == "val"]
     train = [os.path.join(data_dir, n) for n in names if shard_split(n) == "train"]
     if len(val) != 1 or not train:
@@ -462,9 +475,17 @@ class ShardWriter:
 
 
 def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    """Written to path.tmp and renamed: a reader never sees half a file, a full disk leaves no .tmp behind."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise DataError(f"cannot write {path} ({e.strerror or e}); free disk space or check the permissions "
+                        f"of {os.path.dirname(path) or '.'}") from None
 
 
 def prepare(out_dir, input=None, subset="sample-10BT", max_tokens=None, val_tokens=10_485_760,

@@ -224,10 +224,39 @@ def test_find_shards_errors(tmp_path):
         P.find_shards(str(tmp_path / "file"))
     with pytest.raises(P.DataError, match=r"found 0 \(none\) and 0.*data/prepare.py"):
         P.find_shards(str(tmp_path))
-    for name in ("val_000000.bin", "fineweb_val_000000.bin", "train_000001.bin"):
+    for name in ("val_000000.bin", "val_000002.bin", "train_000001.bin"):
         P.write_shard(str(tmp_path / name), np.arange(10))
-    with pytest.raises(P.DataError, match="found 2"):
+    with pytest.raises(P.DataError, match=r"found 2 \(val_000000.bin, val_000002.bin\)"):
         P.find_shards(str(tmp_path))
+
+
+@pytest.mark.parametrize("names, named", [
+    (["val_000000.bin", "train_000001.bin", "fineweb_train_000001.bin"], "fineweb_train_000001.bin, train_000001.bin;"),
+    (["val_000000.bin", "fineweb_val_000000.bin", "train_000001.bin"], "fineweb_val_000000.bin, train_000001.bin;"),
+    (["edufineweb_val_000000.npy", "edufineweb_train_000001.bin"], "edufineweb_train_000001.bin, edufineweb_val_000000.npy;"),
+])
+def test_two_naming_schemes_in_one_data_dir_are_refused(tmp_path, names, named):
+    # without a manifest nothing says which files belong together: two schemes are likely the same data twice
+    for name in names:
+        P.write_shard(str(tmp_path / name), np.arange(10))
+    with pytest.raises(P.DataError) as err:
+        P.find_shards(str(tmp_path))
+    assert str(err.value) == f"data_dir {tmp_path}: found shards of 2 kinds: {named} keep one kind per data_dir"
+
+
+def test_unreadable_shard_files_are_one_line_naming_the_file(tmp_path, monkeypatch):
+    (tmp_path / "edufineweb_val_000000.npy").write_bytes(b"")  # 0 bytes: numpy's EOFError
+    (tmp_path / "train_000001.bin").mkdir()  # a directory: IsADirectoryError
+    for name in ("edufineweb_val_000000.npy", "train_000001.bin"):
+        with pytest.raises(P.DataError, match="cannot be read as a token shard") as err:
+            P.open_shard(str(tmp_path / name))
+        assert f"{tmp_path / name}: " in str(err.value) and "\n" not in str(err.value)
+    P.write_shard(str(tmp_path / "val_000000.bin"), np.arange(10))
+    def failing_read(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(np, "fromfile", failing_read)
+    with pytest.raises(P.DataError, match=r"val_000000.bin: cannot be read as a token shard \(Input/output error\)"):
+        P.open_shard(str(tmp_path / "val_000000.bin"))
 
 
 def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
@@ -244,7 +273,7 @@ def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
     with pytest.raises(P.DataError, match="1-d int32 array"):
         P.open_shard(str(tmp_path / "wide_train_000001.npy"))
     (tmp_path / "junk_train_000001.npy").write_bytes(b"not numpy")
-    with pytest.raises(P.DataError, match="junk_train_000001.npy: not a readable .npy"):
+    with pytest.raises(P.DataError, match="junk_train_000001.npy: cannot be read as a token shard"):
         P.open_shard(str(tmp_path / "junk_train_000001.npy"))
 
 
@@ -456,3 +485,26 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), "--input", str(tmp_path / "a.txt"),
                            "--out_dir", str(tmp_path / "taken")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr == f"error: out_dir {tmp_path / 'taken'} is a file; choose a directory\n"
+
+
+def test_write_json_that_fails_leaves_no_tmp_and_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "result.json"
+    P.write_json(str(path), {"a": 1})
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", full_disk)
+        with pytest.raises(P.DataError) as err:
+            P.write_json(str(path), {"a": 2})
+    assert str(err.value) == f"cannot write {path} (No space left on device); free disk space or check the permissions of {tmp_path}"
+    assert os.listdir(tmp_path) == ["result.json"] and json.loads(path.read_text()) == {"a": 1}  # the old file stays
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(P.DataError, match=r"cannot write .*file/x.json \(Not a directory\); free disk space"):
+        P.write_json(str(tmp_path / "file" / "x.json"), {})  # a path under a file fails even for root
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.access(locked, os.W_OK):
+        pytest.skip("running as root: a read-only directory is still writable")
+    with pytest.raises(P.DataError, match=r"\(Permission denied\); free disk space or check the permissions"):
+        P.write_json(str(locked / "x.json"), {})
+    assert os.listdir(locked) == []
