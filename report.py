@@ -9,11 +9,12 @@ plus PNG plots when matplotlib is installed (the tables never need it): validati
 second half of training zoomed in), the paired delta during training, the QK/V divergence of
 arms with a value route, and one cell's depth weights.
 
-A seed is paired only when every arm has a finished cell for it and the cells' `pairing` records
-agree: init and data hashes, evaluated tokens, code fingerprint, init checkpoint, and every setting
-both cells record (a setting only one of them records is that arm's own). Other seeds are listed
-with the reason and left out of n; diverged cells are listed apart. Per arm against the reference,
-over the paired seeds: delta_s = NLL_arm - NLL_reference, wins (delta < 0), mean, sample std, 95%
+Each arm is paired with the reference seed by seed: a seed counts for an arm when the arm's cell
+and the reference's both finished and their `pairing` records agree: init and data hashes,
+evaluated tokens, code fingerprint, init checkpoint, and every setting both cells record (a setting
+only one of them records is that arm's own). The arm's other seeds are listed with the reason and
+left out of its n; diverged cells are listed apart. Per arm against the reference, over its paired
+seeds: delta_s = NLL_arm - NLL_reference, wins (delta < 0), mean, sample std, 95%
 CI (t), paired t-test and exact sign-test p-values (two-sided), the perplexity change
 exp(mean delta) - 1, and the mean delta with its 95% CI at every evaluation during training.
 """
@@ -34,6 +35,15 @@ from data.prepare import write_json
 MISSING = object()  # a pairing key one cell does not record
 
 
+def is_number(x):
+    """A real number (JSON true/false load as bools, which Python would count as 1 and 0)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_seed(x):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def read_json(path):
     """The file's dict, or None when it cannot be read (half-written, not JSON, not a dict)."""
     try:
@@ -45,16 +55,34 @@ def read_json(path):
 
 
 def read_log(path):
-    """(records of a log.jsonl, numbers of the lines that do not parse: a torn last line)"""
+    """(records of a log.jsonl, numbers of the lines that do not parse (a torn last line) or whose
+    tokens or val_loss is not a number)"""
     records, bad = [], []
     with open(path, errors="replace") as f:
         for number, line in enumerate(f, 1):
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
-                if line.strip():
-                    bad.append(number)
-    return [r for r in records if isinstance(r, dict)], bad
+                record = None
+            if isinstance(record, dict) and all(record.get(k) is None or is_number(record[k])
+                                                for k in ("tokens", "val_loss")):
+                records.append(record)
+            elif line.strip():
+                bad.append(number)
+    return records, bad
+
+
+def result_problem(result):
+    """Why a result.json's fields cannot be used (a wrong type), or None; an absent or null field is allowed."""
+    pairing = result.get("pairing")
+    for key, ok, kind in (("val_loss", is_number, "a number"), ("wall_time_s", is_number, "a number"),
+                          ("pairing", lambda v: isinstance(v, dict), "a dict")):
+        if result.get(key) is not None and not ok(result[key]):
+            value = json.dumps(result[key])
+            return f"{key} is {value if len(value) <= 20 else value[:16] + '...'}, not {kind}"
+    if isinstance(pairing, dict) and not isinstance(pairing.get("settings", {}), dict):
+        return "pairing.settings is not a dict"
+    return None
 
 
 def load_grid(out_dir):
@@ -64,7 +92,11 @@ def load_grid(out_dir):
     if config is None and os.path.exists(os.path.join(out_dir, "config.json")):
         notes.append("config.json: unreadable (arms taken from the folders)")
     config = config or {}
-    arms, seeds = list(config.get("arms", {})), set(config.get("seeds", []))
+    listed = config.get("seeds", [])
+    listed = listed if isinstance(listed, list) else [listed]
+    arms, seeds = list(config.get("arms", {})), {s for s in listed if is_seed(s)}
+    if bad := [json.dumps(s) for s in listed if not is_seed(s)]:
+        notes.append(f"config.json: seeds {', '.join(bad)} ignored (not non-negative integers)")
     folders = sorted(f for f in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, f)))
     results, logs = {}, {}
     for arm in arms + [f for f in folders if f not in arms]:
@@ -83,12 +115,14 @@ def load_grid(out_dir):
             result, log = (os.path.join(arm, cell, name) for name in ("result.json", "log.jsonl"))
             if os.path.exists(os.path.join(out_dir, result)):
                 results[arm, seed] = read_json(os.path.join(out_dir, result))
-                if results[arm, seed] is None:
-                    notes.append(f"{result}: unreadable")
+                problem = results[arm, seed] and result_problem(results[arm, seed])
+                if results[arm, seed] is None or problem:
+                    results[arm, seed] = None
+                    notes.append(f"{result}: unreadable" + (f" ({problem})" if problem else ""))
             if os.path.exists(os.path.join(out_dir, log)):
                 logs[arm, seed], bad = read_log(os.path.join(out_dir, log))
                 if bad:
-                    notes.append(f"{log}: unreadable line {', '.join(map(str, bad))}")
+                    notes.append(f"{log}: unreadable or non-numeric line {', '.join(map(str, bad))}")
     return arms, sorted(seeds), results, logs, notes
 
 
@@ -135,7 +169,7 @@ def pairing_difference(p, q):
 
 
 def unpaired_reason(arms, seed, results):
-    """Why a seed cannot be paired, or None when it can."""
+    """Why a seed cannot be paired across these arms, or None when it can."""
     problems = [f"{arm}/seed{seed} {p}" for arm in arms if (p := cell_problem(results, arm, seed))]
     if problems:
         return "; ".join(problems)
@@ -162,7 +196,10 @@ def paired_statistics(deltas):
     else:
         ci95, p_ttest = [float("nan")] * 2, float("nan")
     wins, losses = int((d < 0).sum()), int((d > 0).sum())
-    p_sign = float(stats.binomtest(wins, wins + losses, 0.5).pvalue) if wins + losses else 1.0  # ties dropped
+    if wins + losses:  # ties dropped
+        p_sign = float(stats.binomtest(wins, wins + losses, 0.5).pvalue)
+    else:  # all ties: no evidence either way; no seeds: nothing to test
+        p_sign = 1.0 if n else float("nan")
     return dict(deltas=d.tolist(), n=n, wins=wins, mean=mean, std=std, ci95=ci95, p_ttest=p_ttest,
                 p_sign=p_sign, ppl_change=math.exp(mean) - 1 if n else float("nan"))
 
@@ -203,9 +240,9 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
     except ImportError:
         return []
     figures = []
-    # validation loss against tokens over the paired seeds: all of training, and its second half zoomed in
+    # validation loss against tokens over each arm's paired seeds: all of training, and its second half zoomed in
     # (the early drop from ln(vocab) would otherwise squash the arms into one line)
-    val = {arm: loss_curves(logs, arm, paired_seeds) for arm in arms}
+    val = {arm: loss_curves(logs, arm, paired_seeds[arm]) for arm in arms}
     val = {arm: (t, v) for arm, (t, v) in val.items() if len(t)}
     if val:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -222,7 +259,7 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
             ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)")
         axes[0].legend()
         figures.append(save(fig, out_dir, "val_loss.png",
-                            "Validation loss against tokens (mean, min-max band over the paired seeds)"))
+                            "Validation loss against tokens (mean, min-max band over each arm's paired seeds)"))
     # paired delta against the reference at every evaluation, one panel per arm
     shown = {arm: c for arm, c in curves.items() if len(c["tokens"])}
     if shown:
@@ -300,27 +337,35 @@ def main(argv):
     args = parser.parse_args(argv)
     if not os.path.isdir(args.out_dir):
         sys.exit(f"error: {args.out_dir} is not a directory; give the out_dir of a train.py grid")
+    if not os.access(args.out_dir, os.W_OK):  # before any work: the report and plots are written there
+        sys.exit(f"error: cannot write to {args.out_dir} (no write permission or a read-only file system); "
+                 f"copy the grid somewhere writable and run report.py on the copy")
     arms, seeds, results, logs, notes = load_grid(args.out_dir)
     if not arms:
         sys.exit(f"error: {args.out_dir} holds no arms; give the out_dir of a train.py grid")
     reference = args.reference or arms[0]
     if reference not in arms:
         sys.exit(f"error: reference arm {reference!r} not found; arms: {', '.join(arms)}")
-    left_out = {s: r for s in seeds if (r := unpaired_reason(arms, s, results))}
-    paired_seeds = [s for s in seeds if s not in left_out]
+    others = [arm for arm in arms if arm != reference]
+    left_out = {arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results))} for arm in others}
+    paired_seeds = {arm: [s for s in seeds if s not in left_out[arm]] for arm in others}
+    # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
+    paired_seeds[reference] = sorted(set().union(*paired_seeds.values())) if others else \
+        [s for s in seeds if not cell_problem(results, reference, s)]
     cell = parse_cell(args.cell, arms, seeds, results, logs) if args.cell else \
-        (arms[-1], (paired_seeds or seeds or [0])[0])
+        (arms[-1], (paired_seeds[arms[-1]] or seeds or [0])[0])
     diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
                      reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
 
     lines = [f"# Paired report: {args.out_dir}", "",
              f"Reference arm: `{reference}`. delta = NLL(arm) - NLL(reference) on the fixed validation set "
-             f"(nats/token; negative = better). Paired seeds: {', '.join(map(str, paired_seeds)) or 'none'} "
-             f"(n={len(paired_seeds)}).", ""]
-    if left_out:
-        lines += ["**Seeds left out** (not counted in n):", "", *(f"- seed {s}: {r}" for s, r in left_out.items()), ""]
+             f"(nats/token; negative = better). Each arm is paired with the reference seed by seed: a seed counts "
+             f"for an arm when both cells finished and their pairing records agree.", ""]
+    if any(left_out.values()):
+        lines += ["**Seeds left out** (not counted in that arm's n):", "",
+                  *(f"- {arm}, seed {s}: {r}" for arm in others for s, r in left_out[arm].items()), ""]
     lines += ["Final validation loss:", "",
-              "| arm | " + " | ".join(f"seed {s}" + (" (left out)" if s in left_out else "") for s in seeds) + " |",
+              "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
               "|---" * (len(seeds) + 1) + "|"]
     for arm in arms:
         lines.append(f"| {arm} | " + " | ".join("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
@@ -329,18 +374,17 @@ def main(argv):
     paired, curves = {}, {}
     table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for arm in arms:
-        if arm == reference:
-            continue
-        st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in paired_seeds])
-        curves[arm] = delta_curve(logs, arm, reference, paired_seeds)
-        paired[arm] = dict(st, seeds=paired_seeds,
+    for arm in others:
+        seeds_of = paired_seeds[arm]
+        st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
+        curves[arm] = delta_curve(logs, arm, reference, seeds_of)
+        paired[arm] = dict(st, seeds=seeds_of, left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
                            delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()})
         table.append(f"| {arm} | {st['n']} | {st['wins']}/{st['n']} | {fmt(st['mean'])} | {fmt(st['std'], '.4f')} | "
                      f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}] | {fmt(st['p_ttest'], '.3g')} | "
                      f"{fmt(st['p_sign'], '.3g')} | {fmt(100 * st['ppl_change'], '+.2f')}% |")
         lines.append(f"Per-seed deltas, {arm}: "
-                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(paired_seeds, st["deltas"])) or "none"))
+                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(seeds_of, st["deltas"])) or "none"))
     lines += ["", *table, ""]
     if diverged:
         lines += ["**Diverged cells** (never in the statistics):", "",
@@ -365,9 +409,7 @@ def main(argv):
         f.write("\n".join(lines))
     os.replace(path + ".tmp", path)
     write_json(os.path.join(args.out_dir, "paired.json"),
-               dict(reference=reference, paired_seeds=paired_seeds, arms=paired,
-                    left_out=[dict(seed=s, reason=r) for s, r in left_out.items()], diverged=diverged,
-                    wall_time_s=wall, skipped=notes))
+               dict(reference=reference, arms=paired, diverged=diverged, wall_time_s=wall, skipped=notes))
     print(summary)
 
 

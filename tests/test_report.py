@@ -39,6 +39,9 @@ def test_sign_test_like_the_paper_and_ties():
     assert st["wins"] == 2 and st["p_sign"] == pytest.approx(0.5)
     single = report.paired_statistics([-0.01])
     assert single["n"] == 1 and math.isnan(single["std"]) and math.isnan(single["p_ttest"])
+    assert report.paired_statistics([0.0, 0.0])["p_sign"] == 1.0  # all ties: no evidence either way
+    none = report.paired_statistics([])
+    assert none["n"] == 0 and all(math.isnan(none[k]) for k in ("mean", "std", "p_ttest", "p_sign", "ppl_change"))
 
 
 SETTINGS = dict(learning_rate=1e-3, weight_decay=0.1, dropout=0.0, max_iters=20, eval_interval=10, n_layer=2)
@@ -107,18 +110,18 @@ LOSSES = {("parent", 0): 3.00, ("rd", 0): 2.97, ("parent", 1): 3.10, ("rd", 1): 
 def test_report_pairs_and_leaves_out_changed_init_and_data(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     paired, _ = run(out)
-    assert paired["paired_seeds"] == [0, 1, 2, 3] and paired["left_out"] == []
+    assert paired["arms"]["rd"]["seeds"] == [0, 1, 2, 3] and paired["arms"]["rd"]["left_out"] == []
     assert paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.02, -0.04, -0.04])
     edit(out, "rd", 1, lambda r: r["pairing"].update(init_hash="ff" * 32))
     edit(out, "parent", 2, lambda r: r["pairing"].pop("data_hash"))
     paired, text = run(out)
     rd = paired["arms"]["rd"]
-    assert paired["paired_seeds"] == [0, 3] and rd["seeds"] == [0, 3] and rd["n"] == 2
+    assert rd["seeds"] == [0, 3] and rd["n"] == 2
     assert rd["deltas"] == pytest.approx([-0.03, -0.04]) and rd["wins"] == 2
-    (s1, r1), (s2, r2) = [(d["seed"], d["reason"]) for d in paired["left_out"]]
+    (s1, r1), (s2, r2) = [(d["seed"], d["reason"]) for d in rd["left_out"]]
     assert s1 == 1 and "init_hash" in r1 and "1a1a" in r1 and "ffff" in r1 and len(r1) < 100
     assert s2 == 2 and "data_hash" in r2 and "missing" in r2
-    assert "| rd | 2 | 2/2 |" in text and f"- seed 1: {r1}" in text and f"- seed 2: {r2}" in text
+    assert "| rd | 2 | 2/2 |" in text and f"- rd, seed 1: {r1}" in text and f"- rd, seed 2: {r2}" in text
     paired, _ = run(out, "--reference=rd")
     assert paired["arms"]["parent"]["deltas"] == pytest.approx([0.03, 0.04])
 
@@ -134,8 +137,8 @@ def test_differing_settings_are_named_and_an_arms_own_settings_are_not(tmp_path,
         edit(out, "rd", seed, lambda r: r["pairing"]["settings"].pop("n_layer"))
         edit(out, "rd", seed, lambda r: r["pairing"]["settings"].update(rd_control="dup"))
     paired, _ = run(out)
-    reasons = {d["seed"]: d["reason"] for d in paired["left_out"]}
-    assert paired["paired_seeds"] == [4] and paired["arms"]["rd"]["n"] == 1
+    reasons = {d["seed"]: d["reason"] for d in paired["arms"]["rd"]["left_out"]}
+    assert paired["arms"]["rd"]["seeds"] == [4] and paired["arms"]["rd"]["n"] == 1
     assert reasons[0] == "parent and rd differ in settings.learning_rate (0.001 vs 0.0001)"
     assert reasons[1] == "parent and rd differ in settings.weight_decay (0.1 vs 0.0)"
     assert reasons[2] == "parent and rd differ in settings.dropout (0.2 vs 0.0)"
@@ -148,10 +151,10 @@ def test_diverged_cells_are_listed_apart(tmp_path, no_matplotlib):
                                           reason="non-finite training loss at step 40"))
     edit(out, "parent", 2, lambda r: r.update(val_loss=float("nan")))  # written before the status field existed
     paired, text = run(out)
-    assert paired["paired_seeds"] == [0, 3] and paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.04])
+    assert paired["arms"]["rd"]["seeds"] == [0, 3] and paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.04])
     assert paired["diverged"] == [dict(arm="rd", seed=1, step=40, reason="non-finite training loss at step 40"),
                                   dict(arm="parent", seed=2, step=20, reason="val_loss is nan")]
-    assert [d["reason"] for d in paired["left_out"]] == ["rd/seed1 diverged", "parent/seed2 diverged"]
+    assert [d["reason"] for d in paired["arms"]["rd"]["left_out"]] == ["rd/seed1 diverged", "parent/seed2 diverged"]
     assert "| rd | 1 | 40 | non-finite training loss at step 40 |" in text and "| rd | 2 | 2/2 |" in text
 
 
@@ -161,8 +164,8 @@ def test_old_and_unfinished_cells_are_not_paired(tmp_path, no_matplotlib):
         edit(out, arm, seed, lambda r: [r.pop(k) for k in ("pairing", "status", "wall_time_s")])
     (out / "rd" / "seed3" / "result.json").unlink()  # unfinished: log only
     paired, text = run(out)
-    assert paired["paired_seeds"] == [] and paired["arms"]["rd"]["n"] == 0 and "| rd | 0 | 0/0 |" in text
-    reasons = [d["reason"] for d in paired["left_out"]]
+    assert paired["arms"]["rd"]["seeds"] == [] and paired["arms"]["rd"]["n"] == 0 and "| rd | 0 | 0/0 |" in text
+    reasons = [d["reason"] for d in paired["arms"]["rd"]["left_out"]]
     assert reasons[0] == "parent/seed0 no pairing record; rd/seed0 no pairing record"
     assert reasons[3] == "parent/seed3 no pairing record; rd/seed3 missing"
     assert "Wall time" not in text
@@ -176,13 +179,76 @@ def test_stray_folders_and_damaged_files_are_skipped_with_a_note(tmp_path, no_ma
         f.write('{"step": 30, "tokens": 3000, "val_lo')  # torn by a full disk
     (out / "parent" / "seed3" / "result.json").write_text('{"arm": "parent", "val_')  # half-written
     paired, text = run(out)
-    assert paired["paired_seeds"] == [0, 1, 2]
-    assert paired["left_out"] == [dict(seed=3, reason="parent/seed3 unreadable result.json")]
+    assert paired["arms"]["rd"]["seeds"] == [0, 1, 2]
+    assert paired["arms"]["rd"]["left_out"] == [dict(seed=3, reason="parent/seed3 unreadable result.json")]
     notes = "\n".join(paired["skipped"])
-    for part in ("rd/seed_old/", "notes/", "rd/seed0/log.jsonl: unreadable line 6",
+    for part in ("rd/seed_old/", "notes/", "rd/seed0/log.jsonl: unreadable or non-numeric line 6",
                  "parent/seed3/result.json: unreadable"):
         assert part in notes and part in text
     assert paired["arms"]["rd"]["delta_curve"]["tokens"] == [0, 1000, 2000]
+
+
+def test_each_arm_is_paired_with_the_reference_seed_by_seed(tmp_path, no_matplotlib):
+    # a problem in one arm's cell (or between two non-reference arms) leaves that seed out of that arm only
+    losses = {(arm, s): 3.0 + s / 10 - i / 100 for i, arm in enumerate(("parent", "rd", "extra")) for s in range(4)}
+    out = make_grid(tmp_path, losses, arms=("parent", "rd", "extra"))
+    (out / "extra" / "seed0" / "result.json").unlink()  # unfinished
+    edit(out, "extra", 1, lambda r: r.update(status="diverged", val_loss=None, diverged_at=10, reason="nan"))
+    edit(out, "rd", 2, lambda r: r["pairing"].update(init_hash="ff" * 32))  # differs from parent and extra
+    edit(out, "parent", 3, lambda r: r["pairing"].update(code="0ther"))  # the reference: out for every arm
+    (out / "new" / "seed0").mkdir(parents=True)  # an arm that has not finished a cell
+    (out / "new" / "seed0" / "log.jsonl").write_text("")
+    paired, text = run(out)
+    rd, extra, new = (paired["arms"][arm] for arm in ("rd", "extra", "new"))
+    assert rd["seeds"] == [0, 1] and rd["deltas"] == pytest.approx([-0.01, -0.01])
+    assert extra["seeds"] == [2] and extra["deltas"] == pytest.approx([-0.02])
+    assert [(d["seed"], d["reason"].split(" (")[0]) for d in rd["left_out"]] == [
+        (2, "parent and rd differ in init_hash"), (3, "parent and rd differ in code")]
+    assert [(d["seed"], d["reason"].split(" (")[0]) for d in extra["left_out"]] == [
+        (0, "extra/seed0 missing"), (1, "extra/seed1 diverged"), (3, "parent and extra differ in code")]
+    assert new["seeds"] == [] and [d["reason"] for d in new["left_out"]] == [f"new/seed{s} missing" for s in range(4)]
+    assert "| rd | 2 | 2/2 |" in text and "| extra | 1 | 1/1 |" in text and "- extra, seed 0: extra/seed0 missing" in text
+    assert "| new | 0 | 0/0 | nan | nan | [nan, nan] | nan | nan | nan% |" in text
+    assert "Per-seed deltas, extra: seed 2: -0.0200" in text
+
+
+def test_fields_of_the_wrong_type_are_skipped_with_a_note(tmp_path, no_matplotlib):
+    losses = {(arm, s): 3.0 - i / 100 for i, arm in enumerate(("parent", "rd")) for s in range(5)}
+    out = make_grid(tmp_path, losses)
+    (out / "config.json").write_text(json.dumps(dict(arms=dict(parent={}, rd={}), seeds=["a", 0, True, 1.5, 1])))
+    edit(out, "rd", 0, lambda r: r.update(val_loss=True))  # would count as 1.0
+    edit(out, "parent", 1, lambda r: r.update(wall_time_s="100"))
+    edit(out, "rd", 2, lambda r: r.update(pairing=[r["pairing"]]))
+    edit(out, "rd", 3, lambda r: r["pairing"].update(settings=[["learning_rate", 0.1]]))  # would compare nothing
+    log = out / "rd" / "seed4" / "log.jsonl"
+    log.write_text(log.read_text().replace('"val_loss": 2.99', '"val_loss": "2.99"'))  # the last evaluation
+    paired, text = run(out)
+    rd = paired["arms"]["rd"]
+    assert rd["seeds"] == [4] and rd["deltas"] == pytest.approx([-0.01])
+    assert [d["reason"] for d in rd["left_out"]] == [
+        "rd/seed0 unreadable result.json", "parent/seed1 unreadable result.json",
+        "rd/seed2 unreadable result.json", "rd/seed3 unreadable result.json"]
+    assert rd["delta_curve"]["tokens"] == [0, 1000]  # the evaluation at 2000 tokens skipped
+    notes = paired["skipped"]
+    for note in ('config.json: seeds "a", true, 1.5 ignored (not non-negative integers)',
+                 "rd/seed0/result.json: unreadable (val_loss is true, not a number)",
+                 'parent/seed1/result.json: unreadable (wall_time_s is "100", not a number)',
+                 "rd/seed2/result.json: unreadable (pairing is [{\"init_hash\": \"..., not a dict)",
+                 "rd/seed3/result.json: unreadable (pairing.settings is not a dict)",
+                 "rd/seed4/log.jsonl: unreadable or non-numeric line 5"):
+        assert note in notes and f"- {note}" in text
+    assert "parent/seed1" not in paired["wall_time_s"] and "| parent | 100 | - | 102 | 103 | 104 | 409 |" in text
+
+
+def test_read_only_out_dir_is_one_line_before_any_work(tmp_path, monkeypatch):
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9})
+    access = os.access  # as root a chmod does not stop writes, so the permission check is what is tested
+    monkeypatch.setattr(os, "access", lambda path, mode: False if path == str(out) else access(path, mode))
+    with pytest.raises(SystemExit) as e:
+        report.main([str(out)])
+    assert e.value.code.startswith(f"error: cannot write to {out} (") and "\n" not in e.value.code
+    assert "copy the grid somewhere writable" in e.value.code
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "parent", "rd"]
 
 
 def test_bad_cell_argument_is_one_line(tmp_path, no_matplotlib):
