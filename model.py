@@ -656,6 +656,14 @@ class GPTConfig:
     hc_streams: int = 4  # hc and mhc only
 
     def __post_init__(self):
+        for field in fields(self):  # a size of 0 would fail later, as a ZeroDivisionError or an empty model
+            value = getattr(self, field.name)
+            if field.type is int and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{field.name}={value!r} must be a positive integer")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:

@@ -329,6 +329,16 @@ def test_depth_read_gradcheck():
     (dict(residual="standard", hc_streams=2), "needs residual='hc' or 'mhc'"),
     (dict(residual="mhc", hc_streams=1), "at least 2"),
     (dict(residual="dar", attnres_block_size=5), "valid: 1, 2, 4, 8"),
+    *[(dict(**{name: 0}), f"{name}=0 must be a positive integer")
+      for name in ("n_head", "n_layer", "block_size", "n_embd", "vocab_size", "attnres_block_size", "hc_streams")],
+    (dict(n_layer=-2), "n_layer=-2 must be a positive integer"),
+    (dict(n_layer=2.0), "n_layer=2.0 must be a positive integer"),
+    (dict(n_layer=True), "n_layer=True must be a positive integer"),
+    (dict(dropout=-0.1), "dropout=-0.1 must be in [0, 1)"),
+    (dict(dropout=1.0), "dropout=1.0 must be in [0, 1)"),
+    (dict(dropout=float("nan")), "dropout=nan must be in [0, 1)"),
+    (dict(norm_eps=0.0), "norm_eps=0.0 must be > 0"),
+    (dict(norm_eps=-1e-6), "norm_eps=-1e-06 must be > 0"),
 ])
 def test_bad_config_raises_one_line(kwargs, needle):
     with pytest.raises(ValueError) as err:
