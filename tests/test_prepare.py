@@ -501,6 +501,9 @@ def test_write_json_that_fails_leaves_no_tmp_and_is_one_line(tmp_path, monkeypat
     (tmp_path / "file").write_text("x")
     with pytest.raises(P.DataError, match=r"cannot write .*file/x.json \(Not a directory\); free disk space"):
         P.write_json(str(tmp_path / "file" / "x.json"), {})  # a path under a file fails even for root
+
+
+def test_write_json_into_a_read_only_directory_is_one_line(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     if os.access(locked, os.W_OK):
