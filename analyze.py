@@ -193,7 +193,7 @@ def main(argv):
     cfg, model, step = load_cell(args.cell)
     ctx = train.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"]))
     model.to(ctx["device"])
-    data_dir = os.path.abspath(os.path.join(train.HERE, cfg["data_dir"]))  # train.py's rule: relative to the project
+    data_dir = train.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = cfg["block_size"]
     if cfg["eval_tokens"] > len(val):

@@ -11,9 +11,10 @@ $ torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \
 
 Each cell writes out_dir/<arm>/seed<k>/: config.json (its effective config and the code that ran),
 log.jsonl, ckpt.pt and, when done, result.json. Run the same command again: finished cells are
-skipped, a killed cell resumes from its last checkpoint, and a cell recorded with other settings
-or other code is refused unless allow_changes=True (docs/protocol.md). The grid ends with the
-paired report (report.py).
+skipped, a killed cell resumes from its last checkpoint, a cell that another process is training
+(out_dir/<arm>/seed<k>/lock) stops the run with one line, and a cell recorded with other settings,
+data or code is refused unless allow_changes=True (docs/protocol.md). The grid ends with the paired
+report (report.py).
 """
 
 import dataclasses
@@ -22,10 +23,12 @@ import json
 import math
 import os
 import pickle
+import re
+import socket
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import ConfigError, configure
+from configurator import ConfigError, coerce, configure
 from data.prepare import (BUNDLED_OUT, DataError, find_shards, open_shard, prepare_bundled, verify_manifest,
                           write_json)
 from model import GPT, RESIDUALS, GPTConfig
@@ -45,7 +48,8 @@ _before_config = set(globals())
 # default config: a small paired run on the bundled Shakespeare corpus, minutes on a 2-core CPU
 # I/O
 out_dir = "out"  # relative to the working directory
-data_dir = "data/shakespeare_gpt2"  # relative to this file's directory; the bundled corpus is prepared on demand
+data_dir = "data/shakespeare_gpt2"  # relative: from the working directory if there, else from this file's
+# directory (recorded absolute); the bundled corpus is prepared on demand
 verify_shards = False  # at start, also check each shard's sha256 against manifest.json (file names and sizes always)
 init_from = ""  # warm start: every cell from this standard checkpoint's weights (docs/protocol.md); "" = the seed's init
 eval_interval = 100
@@ -77,13 +81,17 @@ cooldown_frac = 0.2  # wsd: the last fraction of max_iters decays linearly to mi
 batch_size = 8  # sequences per forward at most (per rank)
 gradient_accumulation_steps = 1
 # system
-device = "auto"  # 'auto' (cuda, then mps, then cpu), or e.g. 'cpu', 'cuda', 'cuda:1', 'mps'
-dtype = "auto"  # 'auto' (bfloat16 autocast where supported, else float32), 'bfloat16', 'float32'
+device = "auto"  # 'auto' (cuda, then mps, then cpu), or e.g. 'cpu', 'cuda', 'cuda:1', 'mps'; recorded as the type used
+dtype = "auto"  # 'auto' (bfloat16 autocast where supported, else float32), 'bfloat16', 'float32'; recorded as used
 compile = True
 # -----------------------------------------------------------------------------
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)} | {
     k: v for k, v in globals().items() if k not in _before_config and k != "_before_config"}
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+# an arm is a folder of out_dir: a plain name, and none of the files the grid and its report write there
+ARM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+OUT_DIR_FILES = ("config.json", "report.md", "paired.json")
 # keys that do not change a cell's result: left out of its pairing settings and of the rerun check
 NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "log_interval", "eval_batch_size",
                    "verify_shards", "allow_changes")
@@ -141,16 +149,23 @@ def differences(old, new):
     return diff
 
 
+def read_record(path, remedy):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable or damaged ({e}); {remedy}") from None
+
+
+RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or delete the cell's folder to retrain it"
+
+
 def check_rerun(path, new, allow):
     """The record at path (or None) and how the new config differs from it; refuses a difference
     unless allow."""
     if not os.path.exists(path):
         return None, {}
-    try:
-        with open(path) as f:
-            old = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is unreadable ({e}); restore it, or delete the folder to start it again") from None
+    old = read_record(path, "restore it, or delete the folder to start it again")
     diff = differences(old, new)
     if diff and not allow:
         short = lambda v: repr(v) if len(repr(v)) <= 40 else "..."
@@ -161,13 +176,93 @@ def check_rerun(path, new, allow):
     return old, diff
 
 
-def check_cell(cfg, arm, seed, code):
-    """check_rerun for a cell with something to protect: a checkpoint or a result."""
+def check_cell(cfg, arm, seed, code, val):
+    """check_rerun for a cell with something to protect: a checkpoint or a result (which must be readable)."""
     cell_dir = os.path.join(cfg["out_dir"], arm, f"seed{seed}")
     if not any(os.path.exists(os.path.join(cell_dir, f)) for f in ("ckpt.pt", "result.json")):
         return None, {}  # nothing trained yet: the cell starts from scratch
-    return check_rerun(os.path.join(cell_dir, "config.json"), dict(cell_config(cfg, arm, seed), code=code),
-                       cfg["allow_changes"])
+    if os.path.exists(os.path.join(cell_dir, "result.json")):
+        read_record(os.path.join(cell_dir, "result.json"), RESULT_REMEDY)
+    cell = cell_config(cfg, arm, seed)
+    new = dict(cell, code=code, val_hash=validation_hash(val, cell["eval_tokens"], cell["block_size"]))
+    return check_rerun(os.path.join(cell_dir, "config.json"), new, cfg["allow_changes"])
+
+
+def resolve_data_dir(path):
+    """data_dir as an absolute path: a relative one is taken from the working directory when it is
+    there, else from the project directory (so the bundled default works from anywhere)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return os.path.abspath(path)
+    return os.path.abspath(os.path.join(HERE, path))
+
+
+def train_data_fingerprint(data_dir, train_paths):
+    """sha256 over the train shards, cheap enough for every start: each shard's sha256 from
+    manifest.json where data/prepare.py wrote one (verify_shards=True checks those), else its name,
+    size and first and last 64 KiB. The content itself is in data_hash, which only training computes."""
+    listed = {}
+    if os.path.exists(os.path.join(data_dir, "manifest.json")):
+        with open(os.path.join(data_dir, "manifest.json")) as f:
+            listed = {s["name"]: s["sha256"] for s in json.load(f)["shards"]}
+    h = hashlib.sha256()
+    for path in train_paths:
+        name, size = os.path.basename(path), os.path.getsize(path)
+        h.update(f"{name} {size} {listed.get(name, '')}".encode())
+        if name not in listed:
+            with open(path, "rb") as f:
+                h.update(f.read(1 << 16))
+                f.seek(max(0, size - (1 << 16)))
+                h.update(f.read(1 << 16))
+    return h.hexdigest()
+
+
+def validation_hash(val, eval_tokens, T):
+    """sha256 of the validation tokens evaluated: the whole sequences of T + 1 in the first eval_tokens."""
+    return hashlib.sha256(np.ascontiguousarray(val[:(eval_tokens - 1) // T * T + 1])).hexdigest()
+
+
+@contextmanager
+def cell_lock(cell_dir, master):
+    """
+    One process at a time trains a cell: cell_dir/lock holds its pid and host while it runs. A lock
+    whose process is gone from this host (a killed run) is taken over; one from another host (a
+    shared filesystem) cannot be checked and stays until removed. Under DDP rank 0 holds it.
+    """
+    if not master:
+        yield
+        return
+    os.makedirs(cell_dir, exist_ok=True)
+    path, host = os.path.join(cell_dir, "lock"), socket.gethostname()
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    pid, _, owner = f.read().partition(" ")
+            except FileNotFoundError:
+                continue  # released meanwhile
+            if owner != host or not pid.isdigit() or process_exists(int(pid)):
+                raise ConfigError(f"cell {cell_dir} is being trained by pid {pid or '?'} on {owner or '?'}; wait for "
+                                  f"it or remove {path} if that process is gone") from None
+            os.remove(path)  # stale: its process ended without releasing it
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()} {host}")
+    try:
+        yield
+    finally:
+        os.remove(path)
+
+
+def process_exists(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 # the model keys that give the shared weights their meaning (n_head: not visible in the shapes)
@@ -250,13 +345,14 @@ class TrainData:
         return ids
 
     def sequences(self, ids):
+        """The tokens of sequences ids, as the shards hold them: (len(ids), block_size + 1) uint16."""
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         offsets = (ids - self.starts[shard]) * self.block_size
-        rows = [self.shards[s][o:o + self.block_size + 1] for s, o in zip(shard, offsets)]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return np.stack([self.shards[s][o:o + self.block_size + 1] for s, o in zip(shard, offsets)])
 
 
-def to_device(batch, device):
+def to_device(tokens, device):
+    batch = torch.from_numpy(tokens.astype(np.int64))
     x, y = batch[:, :-1], batch[:, 1:]
     if device.startswith("cuda"):
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
@@ -300,8 +396,7 @@ def learning_rate_at(step, cfg):
 
 def validation_batch(val, seq_ids, T, device):
     """Validation sequences seq_ids (whole sequences of T + 1 tokens) as (inputs, targets)."""
-    rows = [val[j * T: j * T + T + 1] for j in seq_ids]
-    return to_device(torch.from_numpy(np.stack(rows).astype(np.int64)), device)
+    return to_device(np.stack([val[j * T: j * T + T + 1] for j in seq_ids]), device)
 
 
 @torch.no_grad()
@@ -448,15 +543,16 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
     recorded, change = grid["records"][arm, seed]
     if os.path.exists(result_path):
         if master:
-            with open(result_path) as f:
-                r = json.load(f)
+            r = read_record(result_path, RESULT_REMEDY)
             print(f"{prefix} done already: " + (f"diverged at step {r['diverged_at']}" if r.get("status") == "diverged"
                                                 else f"val_loss {r['val_loss']:.4f}")
                   + (f" (recorded with other settings: {', '.join(change)}; not retrained)" if change else ""))
         return
     cell = cell_config(cfg, arm, seed)
     config = GPTConfig(**{k: cell[k] for k in MODEL_KEYS})
-    record = dict(cell, model=dataclasses.asdict(config), code=code)
+    T = cell["block_size"]
+    record = dict(cell, model=dataclasses.asdict(config), code=code,
+                  val_hash=validation_hash(val, cell["eval_tokens"], T))
     torch.manual_seed(seed_for(seed, 0))
     model = GPT(config)
     if grid["init"] is not None:  # warm start: every shared weight replaced, routing left at its init
@@ -465,7 +561,6 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
     model.to(ctx["device"])
     optimizer = model.configure_optimizers(cell["weight_decay"], cell["learning_rate"], (cell["beta1"], cell["beta2"]),
                                            ctx["device"].split(":")[0])
-    T = cell["block_size"]
     data = TrainData(train_shards, T, seed_for(seed, 1))
     # the interval's loss so far (rank 0 holds it all after each checkpoint) and where it began
     step, data_hash, loss_sum, step_last, wall_before, changes = 0, "", 0.0, 0, 0.0, []
@@ -548,10 +643,10 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
         lr = learning_rate_at(step, cell)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids = data.sequence_ids(step * step_sequences, step_sequences)
-        data_hash = hashlib.sha256((data_hash + ids.tobytes().hex()).encode()).hexdigest()
-        ids = ids[ctx["rank"] * mine:(ctx["rank"] + 1) * mine]  # this rank's sequences, in micro-batches
-        batches = [to_device(data.sequences(ids[a:a + n]), ctx["device"]) for a, n in zip(np.cumsum([0] + sizes), sizes)]
+        tokens = data.sequences(data.sequence_ids(step * step_sequences, step_sequences))  # all ranks' sequences
+        data_hash = hashlib.sha256(data_hash.encode() + tokens.tobytes()).hexdigest()  # chains what was trained on
+        tokens = tokens[ctx["rank"] * mine:(ctx["rank"] + 1) * mine]  # this rank's sequences, in micro-batches
+        batches = [to_device(tokens[a:a + n], ctx["device"]) for a, n in zip(np.cumsum([0] + sizes), sizes)]
         loss_sum += backward_step(train_model, batches, step_sequences, ctx)
         if cell["grad_clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cell["grad_clip"])
@@ -592,8 +687,8 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
         if diverged:
             print(f"{prefix} diverged: {diverged}; the cell stops here, the grid goes on")
         init_from = dict(path=cell["init_from"], sha256=cell["init_from_sha256"]) if cell["init_from"] else None
-        pairing = dict(init_hash=init_hash, data_hash=data_hash, eval_tokens=eval_tokens, code=code["fingerprint"],
-                       init_from=init_from, settings=pairing_settings(cell, cfg["arms"][arm]))
+        pairing = dict(init_hash=init_hash, data_hash=data_hash, eval_tokens=eval_tokens, val_hash=record["val_hash"],
+                       code=code["fingerprint"], init_from=init_from, settings=pairing_settings(cell, cfg["arms"][arm]))
         if changes:
             pairing["changes"] = changes
         write_json(result_path, dict(arm=arm, seed=seed, status="diverged" if diverged else "finished",
@@ -658,7 +753,8 @@ def setup(cfg):
     if device.startswith("cuda") and dtype == "bfloat16":
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return dict(world=world, rank=rank, local_rank=local_rank, device=device, autocast=autocast, peak_flops=peak)
+    return dict(world=world, rank=rank, local_rank=local_rank, device=device, dtype=dtype, autocast=autocast,
+                peak_flops=peak)
 
 
 def check_config(cfg, world):
@@ -684,18 +780,22 @@ def check_config(cfg, world):
         raise ConfigError("arms is empty; give at least one arm, e.g. arms = {'standard': {}}")
     if cfg["residual"] not in RESIDUALS:
         raise ConfigError(f"residual={cfg['residual']!r} is not a residual scheme; choose one of {', '.join(RESIDUALS)}")
+    arms = {}  # type-checked like --key=value
     for arm, settings in cfg["arms"].items():
+        if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm in OUT_DIR_FILES or arm.endswith(".png"):
+            raise ConfigError(f"arm name {arm!r}: use letters, digits, '_', '.' and '-' (not first), and none of the "
+                              f"names the grid's out_dir holds ({', '.join(OUT_DIR_FILES)}, *.png)")
         if not isinstance(settings, dict) or set(settings) - set(MODEL_KEYS):
             raise ConfigError(f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)})")
+        settings = arms[arm] = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS[k]) for k, v in settings.items()}
         try:
             config = model_config(cfg, settings)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError) as e:  # GPTConfig's own checks (sizes, dropout, scheme options)
             raise ConfigError(f"arm {arm!r}: {e}") from None
-        if not 0 <= config.dropout < 1:
-            raise ConfigError(f"arm {arm!r}: dropout={config.dropout} must be in [0, 1)")
         if cfg["eval_tokens"] < config.block_size + 1:
             raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is less than one sequence of block_size+1 = "
                               f"{config.block_size + 1} tokens" + (f" (arm {arm!r})" if "block_size" in settings else ""))
+    cfg["arms"] = arms
     if (cfg["batch_size"] * cfg["gradient_accumulation_steps"]) % world:
         raise ConfigError(f"a step's batch_size x gradient_accumulation_steps = "
                           f"{cfg['batch_size'] * cfg['gradient_accumulation_steps']} sequences do not split evenly "
@@ -723,16 +823,12 @@ def main(argv):
     check_config(cfg, ctx["world"])
     master = ctx["rank"] == 0
     code = code_record()
+    # recorded as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the same)
+    # (torch.__version__ is a str subclass, which weights_only checkpoint loads refuse)
+    cfg.update(device=ctx["device"].split(":")[0], dtype=ctx["dtype"], torch_version=str(torch.__version__))
     # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
     init_weights, cfg["init_from_sha256"] = load_init_from(cfg)
-    # a rerun goes on only with the recorded settings and code (or allow_changes=True)
-    grid_path = os.path.join(cfg["out_dir"], "config.json")
-    recorded, change = check_rerun(grid_path, dict(cfg, code=code), cfg["allow_changes"])
-    cells = [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
-    records = {(arm, seed): check_cell(cfg, arm, seed, code) for arm, seed in cells}
-    if master:
-        check_writable(cfg["out_dir"])
-    data_dir = os.path.abspath(os.path.join(HERE, cfg["data_dir"]))  # an absolute data_dir stays as it is
+    cfg["data_dir"] = data_dir = resolve_data_dir(cfg["data_dir"])
     if data_dir == BUNDLED_OUT and not os.path.exists(os.path.join(data_dir, "manifest.json")):
         if master:
             prepare_bundled(data_dir)
@@ -747,7 +843,15 @@ def main(argv):
         raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "
                           f"({len(val):,} tokens); lower eval_tokens")
     train_shards = [open_shard(path, vocab_size) for path in train_paths]  # every shard checked before training
+    # other train data is a change, like other weights; other validation tokens show in each cell's val_hash
+    cfg["train_data_sha256"] = train_data_fingerprint(data_dir, train_paths)
+    # a rerun goes on only with the recorded settings, data and code (or allow_changes=True)
+    grid_path = os.path.join(cfg["out_dir"], "config.json")
+    recorded, change = check_rerun(grid_path, dict(cfg, code=code), cfg["allow_changes"])
+    cells = [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
+    records = {(arm, seed): check_cell(cfg, arm, seed, code, val) for arm, seed in cells}
     if master:
+        check_writable(cfg["out_dir"])
         recorded = recorded or {}
         grid = dict(cfg, arms=recorded.get("arms", {}) | cfg["arms"],
                     seeds=recorded.get("seeds", []) + [s for s in cfg["seeds"] if s not in recorded.get("seeds", [])],
@@ -756,7 +860,8 @@ def main(argv):
     todo = [c for c in cells if not os.path.exists(os.path.join(cfg["out_dir"], c[0], f"seed{c[1]}", "result.json"))]
     grid = dict(records=records, todo=todo, rates={}, init=init_weights)
     for arm, seed in cells:
-        train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx)
+        with cell_lock(os.path.join(cfg["out_dir"], arm, f"seed{seed}"), master):
+            train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx)
     if ctx["world"] > 1:
         dist.barrier()
         dist.destroy_process_group()

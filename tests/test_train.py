@@ -4,6 +4,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -86,6 +87,9 @@ def test_every_model_field_is_a_key_and_can_be_set_per_arm():
         cfg = configure(train.DEFAULTS, [f"--{field.name}={value!r}", f"--arms={{'a': {{'{field.name}': {value!r}}}}}"])
         train.check_config(cfg, 1)
         assert getattr(train.model_config(cfg, cfg["arms"]["a"]), field.name) == value
+    cfg = dict(train.DEFAULTS, arms={"a.1": {"dropout": 0}})  # an int for a float, as --dropout=0
+    train.check_config(cfg, 1)
+    assert type(cfg["arms"]["a.1"]["dropout"]) is float
     # the ablations the README names, as arms
     cfg = configure(train.DEFAULTS, ["--arms={'self': {'residual': 'dar', 'dar_keys': 'self'}, "
                                      "'hc2': {'residual': 'hc', 'hc_streams': 2}}"])
@@ -111,6 +115,17 @@ def test_every_model_field_is_a_key_and_can_be_set_per_arm():
     ({"arms": {"x": {"residual": "attnres", "rd_control": "dup"}}}, "arm 'x': rd_control='dup' needs residual"),
     ({"arms": {"x": {"n_layers": 3}}}, "settings must be a dict of model keys"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be at least 1"),
+    ({"block_size": 0}, "arm 'attnres': block_size=0 must be a positive integer"),  # before anything divides by it
+    ({"n_head": 0}, "arm 'attnres': n_head=0 must be a positive integer"),
+    ({"arms": {"a": {"n_layer": "x"}}}, "arm 'a': n_layer must be a int, got 'x'"),
+    ({"arms": {"a": {"dropout": "0.1"}}}, "arm 'a': dropout must be a float"),
+    ({"arms": {"": {}}}, "arm name ''"),
+    ({"arms": {"../a": {}}}, "arm name '../a'"),
+    ({"arms": {"-a": {}}}, "arm name '-a'"),
+    ({"arms": {1: {}}}, "arm name 1"),
+    ({"arms": {"config.json": {}}}, "arm name 'config.json': use letters"),
+    ({"arms": {"paired.json": {}}}, "arm name 'paired.json'"),
+    ({"arms": {"val_loss.png": {}}}, "arm name 'val_loss.png'"),
     ({"batch_size": 3, "world": 2}, "3 sequences do not split evenly over 2 processes"),
 ])
 def test_bad_settings_are_one_line(override, message):
@@ -330,7 +345,7 @@ def test_run_contract_pairing_provenance_and_reruns(shards, tmp_path, monkeypatc
     # pairing, checked: within a seed, the same shared init, batches and settings; across seeds not
     for seed in (0, 1):
         a, b = result(out, "attnres", seed)["pairing"], result(out, "rd_attnres", seed)["pairing"]
-        assert a == b and set(a) == {"init_hash", "data_hash", "eval_tokens", "code", "init_from", "settings"}
+        assert a == b and set(a) == {"init_hash", "data_hash", "eval_tokens", "val_hash", "code", "init_from", "settings"}
         assert a["eval_tokens"] == 62 * 16 and a["code"] == code["fingerprint"] and a["init_from"] is None
         assert a["settings"]["learning_rate"] == 1e-2 and "residual" not in a["settings"]
         assert not {"arm", "seed", "seeds", "arms", "out_dir", "log_interval", "eval_batch_size"} & set(a["settings"])
@@ -471,6 +486,10 @@ def test_damaged_cells_and_outputs_are_one_line(shards, tmp_path):
     train.main(args)
     cell = out / "attnres" / "seed0"
     whole = log_records(out, "attnres")
+    text = (cell / "result.json").read_text()
+    (cell / "result.json").write_text(text[:len(text) // 2])
+    with pytest.raises(ConfigError, match="result.json is unreadable or damaged .*; delete it to finish the cell again"):
+        train.main(args)
     os.remove(cell / "result.json")  # as if killed after the last checkpoint
     good = (cell / "ckpt.pt").read_bytes()
     older = io.BytesIO()
@@ -531,7 +550,81 @@ def test_relative_data_dir_is_under_the_project_from_any_directory(shards, tmp_p
     monkeypatch.chdir(tmp_path)
     train.main(tiny(os.path.relpath(shards, ROOT), "rel", "--max_iters=1", "--arms=attnres"))
     assert result(tmp_path / "rel", "attnres")["steps"] == 1  # out_dir: under the working directory
-    assert os.path.abspath(os.path.join(train.HERE, train.DEFAULTS["data_dir"])) == BUNDLED_OUT
+    assert result(tmp_path / "rel", "attnres")["config"]["data_dir"] == shards  # recorded resolved
+    assert train.resolve_data_dir(train.DEFAULTS["data_dir"]) == BUNDLED_OUT
+    # one that is there from the working directory is taken from there
+    os.makedirs("data/shakespeare_gpt2")
+    assert train.resolve_data_dir(train.DEFAULTS["data_dir"]) == str(tmp_path / "data" / "shakespeare_gpt2")
+
+
+def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkeypatch):
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)  # tested in test_report
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    args = tiny(str(data), tmp_path / "o", "--max_iters=2", "--eval_interval=2")
+    train.main(args + ["--arms=attnres"])
+    first = result(tmp_path / "o", "attnres")
+    config = first["config"]
+    val = np.fromfile(data / "val_000000.bin", dtype=np.uint16)[-3000:]  # past the header: the tokens themselves
+    assert first["pairing"]["val_hash"] == config["val_hash"] == hashlib.sha256(val[:62 * 16 + 1].tobytes()).hexdigest()
+    assert (config["device"], config["dtype"], config["torch_version"]) == ("cpu", "float32", torch.__version__)
+    assert first["pairing"]["settings"]["dtype"] == "float32" and config["data_dir"] == str(data)
+    # the same run asked for differently is no change: --device=auto on this CPU, data_dir relative to here
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    train.main(args + ["--arms=attnres", "--device=auto", "--data_dir=data"])
+    # other tokens in a train shard, same length: a rerun is refused before training
+    path = data / "train_000001.bin"
+    tokens = np.fromfile(path, dtype=np.uint16)
+    tokens[-27000:] = (tokens[-27000:] + 1) % 64
+    tokens.tofile(path)
+    with pytest.raises(ConfigError, match=r"other settings: train_data_sha256 \("):
+        train.main(args + ["--arms=attnres"])
+    # opted in, another arm of the seed on that data: the same sequence ids, other content, another record
+    train.main(args + ["--arms=rd_attnres", "--allow_changes=True"])
+    second = result(tmp_path / "o", "rd_attnres")["pairing"]
+    assert second["data_hash"] != first["pairing"]["data_hash"] and second["val_hash"] == first["pairing"]["val_hash"]
+    # other validation tokens: each started cell's val_hash tells
+    val_path = data / "val_000000.bin"
+    tokens = np.fromfile(val_path, dtype=np.uint16)
+    tokens[-3000:] = (tokens[-3000:] + 1) % 64
+    tokens.tofile(val_path)
+    with pytest.raises(ConfigError, match=r"rd_attnres/seed0/config.json was made with other settings: val_hash \("):
+        train.main(args + ["--arms=rd_attnres"])
+
+
+def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path):
+    cell, host = tmp_path / "o" / "attnres" / "seed0", socket.gethostname()
+    lock = cell / "lock"
+    with train.cell_lock(str(cell), True):
+        assert lock.read_text() == f"{os.getpid()} {host}"
+        with pytest.raises(ConfigError, match=f"is being trained by pid {os.getpid()} on {host}; wait for it or remove "):
+            with train.cell_lock(str(cell), True):
+                pass
+    assert not lock.exists()
+    # a lock whose process is gone from this host is taken over, and released however the cell ends
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    lock.write_text(f"{gone.pid} {host}")
+    with pytest.raises(KeyboardInterrupt):
+        with train.cell_lock(str(cell), True):
+            assert lock.read_text() == f"{os.getpid()} {host}"
+            raise KeyboardInterrupt
+    assert not lock.exists()
+    # another host's lock cannot be checked from here; ranks other than 0 take none
+    lock.write_text(f"{gone.pid} elsewhere")
+    with pytest.raises(ConfigError, match=f"by pid {gone.pid} on elsewhere"):
+        with train.cell_lock(str(cell), True):
+            pass
+    with train.cell_lock(str(cell), False):
+        assert lock.read_text() == f"{gone.pid} elsewhere"
+    # train.py stops at a cell that a live process trains
+    lock.write_text(f"{os.getppid()} {host}")
+    with pytest.raises(ConfigError, match=f"attnres.seed0 is being trained by pid {os.getppid()}"):
+        train.main(tiny(shards, tmp_path / "o", "--arms=attnres"))
+    assert not os.path.exists(cell / "config.json")
 
 
 def run_cli(args, env=ENV, **kwargs):
@@ -572,9 +665,10 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
     for run in ("a", "b"):
         proc = run_cli(tiny(shards, tmp_path / run, *args), env={**ENV, "OMP_NUM_THREADS": "2", "TORCH_LOGS": "recompiles"})
         assert proc.returncode == 0, proc.stderr[-2000:]
-        # training and evaluation graphs, compiled once each: no recompile for a batch shape (the short
-        # last evaluation batch is padded), none per evaluation (dynamo stops recompiling after 8)
-        assert "size mismatch" not in proc.stderr and proc.stderr.count("Recompiling function") <= 2, proc.stderr[-3000:]
+        # training and evaluation graphs, compiled once each (the evaluation graph is the one recompile,
+        # for grad mode): none for a batch shape (the short last evaluation batch is padded), none per
+        # evaluation (dynamo stops recompiling after 8), none for model attributes set after the first
+        assert "size mismatch" not in proc.stderr and proc.stderr.count("Recompiling function") <= 1, proc.stderr[-3000:]
     assert records(tmp_path / "a", "attnres") == records(tmp_path / "b", "attnres")
     assert records(tmp_path / "a", "attnres", key="val_loss") == records(tmp_path / "b", "attnres", key="val_loss")
     # the compiled evaluation at the last checkpoint equals an eager one of the same weights
