@@ -30,7 +30,7 @@ import sys
 import numpy as np
 from scipy import stats
 
-from data.prepare import write_json
+from data.prepare import DataError, write_json
 
 MISSING = object()  # a pairing key one cell does not record
 
@@ -414,4 +414,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except DataError as e:  # a file that could not be written (full disk): one line
+        sys.exit(f"error: {e}")
