@@ -16,7 +16,6 @@ compile_s is the time to build, compile and warm up (3 steps) a variant: with a 
 cache it is mostly the warm-up; --compile_only=True stops there.
 """
 
-import dataclasses
 import json
 import os
 import resource
@@ -30,7 +29,7 @@ import torch
 
 import train
 from configurator import ConfigError, configure
-from model import GPT, RESIDUALS, GPTConfig
+from model import GPT, RESIDUALS
 
 VARIANTS = {}  # one row per scheme in model.RESIDUALS at its defaults; AttnRes in its Full and Block forms
 for name in RESIDUALS:
@@ -38,17 +37,29 @@ for name in RESIDUALS:
         VARIANTS |= dict(attnres_full=dict(residual=name, attnres_block_size=1), attnres_block=dict(residual=name))
     else:
         VARIANTS[name] = dict(residual=name)
-# every GPTConfig field is a key (train.DEFAULTS holds them with train.py's values)
-BENCH_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)} | dict(
+# every train.py key, so every GPTConfig field, is a bench key
+BENCH_DEFAULTS = dict(
     train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4, dtype="bfloat16",
     mode="model", variants=list(VARIANTS), rounds=5, steps=5, peak_mem=True, out="bench.json", input="",
     copies=40, one_variant="", compile_only=False)
 
 
+def variant_config(cfg, name):
+    """A row's GPTConfig: the run's model keys, except the options of other schemes (--hc_streams=2
+    is meant for the hc and mhc rows, not for standard's)."""
+    settings = VARIANTS[name]
+    own = RESIDUALS[settings["residual"]].options
+    others = {k: train.MODEL_DEFAULTS[k] for scheme in RESIDUALS.values() for k in scheme.options if k not in own}
+    try:
+        return train.model_config(cfg | others, settings)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
 def setup_variant(name, cfg, device, autocast):
     """A model, its optimizer and a compiled training step for one variant."""
     torch.manual_seed(0)
-    model = GPT(train.model_config(cfg, VARIANTS[name])).to(device)
+    model = GPT(variant_config(cfg, name)).to(device)
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.split(":")[0])
     forward = torch.compile(model) if cfg["compile"] else model
     g = torch.Generator().manual_seed(0)
