@@ -1,4 +1,4 @@
-# RD-AttnRes against its Block AttnRes parent at the 120m size proxy (SPEC.md: 12 layers, d=768,
+# RD-AttnRes against its Block AttnRes parent at the 120m size proxy (ours: 12 layers, d=768,
 # 12 heads, context 1024), paired over 5 seeds, 2.0B FineWeb-Edu tokens per run, 2^19 tokens/step.
 # $ python data/prepare.py --max_tokens=2.1e9
 # $ torchrun --standalone --nproc_per_node=8 train.py config/rd_120m.py

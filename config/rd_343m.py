@@ -1,4 +1,4 @@
-# RD-AttnRes against its Block AttnRes parent at the 343m size proxy (SPEC.md: 24 layers, d=1024,
+# RD-AttnRes against its Block AttnRes parent at the 343m size proxy (ours: 24 layers, d=1024,
 # 16 heads, context 1024), paired over 5 seeds, 2.0B FineWeb-Edu tokens per run, 2^19 tokens/step.
 # $ python data/prepare.py --max_tokens=2.1e9
 # $ torchrun --standalone --nproc_per_node=8 train.py config/rd_343m.py
