@@ -66,9 +66,9 @@ MUTANTS = [
      "<|endoftext|> after each document instead of before"),
     ("data/prepare.py", "expected = HEADER_INTS * 4 + 2 * int(header[2])", "expected = HEADER_INTS * 4 + int(header[2])",
      "tests/test_prepare.py", "shard size checked in tokens, not bytes"),
-    ("data/prepare.py", "j = int(np.searchsorted(ends, pos, side=\"right\"))",
-     "j = int(np.searchsorted(ends, pos, side=\"left\"))", "tests/test_prepare.py",
-     "resume position off by one document at a document boundary"),
+    ("data/prepare.py", "return file_index, row, int(pos - (ends[j] - lengths[j]))",
+     "return file_index, row, int(pos - (ends[j] - lengths[j])) + 1", "tests/test_prepare.py",
+     "resume position one token past a shard's end inside a document"),
     ("data/prepare.py", "if n_line[1].strip())", "if n_line[1])", "tests/test_prepare.py", "blank jsonl lines count as rows"),
     # report.py
     ("report.py", "std = float(d.std(ddof=1))", "std = float(d.std(ddof=0))", "tests/test_report.py",
