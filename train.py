@@ -85,9 +85,10 @@ device = "auto"  # 'auto' (cuda, then mps, then cpu), or e.g. 'cpu', 'cuda', 'cu
 dtype = "auto"  # 'auto' (bfloat16 autocast where supported, else float32), 'bfloat16', 'float32'; recorded as used
 compile = True
 # -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items() if k not in _before_config and k != "_before_config"}
 MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
 MODEL_KEYS = tuple(MODEL_DEFAULTS)
-DEFAULTS = MODEL_DEFAULTS | {k: v for k, v in globals().items() if k not in _before_config and k != "_before_config"}
+DEFAULTS = MODEL_DEFAULTS | DEFAULTS  # every GPTConfig field is a key; the globals above override its defaults
 # an arm is a folder of out_dir: a plain name, and none of the files the grid and its report write there
 ARM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 OUT_DIR_FILES = ("config.json", "report.md", "paired.json")
