@@ -2,7 +2,7 @@
 Mutation check: does the suite catch plausible one-line bugs? Each mutant below replaces one exact
 snippet of a source file (it must occur exactly once); the check copies the repository, applies
 one mutant at a time and runs the test file that should catch it. A mutant is killed when that
-test file fails.
+test file fails; each test file must first pass on the unmutated copy.
 
 $ python tests/mutate.py              # every mutant (about 20-40 minutes on 2 cores)
 $ python tests/mutate.py 3 7          # mutants 3 and 7 only
@@ -86,25 +86,40 @@ MUTANTS = [
 ]
 
 
+def run_tests(work, test_file):
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-x", "-q", "-p", "no:cacheprovider"],
+                          cwd=work, capture_output=True, text=True)
+    return proc.returncode == 0
+
+
+def copy_of_repository(tmp, name):
+    work = os.path.join(tmp, name)
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv", "out*", "__pycache__", "*_gpt2", "gpu_check"))
+    return work
+
+
 def run_mutant(index, tmp):
     path, original, mutant, test_file, what = MUTANTS[index]
     source = open(os.path.join(ROOT, path)).read()
     if source.count(original) != 1:
         return "stale"  # the code moved on: fix the mutant's snippet
-    work = os.path.join(tmp, f"m{index}")
-    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv", "out*", "__pycache__", "*_gpt2", "gpu_check"))
+    work = copy_of_repository(tmp, f"m{index}")
     with open(os.path.join(work, path), "w") as f:
         f.write(source.replace(original, mutant))
-    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-x", "-q", "-p", "no:cacheprovider"],
-                          cwd=work, capture_output=True, text=True)
+    passed = run_tests(work, test_file)
     shutil.rmtree(work)
-    return "killed" if proc.returncode != 0 else "survived"
+    return "survived" if passed else "killed"
 
 
 def main(argv):
     chosen = [int(a) for a in argv] or range(len(MUTANTS))
     outcome = {}
     with tempfile.TemporaryDirectory() as tmp:
+        # a mutant is only killed by tests that pass without it
+        for test_file in sorted({MUTANTS[i][3] for i in chosen}):
+            if not run_tests(copy_of_repository(tmp, "baseline"), test_file):
+                sys.exit(f"error: {test_file} fails on the unmutated code; fix that first")
+            shutil.rmtree(os.path.join(tmp, "baseline"))
         for i in chosen:
             outcome[i] = run_mutant(i, tmp)
             path, _, _, test_file, what = MUTANTS[i]
