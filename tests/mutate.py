@@ -4,7 +4,7 @@ snippet of a source file (it must occur exactly once); the check copies the repo
 one mutant at a time and runs the test file that should catch it. A mutant is killed when that
 test file fails; each test file must first pass on the unmutated copy.
 
-$ python tests/mutate.py              # every mutant (about 20-40 minutes on 2 cores)
+$ python tests/mutate.py              # every mutant (about 10 minutes on 2 idle cores)
 $ python tests/mutate.py 3 7          # mutants 3 and 7 only
 """
 

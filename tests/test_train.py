@@ -182,6 +182,17 @@ def test_evals_after_counts_the_evaluations_to_come():
                 assert train.evals_after(step, dict(max_iters=n, eval_interval=k)) == expected
 
 
+def test_every_epoch_is_a_new_permutation_of_every_sequence():
+    # two shards of 5 and 3 whole sequences (block_size 4): 8 sequences an epoch
+    shards = [np.arange(21, dtype=np.uint16), np.arange(100, 113, dtype=np.uint16)]
+    data = train.TrainData(shards, 4, seed=7)
+    epochs = data.sequence_ids(0, 24).reshape(3, 8)
+    assert all(sorted(e) == list(range(8)) for e in epochs)  # each sequence once per epoch
+    assert len({tuple(e) for e in epochs}) == 3  # a new order every epoch
+    assert (train.TrainData(shards, 4, seed=7).sequence_ids(11, 5) == epochs.flatten()[11:16]).all()  # from any step
+    assert (data.sequences(np.array([5]))[0] == shards[1][:5]).all()  # sequence 5 opens the second shard
+
+
 def test_learning_rate_schedules():
     cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, max_iters=110, lr_schedule="cosine", cooldown_frac=0.2)
     lr = lambda s, **kw: train.learning_rate_at(s, dict(cfg, **kw))
