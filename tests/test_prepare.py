@@ -99,19 +99,8 @@ def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch, die_at):
     P.prepare(str(tmp_path / "whole"), **args)
 
     out = tmp_path / "killed"
-    real_close, calls = P.ShardFile.close, []
-
-    def dying_close(shard):
-        calls.append(shard.path)
-        if len(calls) == die_at:  # die with the shard's tokens in its temporary file, not yet renamed
-            raise KeyboardInterrupt
-        return real_close(shard)
-
-    monkeypatch.setattr(P.ShardFile, "close", dying_close)
-    with pytest.raises(KeyboardInterrupt):
-        P.prepare(str(out), **args)
-    monkeypatch.setattr(P.ShardFile, "close", real_close)
-    assert (out / "progress.json").exists() and not (out / "manifest.json").exists()
+    real_close = P.ShardFile.close
+    prepare_dying(monkeypatch, out, args, die_at)
     assert (out / f"train_{die_at - 1:06d}.bin.tmp").exists()
 
     resumed = []
