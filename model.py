@@ -48,9 +48,11 @@ def rotary_tables(head_size, length, base=10000.0):
 
 
 def apply_rotary(x, cos, sin):
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).type_as(x)
+    """x (B, T, H, D) rotated by the fp32 tables (T, 1, D); the result in x's dtype. Rotating in
+    this layout, before the heads are transposed, keeps the kernel's reads and writes contiguous,
+    and under torch.compile the fp32 products stay in registers (one bf16 read, one bf16 write)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,9 +76,9 @@ class CausalSelfAttention(nn.Module):
         else:
             q, k = F.linear(h_qk, self.c_attn.weight[: 2 * C]).split(C, dim=2)
             v = F.linear(h_v, self.c_attn.weight[2 * C:])
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        cos, sin = self.rotary_cos[:T], self.rotary_sin[:T]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in (q, k, v))
+        cos, sin = self.rotary_cos[:T, None], self.rotary_sin[:T, None]
+        q, k, v = (t.transpose(1, 2) for t in (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -119,50 +121,117 @@ class Block(nn.Module):
 
 # -----------------------------------------------------------------------------
 # The depth read: the one primitive behind every AttnRes-family route
+#
+# A read with direction u (its query times its key gain) over sources s_1 .. s_n (B, T, d) is
+# softmax attention over depth at every token, each source its own key:
+#     l_i = <u, s_i> / rms(s_i),   alpha = softmax(l),   out = sum_i alpha_i s_i.
+# Within a block the sealed sources do not change, so (the AttnRes paper's two-phase form) every
+# read of the block is done over them at once when the block opens (depth_read: one pass over the
+# sealed sources for all of them), and each read later adds the block's running partial sum p by
+# one online-softmax step (depth_merge), which is exactly the read over s_1 .. s_n, p:
+#     out = (1 - beta) a + beta p,   beta = sigmoid(l_p - logsumexp_i l_i).
+# 12 layers in blocks of 4: each pass (norms and logits, then the mix) reads 46 sources per
+# forward instead of 109. DAR takes phase 1's weights only and mixes at read time (DualAttnRes).
 
-def depth_weights(keys, queries, key_gain, eps):
+class Read(NamedTuple):
+    """R reads over the same sources: R outputs (B, T, d), weights (B, T, R, n), logsumexp (B, T, R)."""
+    outputs: list
+    weights: torch.Tensor
+    lse: torch.Tensor
+
+
+def depth_logits(keys, directions, eps):
     """
-    alpha (B, T, R, S) = softmax_i(<q_r, RMSNorm_gain(k_i)>) for R query routes over S keys, each
-    key (B, T, d); no 1/sqrt(d), no mixing across tokens. fp32 (fp64 for gradcheck) whatever the
-    autocast: <q, gain * k / rms(k)> = <q * gain, k> / rms(k) is a dot product and a norm per key,
-    written elementwise so that the compiler fuses both into one pass over k.
+    l (B, T, R, n) = <u_r, k_i> / rms(k_i) for R directions over n keys (B, T, d); no 1/sqrt(d), no
+    mixing across tokens. fp32 (fp64 for gradcheck) whatever the autocast, written elementwise so
+    that the compiler fuses the R dot products and the norm into one pass over each key.
     """
     acc = torch.promote_types(keys[0].dtype, torch.float32)
     with torch.autocast(keys[0].device.type, enabled=False):
-        directions = queries.to(acc) * key_gain.to(acc)
-        logits = torch.stack([(key.to(acc).unsqueeze(-2) * directions).sum(-1)
-                              * torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps) for key in keys], dim=-1)
-        return logits.softmax(dim=-1)
+        u = directions.to(acc)
+        return torch.stack([(key.to(acc).unsqueeze(-2) * u).sum(-1)
+                            * torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps) for key in keys], dim=-1)
 
 
-def depth_mix(sources, weights):
-    """sum_i weights[..., r, i] * s_i for each route r: a list of R tensors in the sources' dtype,
-    accumulated in the weights' dtype. The sources are never stacked: autograd keeps references to
+def depth_mix(values, weights):
+    """sum_i weights[..., r, i] * v_i for each route r: a list of R tensors in the values' dtype,
+    accumulated in the weights' dtype. The values are never stacked: autograd keeps references to
     them (alive anyway) and the per-token weights, not a copy."""
-    with torch.autocast(sources[0].device.type, enabled=False):
+    with torch.autocast(values[0].device.type, enabled=False):
         outputs = []
         for r in range(weights.size(-2)):
-            mixed = weights[..., r, 0, None] * sources[0].to(weights.dtype)
-            for i in range(1, len(sources)):
-                mixed = mixed + weights[..., r, i, None] * sources[i].to(weights.dtype)
-            outputs.append(mixed.to(sources[0].dtype))
+            mixed = weights[..., r, 0, None] * values[0].to(weights.dtype)
+            for i in range(1, len(values)):
+                mixed = mixed + weights[..., r, i, None] * values[i].to(weights.dtype)
+            outputs.append(mixed.to(values[0].dtype))
     return outputs
 
 
-def depth_read(sources, queries, key_gain, eps):
-    """
-    The depth read: softmax attention over depth at every token, each source its own key. Route r
-    returns sum_i alpha_ri * s_i (see depth_weights); the R routes share one pass over the sources
-    (RD's QK and V routes). DAR, whose keys come from the other stream, joins the two halves itself.
+def depth_weights(keys, directions, eps):
+    """The softmax over the n keys (B, T, R, n) and its logsumexp (B, T, R)."""
+    logits = depth_logits(keys, directions, eps)
+    lse = logits.logsumexp(-1)
+    return (logits - lse.unsqueeze(-1)).exp(), lse
 
-    sources: list of S tensors (B, T, d) in the residual stream's dtype, oldest first.
-    queries: (R, d). Returns a list of R outputs in the sources' dtype and the weights (B, T, R, S).
+
+def depth_read(keys, values, directions, eps):
     """
-    if len(sources) == 1:  # a read over one source is the identity
-        ones = torch.ones(*sources[0].shape[:-1], queries.size(0), 1, device=sources[0].device)
-        return [sources[0]] * queries.size(0), ones
-    weights = depth_weights(sources, queries, key_gain, eps)
-    return depth_mix(sources, weights), weights
+    Phase 1: R reads (directions (R, d)) over n sources in one pass. keys, values: lists of n
+    tensors (B, T, d) in the residual stream's dtype, oldest first; the same list except for DAR,
+    which addresses one stream by the other's keys. Returns a Read.
+    """
+    weights, lse = depth_weights(keys, directions, eps)
+    if len(values) == 1:  # a read over one source is that source
+        return Read([values[0]] * directions.size(0), torch.ones_like(weights), lse)
+    return Read(depth_mix(values, weights), weights, lse)
+
+
+class Extend(torch.autograd.Function):
+    """out = a + beta (v - a), beta = sigmoid(gap). The gradient through beta is written with out
+    instead of a, beta (1 - beta)(v - a) = beta (v - out), so backward keeps out (which the next
+    norm keeps anyway) and not the phase-1 read a: one (B, T, d) tensor less per read."""
+
+    @staticmethod
+    def forward(ctx, a, v, gap):
+        beta = torch.sigmoid(gap)
+        out = a + beta * (v - a)
+        ctx.save_for_backward(v, out, beta)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        v, out, beta = ctx.saved_tensors
+        return grad * (1 - beta), grad * beta, beta * (grad * (v - out)).sum(-1, keepdim=True)
+
+
+def depth_merge(read, key, value, directions, eps):
+    """Phase 2: a Read over n sources extended by one more, (key, value) (B, T, d), with the same R
+    directions: the Read over n + 1 sources. Without outputs (read.outputs None) only the weights."""
+    logit = depth_logits([key], directions, eps)[..., 0]
+    gap = logit - read.lse
+    outputs = None
+    if read.outputs is not None:
+        with torch.autocast(value.device.type, enabled=False):
+            outputs = [Extend.apply(a.to(gap.dtype), value.to(gap.dtype), gap[..., r, None]).to(a.dtype)
+                       for r, a in enumerate(read.outputs)]
+    beta = torch.sigmoid(gap).unsqueeze(-1)
+    return Read(outputs, torch.cat([read.weights * (1 - beta), beta], dim=-1), torch.logaddexp(read.lse, logit))
+
+
+def read_block(keys, values, directions, eps):
+    """
+    Phase 1 for every read of a block: directions {read k: (R_k, d)} -> {read k: Read}, one pass
+    over the sealed sources. values=None: the weights only (Read.outputs None), for a scheme that
+    mixes at read time.
+    """
+    every = torch.cat(list(directions.values()))
+    read = Read(None, *depth_weights(keys, every, eps)) if values is None else depth_read(keys, values, every, eps)
+    reads, r = {}, 0
+    for k, u in directions.items():
+        routes = slice(r, r + u.size(0))
+        reads[k] = Read(None if read.outputs is None else read.outputs[routes], read.weights[..., routes, :], read.lse[..., routes])
+        r += u.size(0)
+    return reads
 
 
 def cosine_matrix(sources):
@@ -255,17 +324,11 @@ class StandardResidual(ResidualScheme):
 
 class History(NamedTuple):
     """An AttnRes stream: its sealed blocks (the embedding, then one sum of attnres_block_size
-    sublayer outputs each) and the open block's running sum, `partial` (None right after a seal)."""
+    sublayer outputs each), the open block's running sum `partial` (None right after a seal) and
+    `reads`: every read of the open block over the sealed blocks (phase 1, done when it opened)."""
     blocks: list
     partial: torch.Tensor | None
-
-    def sources(self):
-        """What a depth read looks at, oldest first: the sealed blocks, then the partial."""
-        return self.blocks if self.partial is None else self.blocks + [self.partial]
-
-    def advance(self, partial, seal):
-        """The history with a new running sum; seal=True closes the block, which becomes a source."""
-        return History(self.blocks + [partial], None) if seal else History(self.blocks, partial)
+    reads: dict
 
 
 class AttnRes(ResidualScheme):
@@ -294,25 +357,42 @@ class AttnRes(ResidualScheme):
         self.block_size = config.attnres_block_size
         self.eps = config.norm_eps
 
+    def block_reads(self, k):
+        """The reads of the block that opens at sublayer k: k .. k + block_size - 1, or the output read."""
+        return [k] if k == self.n_sublayers else range(k, k + self.block_size)
+
+    def directions(self, k):
+        """(R, d): query times key gain for each route of read k (AttnRes: one)."""
+        return self.uniform(self.query[k:k + 1], self.read_name(k)) * self.key_gain[k]
+
+    def open_block(self, blocks, k):
+        return History(blocks, None, read_block(blocks, blocks, {j: self.directions(j) for j in self.block_reads(k)}, self.eps))
+
     def start(self, x):
-        return History([x], None)
+        return self.open_block([x], 0)
 
     def changes(self):
         # read 0 sees the embedding alone (the identity whatever its weights); every later read sees 2+ sources
         return [("uniform", self.read_name(k)) for k in range(1, self.n_sublayers + 1)]
 
+    def routes(self, state, k):
+        """Read k over every source: phase 1's read, extended by the partial sum where there is one."""
+        read = state.reads[k]
+        return read if state.partial is None else depth_merge(read, state.partial, state.partial, self.directions(k), self.eps)
+
     def read(self, state, k):
-        query = self.uniform(self.query[k:k + 1], self.read_name(k))
-        (out,), weights = depth_read(state.sources(), query, self.key_gain[k], self.eps)
+        (out,), weights, _ = self.routes(state, k)
         if self.record is not None:
             self.record[self.read_name(k)] = weights[..., 0, :]
             if k == self.n_sublayers:  # every source exists here: how alike they are (depth-wise diversity)
-                self.record["source_cosine/out"] = cosine_matrix(state.sources())
+                self.record["source_cosine/out"] = cosine_matrix(state.blocks)
         return out
 
     def write(self, state, k, out):
         partial = out if state.partial is None else state.partial + out
-        return state.advance(partial, seal=(k + 1) % self.block_size == 0)
+        if (k + 1) % self.block_size == 0:  # the block is sealed: it becomes a source of the next block's reads
+            return self.open_block(state.blocks + [partial], k + 1)
+        return state._replace(partial=partial)
 
 
 class RDAttnRes(AttnRes):
@@ -350,11 +430,11 @@ class RDAttnRes(AttnRes):
         return (super().changes() + [("uniform", f"attn_v.{l}") for l in layers]
                 + [("tie_value", l) for l in layers] + [("tie_value",)])
 
-    def read_attention(self, state, k):
+    def directions(self, k):
+        """An attention read has two routes, Q/K and V (one under the 'param' control)."""
+        if k % 2 == 1 or k == self.n_sublayers or self.control == "param":
+            return super().directions(k)
         layer = k // 2
-        if self.control == "param":
-            x = self.read(state, k)
-            return x, x, self.value_gain[layer]
         query = self.uniform(self.query[k], f"attn.{layer}")
         if self.control == "dup" or self.intervention in (("tie_value",), ("tie_value", layer)):
             value_query = query
@@ -362,8 +442,14 @@ class RDAttnRes(AttnRes):
             value_query = self.uniform(self.value_query[layer], f"attn_v.{layer}")
         else:  # fixed_v
             value_query = torch.zeros_like(query)
-        (x_qk, x_v), weights = depth_read(state.sources(), torch.stack([query, value_query]),
-                                          self.key_gain[k], self.eps)
+        return torch.stack([query, value_query]) * self.key_gain[k]
+
+    def read_attention(self, state, k):
+        layer = k // 2
+        if self.control == "param":
+            x = self.read(state, k)
+            return x, x, self.value_gain[layer]
+        (x_qk, x_v), weights, _ = self.routes(state, k)
         if self.record is not None:
             self.record[f"attn.{layer}"], self.record[f"attn_v.{layer}"] = weights[..., 0, :], weights[..., 1, :]
         return x_qk, x_v, None
@@ -406,8 +492,25 @@ class DualAttnRes(ResidualScheme):
         self.block_size, self.eps = config.attnres_block_size, config.norm_eps
         self.reciprocal = config.dar_keys == "reciprocal"
 
+    block_reads = AttnRes.block_reads  # the same blocks as AttnRes
+
+    def directions(self, k, s):
+        return self.uniform(self.query[k, s:s + 1], self.read_name(k)) * self.key_gain[k]
+
+    def keyed_by(self, s):
+        """The stream whose keys address stream s."""
+        return 1 - s if self.reciprocal and self.intervention != ("own_keys",) else s
+
+    def open_block(self, blocks, k):
+        """blocks: each stream's sealed blocks; phase 1 for both streams' reads of the block."""
+        # weights only: one mix of both streams at read time keeps nothing new for backward, where
+        # phase-1 reads would cost two (B, T, d) tensors per read (the fusion's gradient needs both)
+        return tuple(History(blocks[s], None, read_block(blocks[self.keyed_by(s)], None,
+                                                         {j: self.directions(j, s) for j in self.block_reads(k)}, self.eps))
+                     for s in (0, 1))
+
     def start(self, x):
-        return History([x], None), History([x], None)
+        return self.open_block(([x], [x]), 0)
 
     def changes(self):
         own = [("own_keys",)] if self.reciprocal else []  # dar_keys='self' reads by its own keys already
@@ -415,13 +518,14 @@ class DualAttnRes(ResidualScheme):
                 + [("one_stream", 0), ("one_stream", 1)])
 
     def read(self, state, k):
-        sources = [stream.sources() for stream in state]
-        keys = sources[::-1] if self.reciprocal and self.intervention != ("own_keys",) else sources
-        query = self.uniform(self.query[k], self.read_name(k))
-        weights = [depth_weights(keys[s], query[s:s + 1], self.key_gain[k], self.eps) for s in (0, 1)]
+        weights = []
+        for s in (0, 1):
+            read, key = state[s].reads[k], state[self.keyed_by(s)].partial
+            weights.append((read if key is None else depth_merge(read, key, None, self.directions(k, s), self.eps)).weights)
         pi = self.fusion[k].softmax(-1)
         if self.intervention in (("one_stream", 0), ("one_stream", 1)):
             pi = torch.eye(2, dtype=pi.dtype, device=pi.device)[self.intervention[1]]
+        sources = [stream.blocks + ([] if stream.partial is None else [stream.partial]) for stream in state]
         # both streams' reads and their fusion in one pass: x = sum_s pi_s sum_i alpha_si h_si
         (x,) = depth_mix(sources[0] + sources[1], torch.cat([pi[0] * weights[0], pi[1] * weights[1]], dim=-1))
         if self.record is not None:
@@ -451,8 +555,9 @@ class DualAttnRes(ResidualScheme):
                 self.record[f"mixing/{self.read_name(k)}"] = rho.expand(out.shape[:-1])
         if self.record is not None:
             self.record[f"write_gate/{self.read_name(k)}"] = beta.expand(*out.shape[:-1], 2)
-        seal = (k + 1) % self.block_size == 0
-        return state[0].advance(p0, seal), state[1].advance(p1, seal)
+        if (k + 1) % self.block_size == 0:  # both blocks are sealed
+            return self.open_block((state[0].blocks + [p0], state[1].blocks + [p1]), k + 1)
+        return state[0]._replace(partial=p0), state[1]._replace(partial=p1)
 
 
 class Streams(NamedTuple):

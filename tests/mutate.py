@@ -19,14 +19,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (file, original, mutant, test file, what the bug is)
 MUTANTS = [
     # model.py
-    ("model.py", "rotated = torch.cat([-x2, x1], dim=-1)", "rotated = torch.cat([x2, -x1], dim=-1)",
+    ("model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)",
      "tests/test_model.py", "rotary embedding rotates the wrong way"),
     ("model.py", "torch.float32) / head_size)", "torch.float32) / (head_size // 2))",
      "tests/test_model.py", "rotary frequencies over half the head size"),
     ("model.py", "is_causal=True)", "is_causal=False)", "tests/test_model.py", "attention sees the future"),
     ("model.py", "* torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps) for key in keys]",
      "for key in keys]", "tests/test_model.py", "depth keys not RMS-normalised"),
-    ("model.py", "seal=(k + 1) % self.block_size == 0)", "seal=k % self.block_size == 0)",
+    ("model.py", "gap = logit - read.lse", "gap = logit", "tests/test_model.py",
+     "the partial sum joins a read without the sealed sources' normaliser"),
+    ("model.py", "beta * (grad * (v - out)).sum(-1, keepdim=True)",
+     "beta * (1 - beta) * (grad * (v - out)).sum(-1, keepdim=True)", "tests/test_model.py",
+     "the merge's gradient through beta has its sigmoid derivative twice"),
+    ("model.py", "if (k + 1) % self.block_size == 0:  # the block is sealed",
+     "if k % self.block_size == 0:  # the block is sealed",
      "tests/test_model.py", "AttnRes blocks sealed one sublayer early"),
     ("model.py", "value_query = self.uniform(self.value_query[layer], f\"attn_v.{layer}\")",
      "value_query = self.uniform(self.query[k], f\"attn_v.{layer}\")", "tests/test_model.py",

@@ -5,7 +5,7 @@ import torch
 from torch.nn import functional as F
 
 from model import (GPT, RESIDUALS, CausalSelfAttention, DualAttnRes, GPTConfig, History, HyperConnections, Streams,
-                   depth_read, sinkhorn)
+                   depth_merge, depth_read, sinkhorn)
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=96)
 # every scheme in the registry at its defaults (attnres, rd_attnres, dar: blocks of 4 sublayers), so a
@@ -212,7 +212,8 @@ def test_bf16_autocast_depth_weights_are_fp32(variant):
     record = model.residual.record = {}  # per-token diagnostics, as routing_diagnostics collects them
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         hidden = model.hidden(tokens())
-        outputs, _ = depth_read([torch.randn(2, 3, 32) for _ in range(3)], torch.randn(2, 32), torch.ones(32), 1e-6)
+        sources = [torch.randn(2, 3, 32) for _ in range(3)]
+        outputs = two_phase_read(sources, torch.randn(2, 32), torch.ones(32), 1e-6)
     assert hidden.dtype == torch.float32
     assert all(o.dtype == torch.float32 for o in outputs)  # the residual stream stays fp32
     assert all(v.dtype == torch.float32 for v in record.values())
@@ -254,36 +255,63 @@ def naive_depth_read(sources, queries, key_gain, eps, keys=None):
     return [torch.einsum("sbt,sbtd->btd", alpha[..., r], V) for r in range(queries.size(0))]
 
 
-def test_depth_read_equals_naive_reference_with_gradients():
+def two_phase_read(sources, queries, key_gain, eps, keys=None):
+    """The model's read over every source: phase 1 over all but the newest, phase 2 adds the newest."""
+    keys = sources if keys is None else keys
+    read = depth_read(keys[:-1], sources[:-1], queries * key_gain, eps)
+    return depth_merge(read, keys[-1], sources[-1], queries * key_gain, eps).outputs
+
+
+def one_phase_read(sources, queries, key_gain, eps, keys=None):
+    return depth_read(sources if keys is None else keys, sources, queries * key_gain, eps).outputs
+
+
+@pytest.mark.parametrize("read", [one_phase_read, two_phase_read])
+@pytest.mark.parametrize("separate_keys", [False, True])  # DAR addresses a stream by the other's keys
+def test_depth_read_equals_naive_reference_with_gradients(read, separate_keys):
     g = torch.Generator().manual_seed(0)
     make_inputs = lambda dtype: ([torch.randn(2, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(4)],
+                                 [torch.randn(2, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(4)],
                                  torch.randn(2, 8, generator=g).to(dtype).requires_grad_(),
                                  (torch.rand(8, generator=g) + 0.5).to(dtype).requires_grad_())
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        sources, queries, gain = make_inputs(dtype)
-        fast = depth_read(sources, queries, gain, 1e-6)[0]
-        slow = naive_depth_read(sources, queries, gain, 1e-6)
+        sources, keys, queries, gain = make_inputs(dtype)
+        keys = keys if separate_keys else None
+        fast = read(sources, queries, gain, 1e-6, keys)
+        slow = naive_depth_read(sources, queries, gain, 1e-6, keys)
         assert all(f.dtype == dtype for f in fast)
         for f, s in zip(fast, slow):
             assert (f.double() - s).abs().max() < tol * s.abs().max()
         weights = [torch.randn(2, 3, 8, generator=g).double() for _ in fast]
-        inputs = sources + [queries, gain]
+        inputs = sources + (keys or []) + [queries, gain]
         grads_fast = torch.autograd.grad(sum((f.double() * w).sum() for f, w in zip(fast, weights)), inputs)
         grads_slow = torch.autograd.grad(sum((s * w).sum() for s, w in zip(slow, weights)), inputs)
         for gf, gs in zip(grads_fast, grads_slow):
             assert (gf.double() - gs).abs().max() < 5 * tol * gs.abs().max()
 
 
+def test_depth_merge_weights_and_logsumexp_are_the_full_reads():
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.randn(2, 3, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    directions = torch.randn(2, 8, generator=g, dtype=torch.float64)
+    full = depth_read(sources, sources, directions, 1e-6)
+    merged = depth_merge(depth_read(sources[:-1], sources[:-1], directions, 1e-6), sources[-1], sources[-1], directions, 1e-6)
+    for a, b in ((merged.weights, full.weights), (merged.lse, full.lse), *zip(merged.outputs, full.outputs)):
+        assert (a - b).abs().max() < 1e-13
+
+
 @pytest.mark.parametrize("dar_keys", ["reciprocal", "self"])
-def test_dar_fused_read_equals_two_naive_reads_with_gradients(dar_keys):
-    # DAR reads both streams and fuses them in one pass; the reference does two stacked reads
+def test_dar_read_equals_two_naive_reads_with_gradients(dar_keys):
+    # DAR reads both streams in two phases and fuses them; the reference does two stacked reads
     torch.manual_seed(0)
-    scheme = DualAttnRes(GPTConfig(n_layer=2, n_embd=8, n_head=2, residual="dar", dar_keys=dar_keys)).double()
+    config = GPTConfig(n_layer=2, n_embd=8, n_head=2, residual="dar", dar_keys=dar_keys, attnres_block_size=2)
+    scheme = DualAttnRes(config).double()
     for p in scheme.parameters():
         p.data.normal_()
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)  # the shared embedding
     own = [[torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)] for _ in range(2)]
-    state = tuple(History([x, blocks[0]], blocks[1]) for blocks in own)
+    state = scheme.open_block(([x, own[0][0]], [x, own[1][0]]), 2)  # the second block opens at sublayer 2
+    state = tuple(history._replace(partial=blocks[1]) for history, blocks in zip(state, own))
     k = 3
     fused = scheme.read(state, k)
     streams = [[x] + blocks for blocks in own]
@@ -298,22 +326,29 @@ def test_dar_fused_read_equals_two_naive_reads_with_gradients(dar_keys):
         assert (gf - gs).abs().max() < 1e-11 * gs.abs().max()
 
 
-def test_depth_read_compiles_fullgraph():
+def test_depth_read_compiles_fullgraph_with_its_backward():
     torch._dynamo.reset()
-    sources = [torch.randn(2, 3, 8) for _ in range(3)]
-    queries, gain = torch.randn(2, 8), torch.rand(8) + 0.5
-    compiled = torch.compile(depth_read, fullgraph=True)
-    for a, b in zip(compiled(sources, queries, gain, 1e-6)[0], depth_read(sources, queries, gain, 1e-6)[0]):
-        assert torch.allclose(a, b, atol=1e-6)
+    make_inputs = lambda: ([torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3)],
+                           torch.randn(2, 8, generator=torch.Generator().manual_seed(9)).requires_grad_())
+    eager_inputs, compiled_inputs = make_inputs(), make_inputs()
+    read = lambda sources, q: sum(o.sum() * (r + 1) for r, o in enumerate(two_phase_read(sources, q, torch.ones(8), 1e-6)))
+    eager = read(*eager_inputs)
+    compiled = torch.compile(read, fullgraph=True)(*compiled_inputs)
+    assert torch.allclose(compiled, eager, atol=1e-5)
+    eager.backward(), compiled.backward()
+    for a, b in zip(compiled_inputs[0] + [compiled_inputs[1]], eager_inputs[0] + [eager_inputs[1]]):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
 
 
-def test_depth_read_gradcheck():
+@pytest.mark.parametrize("read", [one_phase_read, two_phase_read])
+def test_depth_read_gradcheck(read):
     torch.manual_seed(0)
     sources = [torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    keys = [torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
     queries = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
     gain = torch.rand(8, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *a: tuple(depth_read(list(a[:4]), a[4], a[5], 1e-6)[0]),
-                                    (*sources, queries, gain))
+    assert torch.autograd.gradcheck(lambda *a: tuple(read(list(a[:4]), a[8], a[9], 1e-6, list(a[4:8]))),
+                                    (*sources, *keys, queries, gain))
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -452,9 +487,9 @@ def test_dar_mixing_is_exactly_doubly_stochastic():
     randomize_routing(model)
     p0, p1 = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
     zero = torch.zeros(2, 3, 32)
-    (_, q0), (_, q1) = model.residual.write((History([zero], p0), History([zero], p1)), 1, zero)
+    (_, q0, _), (_, q1, _) = model.residual.write((History([zero], p0, {}), History([zero], p1, {})), 1, zero)
     assert torch.allclose(q0 + q1, p0 + p1, atol=1e-6)  # columns sum to 1: the total is kept
-    (_, q0), (_, q1) = model.residual.write((History([zero], p0), History([zero], p0)), 1, zero)
+    (_, q0, _), (_, q1, _) = model.residual.write((History([zero], p0, {}), History([zero], p0, {})), 1, zero)
     assert torch.allclose(q0, p0, atol=1e-6) and torch.allclose(q1, p0, atol=1e-6)  # rows sum to 1
 
 
@@ -547,13 +582,13 @@ def test_dar_write_updates_each_stream_by_its_formula():
     expect0 = rho * p0 + (1 - rho) * p1 + beta0 * y  # p0 <- rho p0 + (1 - rho) p1 + beta0 y
     expect1 = (1 - rho) * p0 + rho * p1 + beta1 * y  # p1 <- (1 - rho) p0 + rho p1 + beta1 y
     with torch.no_grad():
-        s0, s1 = scheme.write((History([embedding], p0), History([embedding], p1)), 1, y)  # inside a block
+        s0, s1 = scheme.write((History([embedding], p0, {}), History([embedding], p1, {})), 1, y)  # inside a block
         assert torch.allclose(s0.partial, expect0, atol=1e-6) and torch.allclose(s1.partial, expect1, atol=1e-6)
         assert len(s0.blocks) == len(s1.blocks) == 1
-        s0, s1 = scheme.write((History([embedding], p0), History([embedding], p1)), 3, y)  # the block ends: sealed
+        s0, s1 = scheme.write((History([embedding], p0, {}), History([embedding], p1, {})), 3, y)  # the block ends: sealed
         assert s0.partial is None and s1.partial is None
         assert torch.allclose(s0.blocks[1], expect0, atol=1e-6) and torch.allclose(s1.blocks[1], expect1, atol=1e-6)
-        s0, s1 = scheme.write((History([embedding, p0], None), History([embedding, p1], None)), 4, y)  # a block starts
+        s0, s1 = scheme.write((History([embedding, p0], None, {}), History([embedding, p1], None, {})), 4, y)  # a block starts
         assert torch.allclose(s0.partial, beta0 * y, atol=1e-6) and torch.allclose(s1.partial, beta1 * y, atol=1e-6)
 
 

@@ -270,7 +270,9 @@ def test_gradients_equal_for_any_split_of_the_step():
         grad, loss = grads(ranks)
         assert abs(loss.item() - model(x, y)[1].item()) < 1e-6, ranks
         for name in reference:
-            torch.testing.assert_close(grad[name], reference[name], rtol=1e-5, atol=1e-8, msg=f"{ranks} {name}")
+            # fp32 sums in another order: a few ulps of the tensor's largest entry (a wrong weighting is off by ~10%)
+            torch.testing.assert_close(grad[name], reference[name], rtol=1e-5, atol=1e-6 * reference[name].abs().max().item(),
+                                       msg=f"{ranks} {name}")
 
 
 @pytest.fixture(scope="module")
