@@ -11,7 +11,7 @@ own process, all at once (cold compiles are single-threaded, so this fills the m
 and fills the inductor cache; each variant's cold compile time is recorded); (3) bench.py at the
 120m shape for standard, attnres_block, rd_attnres and dar, interleaved, on the warm cache;
 (4) a 40-step single-GPU training smoke of config/rd_120m.py on the bundled corpus: ms/step, MFU
-and evaluation seconds.
+and evaluation seconds. After (3) the log shows the GPU speed table of the README, targets beside.
 """
 
 import json
@@ -47,6 +47,24 @@ def finish(name, started, timeout, summary, log):
     summary["steps"][name] = dict(ok=rc == 0, seconds=round(seconds, 1))
     log(f"{name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {seconds:.0f}s - see {name}.log")
     return rc == 0
+
+
+def speed_table(records, cold_compile_s):
+    """The GPU speed issue's table (markdown) from bench.py's records, with its targets."""
+    rows = {r["variant"]: r for r in records}
+    target = dict(standard="MFU >= 45%", attnres_block="<= 1.06x / <= 1.10x", rd_attnres="<= 1.02x attnres_block",
+                  dar="<= 1.30x / <= 1.30x")
+    lines = ["| variant | ms/step | time x standard | saved x standard | MFU | cold compile (<= 60 s) | target |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        time_x = f"{r['time_ratio']:.3f}"
+        if name == "rd_attnres" and "attnres_block" in rows:
+            time_x += f" ({r['time_ratio'] / rows['attnres_block']['time_ratio']:.3f}x attnres_block)"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        compile_s = cold_compile_s.get(name)
+        lines.append(f"| {name} | {r['ms_per_step']:.1f} | {time_x} | {r['mem_ratio']:.3f} | {mfu} | "
+                     f"{'-' if compile_s is None else f'{compile_s:.0f} s'} | {target.get(name, '')} |")
+    return lines
 
 
 def main(argv):
@@ -96,6 +114,8 @@ def main(argv):
              "--steps=2" if dry else "--steps=10", "--peak_mem=False" if dry else "--peak_mem=True", f"--out={bench_json}"]
     if finish("bench", start("bench", bench, out), cap(240), summary, log):
         summary["bench"] = json.load(open(bench_json))
+        for line in speed_table(summary["bench"], summary["cold_compile_s"]):
+            log(line)
 
     # (4) 40 training steps of the RD-AttnRes 120m config on the bundled corpus, one GPU
     train_out = os.path.join(out, "train_smoke")

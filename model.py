@@ -125,17 +125,18 @@ class Block(nn.Module):
 # A read with direction u (its query times its key gain) over sources s_1 .. s_n (B, T, d) is
 # softmax attention over depth at every token, each source its own key:
 #     l_i = <u, s_i> / rms(s_i),   alpha = softmax(l),   out = sum_i alpha_i s_i.
-# Within a block the sealed sources do not change, so (the AttnRes paper's two-phase form) every
-# read of the block is done over them at once when the block opens (depth_read: one pass over the
-# sealed sources for all of them), and each read later adds the block's running partial sum p by
+# Within a block the sealed sources do not change, so (the AttnRes paper's two-phase form) all
+# the reads of a block are done over them when the block opens (read_sealed: each sealed source
+# is read once for all of them), and each read later adds the block's running partial sum p by
 # one online-softmax step (depth_merge), which is exactly the read over s_1 .. s_n, p:
-#     out = (1 - beta) a + beta p,   beta = sigmoid(l_p - logsumexp_i l_i).
-# 12 layers in blocks of 4: each pass (norms and logits, then the mix) reads 46 sources per
-# forward instead of 109. DAR takes phase 1's weights only and mixes at read time (DualAttnRes).
+#     out = (1 - beta) a + beta p,   beta = sigmoid(l_p - logsumexp_{i <= n} l_i).
+# 12 layers in blocks of 4: the norms and logits, and the mix, each read 46 sources per forward
+# instead of 109. DAR takes phase 1's weights only and mixes at read time (DualAttnRes).
 
 class Read(NamedTuple):
-    """R reads over the same sources: R outputs (B, T, d), weights (B, T, R, n), logsumexp (B, T, R)."""
-    outputs: list
+    """R reads over the same n sources: R outputs (B, T, d) (None where only the weights were
+    wanted), the weights (B, T, R, n) and their logits' logsumexp (B, T, R)."""
+    outputs: list | None
     weights: torch.Tensor
     lse: torch.Tensor
 
@@ -154,17 +155,15 @@ def depth_logits(keys, directions, eps):
 
 
 def depth_mix(values, weights):
-    """sum_i weights[..., r, i] * v_i for each route r: a list of R tensors in the values' dtype,
-    accumulated in the weights' dtype. The values are never stacked: autograd keeps references to
-    them (alive anyway) and the per-token weights, not a copy."""
+    """sum_i weights[..., r, i] * v_i for each of R routes: R tensors (B, T, d) in the values' dtype
+    (views of one (B, T, R, d)), accumulated in the weights' dtype; each value is read once for
+    all routes. The values are never stacked: autograd keeps references to them (alive anyway) and
+    the per-token weights, not a copy."""
     with torch.autocast(values[0].device.type, enabled=False):
-        outputs = []
-        for r in range(weights.size(-2)):
-            mixed = weights[..., r, 0, None] * values[0].to(weights.dtype)
-            for i in range(1, len(values)):
-                mixed = mixed + weights[..., r, i, None] * values[i].to(weights.dtype)
-            outputs.append(mixed.to(values[0].dtype))
-    return outputs
+        mixed = weights[..., 0, None] * values[0].to(weights.dtype).unsqueeze(-2)
+        for i in range(1, len(values)):
+            mixed = mixed + weights[..., i, None] * values[i].to(weights.dtype).unsqueeze(-2)
+    return list(mixed.to(values[0].dtype).unbind(-2))
 
 
 def depth_weights(keys, directions, eps):
@@ -176,9 +175,9 @@ def depth_weights(keys, directions, eps):
 
 def depth_read(keys, values, directions, eps):
     """
-    Phase 1: R reads (directions (R, d)) over n sources in one pass. keys, values: lists of n
-    tensors (B, T, d) in the residual stream's dtype, oldest first; the same list except for DAR,
-    which addresses one stream by the other's keys. Returns a Read.
+    R reads (directions (R, d)) over n sources, each source read once for all. keys, values: lists
+    of n tensors (B, T, d) in the residual stream's dtype, oldest first (the same list, unless a
+    scheme addresses its sources by other keys). Returns a Read.
     """
     weights, lse = depth_weights(keys, directions, eps)
     if len(values) == 1:  # a read over one source is that source
@@ -186,10 +185,11 @@ def depth_read(keys, values, directions, eps):
     return Read(depth_mix(values, weights), weights, lse)
 
 
-class Extend(torch.autograd.Function):
+class OnlineSoftmaxStep(torch.autograd.Function):
     """out = a + beta (v - a), beta = sigmoid(gap). The gradient through beta is written with out
     instead of a, beta (1 - beta)(v - a) = beta (v - out), so backward keeps out (which the next
-    norm keeps anyway) and not the phase-1 read a: one (B, T, d) tensor less per read."""
+    norm keeps anyway, in an fp32 stream) and not the phase-1 read a: one (B, T, d) tensor less
+    per read. First derivatives only (once_differentiable: a double backward raises)."""
 
     @staticmethod
     def forward(ctx, a, v, gap):
@@ -199,6 +199,7 @@ class Extend(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         v, out, beta = ctx.saved_tensors
         return grad * (1 - beta), grad * beta, beta * (grad * (v - out)).sum(-1, keepdim=True)
@@ -212,17 +213,17 @@ def depth_merge(read, key, value, directions, eps):
     outputs = None
     if read.outputs is not None:
         with torch.autocast(value.device.type, enabled=False):
-            outputs = [Extend.apply(a.to(gap.dtype), value.to(gap.dtype), gap[..., r, None]).to(a.dtype)
+            outputs = [OnlineSoftmaxStep.apply(a.to(gap.dtype), value.to(gap.dtype), gap[..., r, None]).to(a.dtype)
                        for r, a in enumerate(read.outputs)]
     beta = torch.sigmoid(gap).unsqueeze(-1)
     return Read(outputs, torch.cat([read.weights * (1 - beta), beta], dim=-1), torch.logaddexp(read.lse, logit))
 
 
-def read_block(keys, values, directions, eps):
+def read_sealed(keys, values, directions, eps):
     """
-    Phase 1 for every read of a block: directions {read k: (R_k, d)} -> {read k: Read}, one pass
-    over the sealed sources. values=None: the weights only (Read.outputs None), for a scheme that
-    mixes at read time.
+    Phase 1, when a block opens: directions {read k: (R_k, d)} of the block's reads -> {read k:
+    Read} over the sealed sources, each read once for all of them. values=None: the weights only
+    (Read.outputs None), for a scheme that mixes at read time.
     """
     every = torch.cat(list(directions.values()))
     read = Read(None, *depth_weights(keys, every, eps)) if values is None else depth_read(keys, values, every, eps)
@@ -325,10 +326,16 @@ class StandardResidual(ResidualScheme):
 class History(NamedTuple):
     """An AttnRes stream: its sealed blocks (the embedding, then one sum of attnres_block_size
     sublayer outputs each), the open block's running sum `partial` (None right after a seal) and
-    `reads`: every read of the open block over the sealed blocks (phase 1, done when it opened)."""
+    `reads`: read k -> phase 1's Read of it, for every read of the open block (DAR: weights only,
+    addressed by the keys of the stream that keys this one)."""
     blocks: list
     partial: torch.Tensor | None
     reads: dict
+
+
+def reads_in_block(k, block_size, n_sublayers):
+    """The reads of the block that opens at sublayer k: k .. k + block_size - 1, or the output read."""
+    return [k] if k == n_sublayers else range(k, k + block_size)
 
 
 class AttnRes(ResidualScheme):
@@ -357,16 +364,13 @@ class AttnRes(ResidualScheme):
         self.block_size = config.attnres_block_size
         self.eps = config.norm_eps
 
-    def block_reads(self, k):
-        """The reads of the block that opens at sublayer k: k .. k + block_size - 1, or the output read."""
-        return [k] if k == self.n_sublayers else range(k, k + self.block_size)
-
     def directions(self, k):
         """(R, d): query times key gain for each route of read k (AttnRes: one)."""
         return self.uniform(self.query[k:k + 1], self.read_name(k)) * self.key_gain[k]
 
     def open_block(self, blocks, k):
-        return History(blocks, None, read_block(blocks, blocks, {j: self.directions(j) for j in self.block_reads(k)}, self.eps))
+        reads = reads_in_block(k, self.block_size, self.n_sublayers)
+        return History(blocks, None, read_sealed(blocks, blocks, {j: self.directions(j) for j in reads}, self.eps))
 
     def start(self, x):
         return self.open_block([x], 0)
@@ -375,13 +379,13 @@ class AttnRes(ResidualScheme):
         # read 0 sees the embedding alone (the identity whatever its weights); every later read sees 2+ sources
         return [("uniform", self.read_name(k)) for k in range(1, self.n_sublayers + 1)]
 
-    def routes(self, state, k):
+    def full_read(self, state, k):
         """Read k over every source: phase 1's read, extended by the partial sum where there is one."""
         read = state.reads[k]
         return read if state.partial is None else depth_merge(read, state.partial, state.partial, self.directions(k), self.eps)
 
     def read(self, state, k):
-        (out,), weights, _ = self.routes(state, k)
+        (out,), weights, _ = self.full_read(state, k)
         if self.record is not None:
             self.record[self.read_name(k)] = weights[..., 0, :]
             if k == self.n_sublayers:  # every source exists here: how alike they are (depth-wise diversity)
@@ -449,7 +453,7 @@ class RDAttnRes(AttnRes):
         if self.control == "param":
             x = self.read(state, k)
             return x, x, self.value_gain[layer]
-        (x_qk, x_v), weights, _ = self.routes(state, k)
+        (x_qk, x_v), weights, _ = self.full_read(state, k)
         if self.record is not None:
             self.record[f"attn.{layer}"], self.record[f"attn_v.{layer}"] = weights[..., 0, :], weights[..., 1, :]
         return x_qk, x_v, None
@@ -492,8 +496,6 @@ class DualAttnRes(ResidualScheme):
         self.block_size, self.eps = config.attnres_block_size, config.norm_eps
         self.reciprocal = config.dar_keys == "reciprocal"
 
-    block_reads = AttnRes.block_reads  # the same blocks as AttnRes
-
     def directions(self, k, s):
         return self.uniform(self.query[k, s:s + 1], self.read_name(k)) * self.key_gain[k]
 
@@ -505,8 +507,9 @@ class DualAttnRes(ResidualScheme):
         """blocks: each stream's sealed blocks; phase 1 for both streams' reads of the block."""
         # weights only: one mix of both streams at read time keeps nothing new for backward, where
         # phase-1 reads would cost two (B, T, d) tensors per read (the fusion's gradient needs both)
-        return tuple(History(blocks[s], None, read_block(blocks[self.keyed_by(s)], None,
-                                                         {j: self.directions(j, s) for j in self.block_reads(k)}, self.eps))
+        reads = reads_in_block(k, self.block_size, self.n_sublayers)
+        return tuple(History(blocks[s], None, read_sealed(blocks[self.keyed_by(s)], None,
+                                                          {j: self.directions(j, s) for j in reads}, self.eps))
                      for s in (0, 1))
 
     def start(self, x):
@@ -521,7 +524,9 @@ class DualAttnRes(ResidualScheme):
         weights = []
         for s in (0, 1):
             read, key = state[s].reads[k], state[self.keyed_by(s)].partial
-            weights.append((read if key is None else depth_merge(read, key, None, self.directions(k, s), self.eps)).weights)
+            if key is not None:  # the partial sums join the weights (the mix below reads them)
+                read = depth_merge(read, key, None, self.directions(k, s), self.eps)
+            weights.append(read.weights)
         pi = self.fusion[k].softmax(-1)
         if self.intervention in (("one_stream", 0), ("one_stream", 1)):
             pi = torch.eye(2, dtype=pi.dtype, device=pi.device)[self.intervention[1]]
