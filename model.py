@@ -126,8 +126,8 @@ class Block(nn.Module):
 # softmax attention over depth at every token, each source its own key:
 #     l_i = <u, s_i> / rms(s_i),   alpha = softmax(l),   out = sum_i alpha_i s_i.
 # Within a block the sealed sources do not change, so (the AttnRes paper's two-phase form) all
-# the reads of a block are done over them when the block opens (read_sealed: each sealed source
-# is read once for all of them), and each read later adds the block's running partial sum p by
+# the reads of a block are done over them when the block opens (read_sealed: compiled, each
+# sealed source is read once for all of them), and each read later adds the block's running partial sum p by
 # one online-softmax step (depth_merge), which is exactly the read over s_1 .. s_n, p:
 #     out = (1 - beta) a + beta p,   beta = sigmoid(l_p - logsumexp_{i <= n} l_i).
 # 12 layers in blocks of 4: the norms and logits, and the mix, each read 46 sources per forward
@@ -155,15 +155,19 @@ def depth_logits(keys, directions, eps):
 
 
 def depth_mix(values, weights):
-    """sum_i weights[..., r, i] * v_i for each of R routes: R tensors (B, T, d) in the values' dtype
-    (views of one (B, T, R, d)), accumulated in the weights' dtype; each value is read once for
-    all routes. The values are never stacked: autograd keeps references to them (alive anyway) and
-    the per-token weights, not a copy."""
+    """sum_i weights[..., r, i] * v_i for each route r: R tensors (B, T, d) in the values' dtype,
+    accumulated in the weights' dtype. The values are never stacked: autograd keeps references to
+    them (alive anyway) and the per-token weights, not a copy. Each route is its own tensor, so
+    what backward keeps of one (its norm's input) does not keep the others alive; compiled,
+    inductor can fuse the routes' sums into one kernel that reads each value once (it does on CPU)."""
     with torch.autocast(values[0].device.type, enabled=False):
-        mixed = weights[..., 0, None] * values[0].to(weights.dtype).unsqueeze(-2)
-        for i in range(1, len(values)):
-            mixed = mixed + weights[..., i, None] * values[i].to(weights.dtype).unsqueeze(-2)
-    return list(mixed.to(values[0].dtype).unbind(-2))
+        outputs = []
+        for r in range(weights.size(-2)):
+            mixed = weights[..., r, 0, None] * values[0].to(weights.dtype)
+            for i in range(1, len(values)):
+                mixed = mixed + weights[..., r, i, None] * values[i].to(weights.dtype)
+            outputs.append(mixed.to(values[0].dtype))
+    return outputs
 
 
 def depth_weights(keys, directions, eps):
