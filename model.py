@@ -336,6 +336,10 @@ class History(NamedTuple):
     partial: torch.Tensor | None
     reads: dict
 
+    def sources(self):
+        """Everything a read of the open block looks at, oldest first: the sealed blocks, then the partial."""
+        return self.blocks if self.partial is None else self.blocks + [self.partial]
+
 
 def reads_in_block(k, block_size, n_sublayers):
     """The reads of the block that opens at sublayer k: k .. k + block_size - 1, or the output read."""
@@ -534,7 +538,7 @@ class DualAttnRes(ResidualScheme):
         pi = self.fusion[k].softmax(-1)
         if self.intervention in (("one_stream", 0), ("one_stream", 1)):
             pi = torch.eye(2, dtype=pi.dtype, device=pi.device)[self.intervention[1]]
-        sources = [stream.blocks + ([] if stream.partial is None else [stream.partial]) for stream in state]
+        sources = [stream.sources() for stream in state]
         # both streams' reads and their fusion in one pass: x = sum_s pi_s sum_i alpha_si h_si
         (x,) = depth_mix(sources[0] + sources[1], torch.cat([pi[0] * weights[0], pi[1] * weights[1]], dim=-1))
         if self.record is not None:
