@@ -588,11 +588,14 @@ def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkey
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     monkeypatch.chdir(tmp_path)
     train.main(args + ["--arms=attnres", "--device=auto", "--data_dir=data"])
+    def change_tokens(path, n):
+        """The last n tokens of a shard, each one higher (mod 64): same length, other content."""
+        tokens = np.fromfile(path, dtype=np.uint16)
+        tokens[-n:] = (tokens[-n:] + 1) % 64
+        tokens.tofile(path)
+
     # other tokens in a train shard, same length: a rerun is refused before training
-    path = data / "train_000001.bin"
-    tokens = np.fromfile(path, dtype=np.uint16)
-    tokens[-27000:] = (tokens[-27000:] + 1) % 64
-    tokens.tofile(path)
+    change_tokens(data / "train_000001.bin", 27000)
     with pytest.raises(ConfigError, match=r"other settings: train_data_sha256 \("):
         train.main(args + ["--arms=attnres"])
     # opted in, another arm of the seed on that data: the same sequence ids, other content, another record
@@ -600,10 +603,7 @@ def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkey
     second = result(tmp_path / "o", "rd_attnres")["pairing"]
     assert second["data_hash"] != first["pairing"]["data_hash"] and second["val_hash"] == first["pairing"]["val_hash"]
     # other validation tokens: each started cell's val_hash tells
-    val_path = data / "val_000000.bin"
-    tokens = np.fromfile(val_path, dtype=np.uint16)
-    tokens[-3000:] = (tokens[-3000:] + 1) % 64
-    tokens.tofile(val_path)
+    change_tokens(data / "val_000000.bin", 3000)
     with pytest.raises(ConfigError, match=r"rd_attnres/seed0/config.json was made with other settings: val_hash \("):
         train.main(args + ["--arms=rd_attnres"])
 
