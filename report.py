@@ -30,9 +30,10 @@ import sys
 import numpy as np
 from scipy import stats
 
-from data.prepare import DataError, write_json
+from data.prepare import DataError
 
 MISSING = object()  # a pairing key one cell does not record
+CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
 
 
 def is_number(x):
@@ -44,86 +45,212 @@ def is_seed(x):
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def is_folder_name(name):
+    """A name that joins onto out_dir as one folder inside it (config.json's arms are not trusted)."""
+    return name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def described(value):
+    """A JSON value as a short string for an error line."""
+    text = json.dumps(value)
+    return text if len(text) <= 20 else text[:16] + "..."
+
+
+def file_problem(path):
+    """Why path cannot be read as a file (a folder, a device, a dangling link), or None."""
+    if os.path.isdir(path):
+        return "a folder, not a file"
+    return None if os.path.isfile(path) else "not a regular file"
+
+
 def read_json(path):
-    """The file's dict, or None when it cannot be read (half-written, not JSON, not a dict)."""
+    """(the file's dict, None), or (None, why it cannot be used: not a file, unreadable, not JSON, not a dict)."""
+    if problem := file_problem(path):
+        return None, problem
     try:
         with open(path) as f:
             obj = json.load(f)
-        return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
+    except OSError as e:
+        return None, (e.strerror or str(e)).lower()
+    except (ValueError, RecursionError):  # half-written, not UTF-8, or nested past Python's stack
+        return None, "not JSON"
+    return (obj, None) if isinstance(obj, dict) else (None, f"{described(obj)}, not a JSON object")
 
 
-def read_log(path):
-    """(records of a log.jsonl, numbers of the lines that do not parse (a torn last line) or whose
-    tokens or val_loss is not a number)"""
-    records, bad = [], []
-    with open(path, errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict) and all(record.get(k) is None or is_number(record[k])
-                                                for k in ("tokens", "val_loss")):
-                records.append(record)
-            elif line.strip():
-                bad.append(number)
-    return records, bad
-
-
-def result_problem(result):
-    """Why a result.json's fields cannot be used (a wrong type), or None; an absent or null field is allowed."""
-    pairing = result.get("pairing")
-    for key, ok, kind in (("val_loss", is_number, "a number"), ("wall_time_s", is_number, "a number"),
-                          ("pairing", lambda v: isinstance(v, dict), "a dict")):
-        if result.get(key) is not None and not ok(result[key]):
-            value = json.dumps(result[key])
-            return f"{key} is {value if len(value) <= 20 else value[:16] + '...'}, not {kind}"
-    if isinstance(pairing, dict) and not isinstance(pairing.get("settings", {}), dict):
-        return "pairing.settings is not a dict"
+def wrong_type(record, checks, prefix="", optional=True):
+    """The first 'key is value, not kind' among checks = (key, test, kind) of a dict; an absent or null key is
+    allowed when optional."""
+    for key, ok, kind in checks:
+        if (record.get(key) is not None or not optional and key in record) and not ok(record[key]):
+            return f"{prefix}{key} is {described(record[key])}, not {kind}"
     return None
 
 
+def is_weights(w):
+    return isinstance(w, list) and len(w) > 0 and all(map(is_number, w))
+
+
+def log_problem(record):
+    """Why a log.jsonl record cannot be used (a field report.py reads has the wrong type), or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    problem = wrong_type(record, (("tokens", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+                                  ("val_loss", is_number, "a number"), ("routing", lambda r: isinstance(r, dict), "a dict")))
+    routing = record.get("routing") or {}
+    problem = problem or wrong_type(routing, [(k, lambda t: isinstance(t, dict), "a dict") for k in ("weights", "qk_v_jsd")],
+                                    "routing.")
+    if problem:
+        return problem
+    weights, jsd = routing.get("weights") or {}, routing.get("qk_v_jsd") or {}
+    return wrong_type(weights, [(k, is_weights, "a list of numbers") for k in weights], "routing.weights.", False) or \
+        wrong_type(jsd, [(k, is_number, "a number") for k in jsd], "routing.qk_v_jsd.", False)
+
+
+def read_log(path):
+    """(records of a log.jsonl, why it or some of its lines cannot be used (a torn last line, a field of the
+    wrong type), or None)"""
+    if problem := file_problem(path):
+        return [], f"unreadable ({problem})"
+    records, bad = [], []
+    try:
+        with open(path, errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    bad.append(f"line {number} (not JSON)")
+                    continue
+                if problem := log_problem(record):
+                    bad.append(f"line {number} ({problem})")
+                else:
+                    records.append(record)
+    except OSError as e:
+        return [], f"unreadable ({(e.strerror or str(e)).lower()})"
+    if not bad:
+        return records, None
+    return records, "skipped " + ", ".join(bad[:3]) + (f" and {len(bad) - 3} more lines" if len(bad) > 3 else "")
+
+
+def result_problem(result):
+    """Why a result.json's fields cannot be used (a wrong type, no arm or seed), or None."""
+    for key in ("arm", "seed"):
+        if result.get(key) is None:
+            return f"no {key} recorded"
+    problem = wrong_type(result, (("arm", lambda a: isinstance(a, str), "a string"), ("seed", is_seed, "a seed"),
+                                  ("val_loss", is_number, "a number"),
+                                  ("wall_time_s", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+                                  ("pairing", lambda v: isinstance(v, dict), "a dict")))
+    if problem is None and not isinstance((result.get("pairing") or {}).get("settings", {}), dict):
+        return "pairing.settings is not a dict"
+    return problem
+
+
+def subfolders(path):
+    """(sorted names of the folders in path, None), or ([], why it cannot be listed)."""
+    try:
+        names = os.listdir(path)
+    except OSError as e:
+        return [], (e.strerror or str(e)).lower()
+    return sorted(n for n in names if os.path.isdir(os.path.join(path, n))), None
+
+
+def training_of(result):
+    """(init_hash, data_hash) of a result: two cells of one arm that share both are one training, or None."""
+    pairing = result.get("pairing") or {}
+    hashes = pairing.get("init_hash"), pairing.get("data_hash")
+    return hashes if all(isinstance(h, str) and h for h in hashes) else None
+
+
 def load_grid(out_dir):
-    """(arms, seeds, {(arm, seed): result or None if unreadable}, {(arm, seed): log records}, notes on skips)"""
-    notes = []
-    config = read_json(os.path.join(out_dir, "config.json"))
-    if config is None and os.path.exists(os.path.join(out_dir, "config.json")):
-        notes.append("config.json: unreadable (arms taken from the folders)")
-    config = config or {}
+    """(arms, seeds, {(arm, seed): usable result}, {(arm, seed): why a cell's result.json is not used},
+    {(arm, seed): log records}, notes on what was skipped).
+
+    A cell's arm and seed are what its result.json records: a folder holding another cell's record (a copy
+    or a link) is never counted, nor are two cells of one arm with the same init and data hashes. An arm is
+    a folder listed in config.json or holding a cell of its own; a seed is one of those cells' or listed."""
+    notes, config = [], {}
+    if os.path.lexists(os.path.join(out_dir, "config.json")):
+        config, why = read_json(os.path.join(out_dir, "config.json"))
+        if why:
+            notes.append(f"config.json: unreadable ({why}); arms and seeds taken from the folders")
+            config = {}
+    arms = config.get("arms", {})
+    if not isinstance(arms, dict):
+        notes.append(f"config.json: arms is {described(arms)}, not a dict of arm settings; arms taken from the folders")
+        arms = {}
+    if bad := [json.dumps(a) for a in arms if not is_folder_name(a)]:
+        notes.append(f"config.json: arms {', '.join(bad)} ignored (not folder names)")
+    arms = [a for a in arms if is_folder_name(a)]
     listed = config.get("seeds", [])
     listed = listed if isinstance(listed, list) else [listed]
-    arms, seeds = list(config.get("arms", {})), {s for s in listed if is_seed(s)}
+    seeds = {s for s in listed if is_seed(s)}
     if bad := [json.dumps(s) for s in listed if not is_seed(s)]:
         notes.append(f"config.json: seeds {', '.join(bad)} ignored (not non-negative integers)")
-    folders = sorted(f for f in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, f)))
-    results, logs = {}, {}
+    folders, why = subfolders(out_dir)
+    if why:
+        raise DataError(f"cannot list {out_dir} ({why}); check its permissions")
+    results, unusable, logs, copies = {}, {}, {}, []
+    real = {os.path.realpath(os.path.join(out_dir, f)): f for f in folders if not os.path.islink(os.path.join(out_dir, f))}
     for arm in arms + [f for f in folders if f not in arms]:
         arm_dir = os.path.join(out_dir, arm)
-        cells = sorted(c for c in os.listdir(arm_dir) if os.path.isdir(os.path.join(arm_dir, c))) \
-            if os.path.isdir(arm_dir) else []
-        cell_seeds = {c: int(c[4:]) for c in cells if re.fullmatch(r"seed(0|[1-9][0-9]*)", c)}
-        if arm not in arms:
-            if not cell_seeds:
-                notes.append(f"folder {arm}/: not an arm (no seed<k> cells)")
+        if os.path.islink(arm_dir) and os.path.realpath(arm_dir) in real:  # one arm under two names
+            notes.append(f"folder {arm}/: a link to {real[os.path.realpath(arm_dir)]}/, not counted; delete the link")
+            continue
+        cells, unlisted = subfolders(arm_dir) if os.path.isdir(arm_dir) else ([], None)
+        if unlisted:
+            notes.append(f"folder {arm}/: unreadable ({unlisted})")
+        own, arm_notes = False, []
+        for cell in cells:
+            if not CELL_NAME.fullmatch(cell):
+                arm_notes.append(f"folder {arm}/{cell}/: not a seed<k> cell")
                 continue
-            arms.append(arm)
-        notes += [f"folder {arm}/{c}/: not a seed<k> cell" for c in cells if c not in cell_seeds]
-        for cell, seed in cell_seeds.items():
+            seed, where = int(cell[4:]), f"{arm}/{cell}"
+            result_path, log_path = (os.path.join(arm_dir, cell, name) for name in ("result.json", "log.jsonl"))
+            if not os.path.lexists(result_path) and not os.path.lexists(log_path):
+                arm_notes.append(f"folder {where}/: no result.json or log.jsonl (not started)")
+                continue
+            if os.path.lexists(result_path):
+                result, why = read_json(result_path)
+                why = why or result_problem(result)
+                if why:
+                    unusable[arm, seed] = "unreadable result.json"
+                    arm_notes.append(f"{where}/result.json: unreadable ({why})")
+                elif (result["arm"], result["seed"]) != (arm, seed):
+                    copies.append((where, result["arm"], result["seed"]))
+                    continue  # another cell's record: not a seed of this arm, its log not read
+                else:
+                    results[arm, seed] = result
+            own = True
             seeds.add(seed)
-            result, log = (os.path.join(arm, cell, name) for name in ("result.json", "log.jsonl"))
-            if os.path.exists(os.path.join(out_dir, result)):
-                results[arm, seed] = read_json(os.path.join(out_dir, result))
-                problem = results[arm, seed] and result_problem(results[arm, seed])
-                if results[arm, seed] is None or problem:
-                    results[arm, seed] = None
-                    notes.append(f"{result}: unreadable" + (f" ({problem})" if problem else ""))
-            if os.path.exists(os.path.join(out_dir, log)):
-                logs[arm, seed], bad = read_log(os.path.join(out_dir, log))
-                if bad:
-                    notes.append(f"{log}: unreadable or non-numeric line {', '.join(map(str, bad))}")
-    return arms, sorted(seeds), results, logs, notes
+            if os.path.lexists(log_path):
+                logs[arm, seed], why = read_log(log_path)
+                if why:
+                    arm_notes.append(f"{where}/log.jsonl: {why}")
+        if own and arm not in arms:
+            arms.append(arm)
+        if arm in arms:
+            notes += arm_notes
+        elif not unlisted:
+            notes.append(f"folder {arm}/: not an arm (no seed<k> cell of its own with a result.json or log.jsonl)")
+    for where, arm, seed in copies:
+        named = f"{arm}/seed{seed}"
+        fix = f"a copy of {named}/: delete it" if (arm, seed) in results else f"rename it to {named}/ or delete it"
+        notes.append(f"folder {where}/: its result.json is {named}'s, not counted; {fix}")
+    for arm in arms:  # a copy whose recorded seed was edited to match its folder: one training, never two seeds
+        by_training = {}
+        for (a, seed), result in results.items():
+            if a == arm and training_of(result):
+                by_training.setdefault(training_of(result), []).append(seed)
+        for same in (s for s in by_training.values() if len(s) > 1):
+            cells = [f"{arm}/seed{s}" for s in same]
+            for seed in same:
+                del results[arm, seed]
+                unusable[arm, seed] = "same training as " + ", ".join(c for c in cells if c != f"{arm}/seed{seed}")
+            notes.append(f"{', '.join(cells)}: one training (the same init_hash and data_hash), none counted; "
+                         f"delete the copies, keeping the cell trained with that seed")
+    return arms, sorted(seeds), results, unusable, logs, notes
 
 
 def divergence(result):
@@ -136,13 +263,13 @@ def divergence(result):
     return None
 
 
-def cell_problem(results, arm, seed):
+def cell_problem(results, unusable, arm, seed):
     """Why a cell cannot be paired, or None."""
+    if (arm, seed) in unusable:
+        return unusable[arm, seed]
     if (arm, seed) not in results:
         return "missing"
     result = results[arm, seed]
-    if result is None:
-        return "unreadable result.json"
     if divergence(result):
         return "diverged"
     if not isinstance(result.get("pairing"), dict):
@@ -168,9 +295,9 @@ def pairing_difference(p, q):
     return None
 
 
-def unpaired_reason(arms, seed, results):
+def unpaired_reason(arms, seed, results, unusable):
     """Why a seed cannot be paired across these arms, or None when it can."""
-    problems = [f"{arm}/seed{seed} {p}" for arm in arms if (p := cell_problem(results, arm, seed))]
+    problems = [f"{arm}/seed{seed} {p}" for arm in arms if (p := cell_problem(results, unusable, arm, seed))]
     if problems:
         return "; ".join(problems)
     for a, b in itertools.combinations(arms, 2):
@@ -206,7 +333,7 @@ def paired_statistics(deltas):
 
 def val_curve(log):
     """{training tokens: validation loss} of one cell's evaluations."""
-    return {r["tokens"]: r["val_loss"] for r in log if r.get("val_loss") is not None and "tokens" in r}
+    return {r["tokens"]: r["val_loss"] for r in log if r.get("val_loss") is not None and r.get("tokens") is not None}
 
 
 def loss_curves(logs, arm, seeds):
@@ -252,8 +379,11 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
                 line, = ax.plot(tokens, values.mean(0), label=f"{arm} (n={len(values)})")
                 ax.fill_between(tokens, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
         late = np.concatenate([v[:, t >= half].ravel() for t, v in val.values()])
-        pad = 0.05 * (late.max() - late.min()) or 0.01
-        axes[1].set(xlim=(half, None), ylim=(late.min() - pad, late.max() + pad), title="second half of training")
+        late = late[np.isfinite(late)]  # a non-finite evaluation would make the limits NaN
+        axes[1].set(xlim=(half, None), title="second half of training")
+        if len(late):
+            pad = 0.05 * (late.max() - late.min()) or 0.01
+            axes[1].set(ylim=(late.min() - pad, late.max() + pad))
         axes[0].set(title="validation loss")
         for ax in axes:
             ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)")
@@ -274,12 +404,13 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
     # QK/V Jensen-Shannon divergence per layer over training, for arms with a value route
     arm, seed = cell
     for jsd_arm in arms:
-        records = [r for r in logs.get((jsd_arm, seed), []) if (r.get("routing") or {}).get("qk_v_jsd")]
+        records = [r for r in logs.get((jsd_arm, seed), [])
+                   if (r.get("routing") or {}).get("qk_v_jsd") and r.get("tokens") is not None]
         if not records:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
-        for layer in records[0]["routing"]["qk_v_jsd"]:
-            ax.plot([r["tokens"] for r in records], [r["routing"]["qk_v_jsd"][layer] for r in records],
+        for layer in records[0]["routing"]["qk_v_jsd"]:  # a layer a later record lacks is a gap, not an error
+            ax.plot([r["tokens"] for r in records], [r["routing"]["qk_v_jsd"].get(layer, np.nan) for r in records],
                     label=f"layer {layer}")
         ax.set(xlabel="training tokens", ylabel="JSD (nats)", title=f"{jsd_arm} seed{seed}: QK vs V depth routes")
         ax.legend(fontsize=7, ncol=2)
@@ -310,11 +441,50 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
 def save(fig, out_dir, name, title):
     import matplotlib.pyplot as plt
     fig.tight_layout()
-    path = os.path.join(out_dir, name)
-    fig.savefig(path + ".tmp", dpi=110, format="png")
-    os.replace(path + ".tmp", path)
-    plt.close(fig)
+    try:
+        write_atomic(os.path.join(out_dir, name), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
     return title, name
+
+
+def write_atomic(path, write):
+    """write(tmp) to a temporary name of this process's own (two reports on one grid never share one), then
+    renamed onto path: a reader never sees half a file, and a failure leaves path as it was, with no temporary."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise DataError(f"cannot write {path} ({(e.strerror or str(e)).lower()}); free disk space or check the "
+                        f"permissions of {os.path.dirname(path) or '.'}") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def write_text(path, text):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    write_atomic(path, write)
+
+
+def strict(x):
+    """x with every non-finite float as None: paired.json is strict JSON (an arm with one seed has no std)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict(v) for v in x]
+    return x
+
+
+def output_names(arms, cell):
+    """Every file report.py may write into out_dir for these arms and this cell."""
+    return ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *(f"jsd_{arm}.png" for arm in arms),
+            f"routing_{cell[0]}_seed{cell[1]}.png"]
 
 
 def parse_cell(text, arms, seeds, results, logs):
@@ -340,20 +510,23 @@ def main(argv):
     if not os.access(args.out_dir, os.W_OK):  # before any work: the report and plots are written there
         sys.exit(f"error: cannot write to {args.out_dir} (no write permission or a read-only file system); "
                  f"copy the grid somewhere writable and run report.py on the copy")
-    arms, seeds, results, logs, notes = load_grid(args.out_dir)
+    arms, seeds, results, unusable, logs, notes = load_grid(args.out_dir)
     if not arms:
         sys.exit(f"error: {args.out_dir} holds no arms; give the out_dir of a train.py grid")
     reference = args.reference or arms[0]
     if reference not in arms:
         sys.exit(f"error: reference arm {reference!r} not found; arms: {', '.join(arms)}")
     others = [arm for arm in arms if arm != reference]
-    left_out = {arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results))} for arm in others}
+    left_out = {arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results, unusable))} for arm in others}
     paired_seeds = {arm: [s for s in seeds if s not in left_out[arm]] for arm in others}
     # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
     paired_seeds[reference] = sorted(set().union(*paired_seeds.values())) if others else \
-        [s for s in seeds if not cell_problem(results, reference, s)]
+        [s for s in seeds if not cell_problem(results, unusable, reference, s)]
     cell = parse_cell(args.cell, arms, seeds, results, logs) if args.cell else \
         (arms[-1], (paired_seeds[arms[-1]] or seeds or [0])[0])
+    for name in output_names(arms, cell):  # before anything is written: a folder there would stop the report half way
+        if os.path.isdir(path := os.path.join(args.out_dir, name)):
+            raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
     diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
                      reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
 
@@ -404,12 +577,10 @@ def main(argv):
     summary = "\n".join(lines)
     for title, name in plots(args.out_dir, arms, reference, paired_seeds, curves, logs, cell):
         lines += [f"### {title}", "", f"![{title}]({name})", ""]
-    path = os.path.join(args.out_dir, "report.md")
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines))
-    os.replace(path + ".tmp", path)
-    write_json(os.path.join(args.out_dir, "paired.json"),
-               dict(reference=reference, arms=paired, diverged=diverged, wall_time_s=wall, skipped=notes))
+    write_text(os.path.join(args.out_dir, "report.md"), "\n".join(lines))
+    write_text(os.path.join(args.out_dir, "paired.json"), json.dumps(strict(
+        dict(reference=reference, arms=paired, diverged=diverged, wall_time_s=wall, skipped=notes)), indent=1,
+        allow_nan=False))
     print(summary)
 
 

@@ -64,7 +64,8 @@ def write_cell(out, arm, seed, val_loss, curve=None, **changes):
         routing = dict(weights=WEIGHTS, entropy={}, qk_v_jsd={"0": 0.01 * i, "1": 0.02 * i} if arm == "rd" else {})
         records.append(dict(step=10 * i, tokens=tokens, val_loss=loss, routing=routing))
     (cell / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    pairing = dict(init_hash="1a" * 32, data_hash="d4" * 32, eval_tokens=992, code=code["fingerprint"], init_from=None,
+    # each seed its own init and data order (two cells of one arm with the same hashes are one training)
+    pairing = dict(init_hash="1a" * 31 + f"{seed:02x}", data_hash="d4" * 31 + f"{seed:02x}", eval_tokens=992, code=code["fingerprint"], init_from=None,
                    settings=dict(SETTINGS))
     result = dict(arm=arm, seed=seed, status="finished", val_loss=val_loss, diverged_at=None, reason=None, tokens=2000,
                   steps=20, params=1000, non_embedding_params=500, wall_time_s=100.0 + seed,
@@ -182,7 +183,7 @@ def test_stray_folders_and_damaged_files_are_skipped_with_a_note(tmp_path, no_ma
     assert paired["arms"]["rd"]["seeds"] == [0, 1, 2]
     assert paired["arms"]["rd"]["left_out"] == [dict(seed=3, reason="parent/seed3 unreadable result.json")]
     notes = "\n".join(paired["skipped"])
-    for part in ("rd/seed_old/", "notes/", "rd/seed0/log.jsonl: unreadable or non-numeric line 6",
+    for part in ("rd/seed_old/", "notes/", "rd/seed0/log.jsonl: skipped line 6 (not JSON)",
                  "parent/seed3/result.json: unreadable"):
         assert part in notes and part in text
     assert paired["arms"]["rd"]["delta_curve"]["tokens"] == [0, 1000, 2000]
@@ -232,10 +233,10 @@ def test_fields_of_the_wrong_type_are_skipped_with_a_note(tmp_path, no_matplotli
     notes = paired["skipped"]
     for note in ('config.json: seeds "a", true, 1.5 ignored (not non-negative integers)',
                  "rd/seed0/result.json: unreadable (val_loss is true, not a number)",
-                 'parent/seed1/result.json: unreadable (wall_time_s is "100", not a number)',
+                 'parent/seed1/result.json: unreadable (wall_time_s is "100", not a finite number)',
                  "rd/seed2/result.json: unreadable (pairing is [{\"init_hash\": \"..., not a dict)",
                  "rd/seed3/result.json: unreadable (pairing.settings is not a dict)",
-                 "rd/seed4/log.jsonl: unreadable or non-numeric line 5"):
+                 'rd/seed4/log.jsonl: skipped line 5 (val_loss is "2.99", not a number)'):
         assert note in notes and f"- {note}" in text
     assert "parent/seed1" not in paired["wall_time_s"] and "| parent | 100 | - | 102 | 103 | 104 | 409 |" in text
 
@@ -327,3 +328,88 @@ def test_command_line_error_is_one_line_without_traceback(tmp_path):
     cli = subprocess.run([sys.executable, "report.py", str(out), "--cell=rd_attnres"], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(report.__file__)))
     assert cli.returncode == 1 and cli.stderr == "error: --cell=rd_attnres: give arm/seedK, e.g. --cell=rd/seed0\n"
+
+
+@pytest.mark.parametrize("arms", [None, 5, "rd", ["parent", "rd"], {"../x": {}, "parent": {}}])
+def test_config_arms_of_the_wrong_type_are_taken_from_the_folders(tmp_path, no_matplotlib, arms):
+    out = make_grid(tmp_path, LOSSES)
+    (out / "config.json").write_text(json.dumps(dict(arms=arms, seeds=[0, 1, 2, 3])))
+    paired, text = run(out)
+    assert paired["reference"] == "parent" and paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.02, -0.04, -0.04])
+    note = (f"config.json: arms is {json.dumps(arms)}, not a dict of arm settings; arms taken from the folders"
+            if not isinstance(arms, dict) else 'config.json: arms "../x" ignored (not folder names)')
+    assert paired["skipped"] == [note] and f"- {note}" in text and "| x |" not in text
+
+
+def test_log_records_of_the_wrong_type_are_skipped_and_plots_still_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9})
+    log = out / "rd" / "seed0" / "log.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    evaluation = records[-1]
+    bad = [dict(evaluation, routing=5), dict(evaluation, routing=dict(weights=[[1.0]])),
+           dict(evaluation, routing=dict(weights={"attn.0": "1.0"})), dict(evaluation, routing=dict(weights={"out": []})),
+           dict(evaluation, routing=dict(qk_v_jsd={"0": None})), dict(evaluation, tokens="2000"),
+           dict(evaluation, tokens=float("inf")), [evaluation]]
+    partial = dict(evaluation, tokens=3000, routing=dict(qk_v_jsd={"0": 0.5}))  # layer 1 missing: a gap in its line
+    log.write_text("".join(json.dumps(r) + "\n" for r in records + bad + [partial]))
+    paired, text = run(out, "--cell=rd/seed0")
+    note = next(n for n in paired["skipped"] if n.startswith("rd/seed0/log.jsonl: "))
+    assert note == ("rd/seed0/log.jsonl: skipped line 6 (routing is 5, not a dict), line 7 (routing.weights is "
+                    '[[1.0]], not a dict), line 8 (routing.weights.attn.0 is "1.0", not a list of numbers) and 5 more lines')
+    for name in ("val_loss.png", "delta_curve.png", "jsd_rd.png", "routing_rd_seed0.png"):
+        assert (out / name).stat().st_size > 1000 and f"]({name})" in text
+    assert paired["arms"]["rd"]["delta_curve"]["tokens"] == [0, 1000, 2000]  # the partial record is not parent's
+
+
+def copy_cell(out, source, target, symlink=False, **record):
+    """cp -a (or ln -s) of one cell folder, then record changes written into the copy's result.json."""
+    import shutil
+    if symlink:
+        os.symlink(os.path.relpath(out / source, (out / target).parent), out / target)
+    else:
+        shutil.copytree(out / source, out / target, symlinks=True)
+    path = out / target / "result.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **record)))
+
+
+def test_copied_and_linked_cells_are_never_counted_as_seeds(tmp_path, no_matplotlib):
+    # the issue's case: cp -a attnres/seed0 attnres/seed7 (and ln -s for the other arm) must not make n=3 of 2 seeds
+    losses = {(arm, s): 3.0 + s / 10 - i / 100 for i, arm in enumerate(("parent", "rd")) for s in range(3)}
+    out = make_grid(tmp_path, losses)
+    (out / "config.json").unlink()  # arms and seeds from the folders alone
+    copy_cell(out, "parent/seed0", "parent/seed7")
+    copy_cell(out, "rd/seed0", "rd/seed7", symlink=True)
+    os.symlink("rd", out / "rd_link")  # a linked arm folder: every record in it is rd's
+    copy_cell(out, "rd/seed1", "rd/seed8", seed=8)  # a copy whose recorded seed was edited to match its folder
+    (out / "parent" / "seed0").rename(out / "parent" / "seed5")  # a moved cell: its record still says seed0
+    paired, text = run(out)
+    rd = paired["arms"]["rd"]
+    assert rd["seeds"] == [2] and rd["deltas"] == pytest.approx([-0.01]) and "| rd | 1 | 1/1 |" in text
+    assert [(d["seed"], d["reason"]) for d in rd["left_out"]] == [
+        (0, "parent/seed0 missing"), (1, "rd/seed1 same training as rd/seed8"), (8, "parent/seed8 missing; "
+                                                                                     "rd/seed8 same training as rd/seed1")]
+    assert "seed 7" not in text and "rd_link |" not in text and list(paired["arms"]) == ["rd"]
+    notes = paired["skipped"]
+    for note in ("folder parent/seed5/: its result.json is parent/seed0's, not counted; rename it to parent/seed0/ "
+                 "or delete it",
+                 "folder parent/seed7/: its result.json is parent/seed0's, not counted; rename it to parent/seed0/ "
+                 "or delete it",
+                 "folder rd/seed7/: its result.json is rd/seed0's, not counted; a copy of rd/seed0/: delete it",
+                 "rd/seed1, rd/seed8: one training (the same init_hash and data_hash), none counted; delete the "
+                 "copies, keeping the cell trained with that seed"):
+        assert note in notes and f"- {note}" in text
+    assert "folder rd_link/: a link to rd/, not counted; delete the link" in notes and len(notes) == 5
+
+
+def test_result_json_without_its_cell_is_unreadable(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    edit(out, "rd", 0, lambda r: r.pop("seed"))
+    edit(out, "rd", 1, lambda r: r.update(seed="1"))
+    edit(out, "rd", 2, lambda r: r.update(arm=None))  # null is no arm either
+    paired, _ = run(out)
+    assert paired["arms"]["rd"]["seeds"] == [3]
+    for note in ("rd/seed0/result.json: unreadable (no seed recorded)",
+                 'rd/seed1/result.json: unreadable (seed is "1", not a seed)',
+                 "rd/seed2/result.json: unreadable (no arm recorded)"):
+        assert note in paired["skipped"]
