@@ -17,9 +17,22 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
 The transformer branch (attention, MLP) never learns which scheme feeds it: attention takes one
 input for Q/K and one for V (plus RD's optional value gain), the MLP takes one input. A scheme is
 a small module with the methods ResidualScheme declares, and GPT.hidden is one loop over the 2L
-sublayers. To add one: a subclass and a line in RESIDUALS; the tests take their list from there.
+sublayers.
+
+Adding a scheme:
+  1. subclass ResidualScheme: start, read, write (read_attention if attention reads differently),
+     extra_params (its parameter count, as a formula), check (its config errors), `options` (the
+     GPTConfig fields only it reads; add them to GPTConfig with a default);
+  2. make it exactly `standard` at init (tests/test_model.py checks it); random init is allowed:
+     GPT builds the scheme under its own RNG, after the shared weights, so just call nn.init.*;
+  3. optionally list analysis switches (`interventions`, changes(), self.intervention) and record
+     diagnostics (self.record);
+  4. add one line to RESIDUALS and run `pytest tests/test_model.py -k NAME`: every generic test
+     (zero init, shared init, gradients from init, causality, compile, counts) is parametrized
+     over the registry; add a reference test of your formulas beside the others.
 """
 
+import hashlib
 import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -260,15 +273,22 @@ class ResidualScheme(nn.Module):
     """
     What GPT.hidden drives. Sublayers are numbered k = 0 .. n_sublayers - 1 (n_sublayers = 2L):
     even k is layer k // 2's attention, odd k its MLP, and k = n_sublayers is the output read
-    (into ln_f and the head). `options` are the GPTConfig fields only this scheme reads; another
-    scheme must leave them at their defaults (GPTConfig checks this).
+    (into ln_f and the head). The state is whatever start() returns; write() returns a new one.
+    `options` are the GPTConfig fields only this scheme reads; another scheme must leave them at
+    their defaults (GPTConfig checks this).
+
+    Rules: the model must be exactly `standard` at init (up to the norms' eps), so that an arm
+    starts where the baseline does. __init__ may draw random numbers (nn.init.normal_ etc.): GPT
+    builds the scheme after the shared weights, under an RNG of its own seeded from the model's
+    seed and the scheme's name, so the shared weights and the global RNG are the same in every arm.
 
     Diagnostics: while GPT.routing_diagnostics runs, self.record is a dict of per-token tensors
     (B, T, ...). A key without '/' holds a read's depth weights over its sources (embedding first,
     summing to 1), named read_name(k) plus the route when a read has several ('attn_v.{l}' for
-    RD's value route, '.s0' / '.s1' for DAR's streams); any other quantity is 'group/read name'.
-    Analyses may set self.intervention to a change of one of the kinds in `interventions`;
-    changes() lists every change this model can make (see GPT.intervene).
+    RD's second route, '.s0' / '.s1' for DAR's streams); any other quantity is 'group/read name'.
+    Interventions (optional): an analysis may set self.intervention to a change whose kind is in
+    `interventions`; changes() lists every change this model can make (see GPT.intervene), and
+    each must change the loss once the routing has learned something (tested).
     """
     options = ()
     interventions = ()
@@ -283,6 +303,11 @@ class ResidualScheme(nn.Module):
     @staticmethod
     def check(config):
         """Raise ValueError, one line, for settings this scheme cannot run (called by GPTConfig)."""
+
+    @staticmethod
+    def extra_params(config):
+        """The scheme's parameter count as a formula of the config (tested against its tensors)."""
+        raise NotImplementedError
 
     def start(self, x):
         """The state before sublayer 0, from the embedding x (B, T, d)."""
@@ -316,6 +341,10 @@ class ResidualScheme(nn.Module):
 
 class StandardResidual(ResidualScheme):
     """x <- x + f_k(x). No parameters; the state is the stream x."""
+
+    @staticmethod
+    def extra_params(config):
+        return 0
 
     def start(self, x):
         return x
@@ -351,7 +380,7 @@ class AttnRes(ResidualScheme):
     Full (block_size=1) and Block AttnRes. Sources are the embedding, every sealed block (a sum
     of block_size sublayer outputs) and the running partial sum of the current block. Sublayer k
     reads them with its own (query[k], key_gain[k]); row n_sublayers is the output read.
-    Parameters: 2 (2L + 1) d.
+    Intervention ("uniform", read name): that read's depth weights become uniform (a zero query).
     """
     interventions = ("uniform",)
 
@@ -362,6 +391,10 @@ class AttnRes(ResidualScheme):
             valid = [s for s in range(1, n_sublayers + 1) if n_sublayers % s == 0 and (s == 1 or s % 2 == 0)]
             raise ValueError(f"attnres_block_size={size} must be 1 (Full) or an even divisor of "
                              f"2*n_layer={n_sublayers}; valid: {', '.join(map(str, valid))}")
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * (2 * config.n_layer + 1) * config.n_embd  # a query and a key gain per read
 
     def __init__(self, config):
         super().__init__(config)
@@ -416,10 +449,14 @@ class RDAttnRes(AttnRes):
       param    one route, plus a zero-init per-channel gain u on the value input: V = W_V((1+u) n(a)),
                applied after the block's norm (+L d parameters)
       fixed_v  the value route has uniform weights (a constant zero query, not a parameter)
+      mix      RD's two routes and parameters, not split by role: Q, K and V all read the average
+               of the two reads, (x_qk + x_v) / 2 (+L d parameters)
+    Interventions: AttnRes's, ("uniform", "attn_v.{l}") for the second route, and ("tie_value",)
+    or ("tie_value", l): the second route uses the Q/K query (every layer, or layer l): the parent.
     """
     options = ("rd_control",)
     interventions = ("uniform", "tie_value")
-    CONTROLS = ("none", "dup", "param", "fixed_v")
+    CONTROLS = ("none", "dup", "param", "fixed_v", "mix")
 
     @staticmethod
     def check(config):
@@ -427,16 +464,21 @@ class RDAttnRes(AttnRes):
         if config.rd_control not in RDAttnRes.CONTROLS:
             raise ValueError(f"unknown rd_control {config.rd_control!r}; choose one of {', '.join(RDAttnRes.CONTROLS)}")
 
+    @staticmethod
+    def extra_params(config):
+        learned = config.rd_control in ("none", "param", "mix")  # a value query or a value gain per layer
+        return AttnRes.extra_params(config) + (config.n_layer * config.n_embd if learned else 0)
+
     def __init__(self, config):
         super().__init__(config)
         self.control = config.rd_control
-        if self.control == "none":
+        if self.control in ("none", "mix"):
             self.value_query = nn.Parameter(torch.zeros(config.n_layer, config.n_embd))
         elif self.control == "param":
             self.value_gain = nn.Parameter(torch.zeros(config.n_layer, config.n_embd))
 
     def changes(self):
-        if self.control != "none":  # no learned value route: nothing of RD's own to change
+        if self.control not in ("none", "mix"):  # no learned second route: nothing of RD's own to change
             return super().changes()
         layers = range(1, self.n_sublayers // 2)  # layer 0's attention reads the embedding alone
         return (super().changes() + [("uniform", f"attn_v.{l}") for l in layers]
@@ -450,7 +492,7 @@ class RDAttnRes(AttnRes):
         query = self.uniform(self.query[k], f"attn.{layer}")
         if self.control == "dup" or self.intervention in (("tie_value",), ("tie_value", layer)):
             value_query = query
-        elif self.control == "none":
+        elif self.control in ("none", "mix"):
             value_query = self.uniform(self.value_query[layer], f"attn_v.{layer}")
         else:  # fixed_v
             value_query = torch.zeros_like(query)
@@ -464,6 +506,9 @@ class RDAttnRes(AttnRes):
         (x_qk, x_v), weights, _ = self.full_read(state, k)
         if self.record is not None:
             self.record[f"attn.{layer}"], self.record[f"attn_v.{layer}"] = weights[..., 0, :], weights[..., 1, :]
+        if self.control == "mix":
+            x = (x_qk + x_v) / 2
+            return x, x, None
         return x_qk, x_v, None
 
 
@@ -473,12 +518,16 @@ class DualAttnRes(ResidualScheme):
     boundaries; the state is the pair. Sublayer k reads stream s with its query w[k, s] against the
     keys of the OTHER stream (reciprocal; dar_keys='self' uses its own) and the values of its own;
     a softmax fusion pi[k] mixes the two reads into the one input of the sublayer. The output y is
-    written to both partials with gates beta[k, s] = 2 sigmoid(.), after the partials are mixed
-    by the doubly stochastic [[rho, 1-rho], [1-rho, rho]]:
-        p0 <- rho p0 + (1 - rho) p1 + beta0 y,    p1 <- (1 - rho) p0 + rho p1 + beta1 y.
+    written to both partials through per-channel gates beta[k, s] = 2 sigmoid(theta[k, s]) in
+    (0, 2)^d, after the partials are mixed by the doubly stochastic [[rho, 1-rho], [1-rho, rho]]:
+        p0 <- rho p0 + (1 - rho) p1 + beta0 * y,    p1 <- (1 - rho) p0 + rho p1 + beta1 * y
+    (elementwise; a block's first write is p_s = beta_s * y). Per channel, not one scalar per
+    stream: with scalars and blocks of 1, every source of stream 1 would be a positive multiple of
+    stream 0's, which RMS-normalised keys cannot tell apart (reciprocal keys = own keys).
     While the streams are equal the model is Block AttnRes, so at init it is `standard`; the
     alternating fusion init (stream 0 on even sublayers, stream 1 on odd) breaks the symmetry.
-    Parameters: (2L + 1)(3d + 2) + 6L.
+    Interventions: ("uniform", read name) as AttnRes, for both streams' reads; ("own_keys",): each
+    stream is addressed by its own keys; ("one_stream", s): every read takes stream s alone.
     """
     options = ("dar_keys",)
     interventions = ("uniform", "own_keys", "one_stream")
@@ -490,6 +539,12 @@ class DualAttnRes(ResidualScheme):
         if config.dar_keys not in DualAttnRes.KEYS:
             raise ValueError(f"unknown dar_keys {config.dar_keys!r}; choose one of {', '.join(DualAttnRes.KEYS)}")
 
+    @staticmethod
+    def extra_params(config):
+        n_sublayers, d = 2 * config.n_layer, config.n_embd
+        # per read: 2 queries, a key gain, 2 fusion logits; per sublayer: 2 write gates of d, one rho
+        return (n_sublayers + 1) * (3 * d + 2) + n_sublayers * (2 * d + 1)
+
     def __init__(self, config):
         super().__init__(config)
         n_sublayers, d = self.n_sublayers, config.n_embd
@@ -499,7 +554,7 @@ class DualAttnRes(ResidualScheme):
         fusion[0:n_sublayers:2] = torch.tensor([3.0, -3.0])
         fusion[1:n_sublayers:2] = torch.tensor([-3.0, 3.0])
         self.fusion = nn.Parameter(fusion)  # the output read starts at (0, 0): an even mix
-        self.write_gate = nn.Parameter(torch.zeros(n_sublayers, 2))  # beta = 2 sigmoid(0) = 1
+        self.write_gate = nn.Parameter(torch.zeros(n_sublayers, 2, d))  # beta = 2 sigmoid(0) = 1
         self.mixing = nn.Parameter(torch.full((n_sublayers,), 3.0))  # rho = sigmoid(3): mostly keep own
         self.block_size, self.eps = config.attnres_block_size, config.norm_eps
         self.reciprocal = config.dar_keys == "reciprocal"
@@ -566,8 +621,8 @@ class DualAttnRes(ResidualScheme):
             p0, p1 = rho * p0 + (1 - rho) * p1 + beta[0] * out, (1 - rho) * p0 + rho * p1 + beta[1] * out
             if self.record is not None:
                 self.record[f"mixing/{self.read_name(k)}"] = rho.expand(out.shape[:-1])
-        if self.record is not None:
-            self.record[f"write_gate/{self.read_name(k)}"] = beta.expand(*out.shape[:-1], 2)
+        if self.record is not None:  # each stream's gate averaged over channels
+            self.record[f"write_gate/{self.read_name(k)}"] = beta.mean(-1).expand(*out.shape[:-1], 2)
         if (k + 1) % self.block_size == 0:  # both blocks are sealed
             return self.open_block((state[0].blocks + [p0], state[1].blocks + [p1]), k + 1)
         return state[0]._replace(partial=p0), state[1]._replace(partial=p1)
@@ -583,7 +638,8 @@ class Streams(NamedTuple):
 class MultiStream(ResidualScheme):
     """n residual streams H (B, T, n, d), all starting as the embedding. Sublayer k reads
     x = sum_j pre_j H_j and writes H_i <- sum_j mix[i, j] H_j + post_i f(x); the output is the sum
-    of the streams. Subclasses say how (pre, mix, post) follow from the features of H."""
+    of the streams. Subclasses say how (pre, mix, post) follow from the features of H.
+    Intervention ("identity_mixing",): every stream is kept as it is (mix = I)."""
     options = ("hc_streams",)
     interventions = ("identity_mixing",)
 
@@ -640,8 +696,13 @@ class HyperConnections(MultiStream):
     HC (arXiv 2409.19606): static weights plus dynamic terms s * tanh(RMSNorm(H_j) W) for the read
     vector, the write vector and the mixing matrix. Init: read e_{k mod n}, mixing I, write 1,
     W = 0, s = 0.01 (both at 0 would keep their gradients at 0 forever): every stream is then
-    the pre-norm residual stream. Parameters: 2L (2n + n^2 + (2 + n) d + 3).
+    the pre-norm residual stream.
     """
+
+    @staticmethod
+    def extra_params(config):
+        n, d = config.hc_streams, config.n_embd  # per sublayer: static a, A, b; dynamic r, W, q; 3 scales
+        return 2 * config.n_layer * (2 * n + n * n + (2 + n) * d + 3)
 
     def __init__(self, config):
         super().__init__(config)
@@ -682,8 +743,13 @@ class ManifoldHyperConnections(MultiStream):
     + b_pre), post = 2 sigmoid(a x' phi_post + b_post), mix = Sinkhorn(exp(a x' phi_res + b_res)),
     a doubly stochastic matrix. Init: phi = 0, a = 0.01, post = 1, mix near I (b_res 0 on the
     diagonal, -4 off it), pre favouring stream k mod n (+2 / -2; a stream-symmetric init would
-    give every stream identical gradients forever). Parameters: 2L (n^2 d (2 + n) + 2n + n^2 + 3).
+    give every stream identical gradients forever).
     """
+
+    @staticmethod
+    def extra_params(config):
+        n, d = config.hc_streams, config.n_embd  # per sublayer: phi_pre, phi_post, phi_res; 3 scales; biases
+        return 2 * config.n_layer * (n * n * d * (2 + n) + 3 + 2 * n + n * n)
 
     def __init__(self, config):
         super().__init__(config)
@@ -720,10 +786,15 @@ class DenseFormer(ResidualScheme):
     layer l (its MLP write) the stream becomes a depth-weighted average (DWA) of the embedding
     y_0 and the layer outputs y_1 .. y_{l+1} so far, y_{l+1} = x + attn + mlp being layer l's:
         x <- sum_{j <= l+1} alpha[l][j] y_j.
-    Static weights (the same at every token), l + 2 for layer l: L (L + 3) / 2 parameters. Init
-    alpha[l] = (0, .., 0, 1), the paper's: the model is `standard`.
+    Static weights (the same at every token), l + 2 for layer l. Init alpha[l] = (0, .., 0, 1), the
+    paper's: the model is `standard`. Intervention ("identity_dwa",) or ("identity_dwa", l): every
+    average (or layer l's) becomes the standard residual's alpha = (0, .., 0, 1).
     """
     interventions = ("identity_dwa",)
+
+    @staticmethod
+    def extra_params(config):
+        return config.n_layer * (config.n_layer + 3) // 2  # sum over layers l of l + 2
 
     def __init__(self, config):
         super().__init__(config)
@@ -772,6 +843,7 @@ class GPTConfig:
     rd_control: str = "none"  # rd_attnres only
     dar_keys: str = "reciprocal"  # dar only: address a stream by the other's keys, or its own ('self')
     hc_streams: int = 4  # hc and mhc only
+    routing_lr_scale: float = 1.0  # the routing parameters' learning rate, as a multiple of the shared weights'
 
     def __post_init__(self):
         for field in fields(self):  # a size of 0 would fail later, as a ZeroDivisionError or an empty model
@@ -782,6 +854,8 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
+        if not (math.isfinite(self.routing_lr_scale) and self.routing_lr_scale > 0):
+            raise ValueError(f"routing_lr_scale={self.routing_lr_scale!r} must be a finite number > 0")
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
@@ -794,6 +868,12 @@ class GPTConfig:
                 raise ValueError(f"{field.name}={value!r} needs residual={' or '.join(map(repr, owners))} "
                                  f"(got {self.residual!r}); use {field.name}={field.default!r} for other residuals")
         RESIDUALS[self.residual].check(self)
+
+
+def scheme_seed(name):
+    """The seed of a scheme's init: from the seed the model is drawn with (torch.initial_seed(), the
+    last torch.manual_seed) and the scheme's name; sha256, as Python's str hash changes per process."""
+    return int.from_bytes(hashlib.sha256(f"{torch.initial_seed()}/{name}".encode()).digest()[:8], "little")
 
 
 class GPT(nn.Module):
@@ -809,9 +889,6 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embedding and unembedding
-        # the scheme's parameters are constants at init and draw nothing from the RNG, so the shared
-        # weights below are bit-identical for one seed whatever the variant (paired arms)
-        self.residual = RESIDUALS[config.residual](config)
         for name, p in self.transformer.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled init of the projections into the residual
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
@@ -819,6 +896,11 @@ class GPT(nn.Module):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02)
             else:
                 torch.nn.init.ones_(p)
+        # the scheme comes after the shared weights and draws from an RNG of its own, so the shared
+        # weights and the global RNG afterwards are bit-identical for one seed in every arm (paired arms)
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only: the scheme is built on the CPU
+            torch.default_generator.manual_seed(scheme_seed(config.residual))
+            self.residual = RESIDUALS[config.residual](config)
 
     def num_params(self, non_embedding=True):
         """Parameter count; the tied embedding counts once, and not at all with non_embedding."""
@@ -860,21 +942,19 @@ class GPT(nn.Module):
         Where each read looks, from one forward pass over idx (no graph kept):
           weights   read name -> 1-D fp32 CPU tensor over its sources (embedding first, running
                     partial last), averaged over batch and positions. Names: attn.{l} (the QK
-                    route for RD), attn_v.{l} (RD's value route), mlp.{l}, out.
+                    route for RD), attn_v.{l} (RD's second route), mlp.{l}, out.
           entropy   read name -> token-averaged entropy of its depth weights (nats)
           effective_sources  read name -> exp(entropy) per token, averaged over tokens: 1 when a read
                     takes one source, S when it weighs its S sources equally
           qk_v_jsd  layer -> token-wise Jensen-Shannon divergence between attn.{l} and attn_v.{l},
-                    averaged over tokens (nats); only for schemes with a value route
-        and, averaged over tokens, what a scheme records beside its depth weights: DAR's fusion
-        (pi per read), write_gate (beta per sublayer), mixing (rho) and stream_cosine (of the two
-        histories); HC/mHC's stream_mixing matrices (per sublayer, H_i <- sum_j M[i, j] H_j);
-        DenseFormer's dwa weights (per layer, named by its MLP sublayer: mlp.{l}). At the output,
-        where every source exists, the depth-wise diversity: source_cosine (S x S cosine similarity
-        of the sources, token-wise; per stream for DAR: out.s0, out.s1; DenseFormer: the embedding
-        and the layer outputs), DAR's block_cosine (the two streams' cosine per source after the
-        shared embedding) and HC/mHC's stream_cosine (n x n, of the streams). DAR's depth
-        weights are per stream: attn.{l}.s0, attn.{l}.s1, ..., out.s1. Naming: ResidualScheme.
+                    averaged over tokens (nats); only for schemes with a second route
+        and every other group a scheme records ('group/read name', see ResidualScheme), as group ->
+        read name -> its average over tokens: DAR's fusion (pi), write_gate (each stream's gate
+        averaged over channels: 2 numbers), mixing (rho), stream_cosine, block_cosine (per block
+        after the shared embedding, the two streams' cosine) and source_cosine (S x S at the output,
+        per stream: out.s0, out.s1); AttnRes's and DenseFormer's source_cosine; HC/mHC's
+        stream_mixing (M[i, j], H_i <- sum_j M[i, j] H_j) and stream_cosine; DenseFormer's dwa (per
+        layer, named by its MLP sublayer). DAR's depth weights are per stream: attn.{l}.s0, ....
         """
         record = self.residual.record = {}  # the schemes fill it during this one pass
         try:
@@ -899,13 +979,9 @@ class GPT(nn.Module):
     def intervene(self, change=None):
         """
         Analysis only, off by default (then free): replace one piece of the learned routing until the
-        next call; intervene() turns it off. change is ("uniform", read name): that read's depth
-        weights become uniform (AttnRes family; RD's value route is 'attn_v.{l}'); ("tie_value",)
-        or ("tie_value", l): RD's value route uses the QK query (every layer, or layer l);
-        ("own_keys",): DAR addresses each stream by its own keys; ("one_stream", s): DAR feeds every
-        sublayer from stream s alone; ("identity_mixing",): HC and mHC keep every stream as it is
-        (M = I); ("identity_dwa",) or ("identity_dwa", l): DenseFormer's averages (or layer l's)
-        become the standard residual's alpha = (0, .., 0, 1). interventions() lists them all.
+        next call; intervene() turns it off. change is a tuple (kind, *where), one of interventions();
+        each scheme's docstring says what its kinds do (e.g. ("uniform", "mlp.3"): that read's depth
+        weights become uniform).
         """
         if change is not None and change[0] not in self.residual.interventions:
             raise ValueError(f"residual={self.config.residual!r} has no intervention {change[0]!r}; "
@@ -916,16 +992,19 @@ class GPT(nn.Module):
         """Every change intervene() accepts for this model, in a fixed order (none for standard)."""
         return self.residual.changes()
 
-    def routing_weights(self, idx):
-        return self.routing_diagnostics(idx)["weights"]
-
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        # decay the shared matrices (and the tied embedding); never norms or routing parameters
-        decay = [p for p in self.transformer.parameters() if p.dim() >= 2]
-        decay_ids = {id(p) for p in decay}
-        no_decay = [p for p in self.parameters() if id(p) not in decay_ids]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        """
+        AdamW with three groups, in every arm (empty for standard's routing): the shared matrices and
+        the tied embedding (decayed), the shared norms, the routing parameters (never decayed). Each
+        group's "lr_scale" is its learning rate over the schedule's (routing: routing_lr_scale).
+        """
+        shared = list(self.transformer.parameters())  # lm_head's weight is the tied embedding
+        groups = [{"params": [p for p in shared if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},
+                  {"params": [p for p in shared if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
+                  {"params": list(self.residual.parameters()), "weight_decay": 0.0,
+                   "lr_scale": self.config.routing_lr_scale}]
+        for group in groups:
+            group["lr"] = learning_rate * group["lr_scale"]
         fused = device_type == "cuda"  # fused AdamW kernels exist for CUDA tensors
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
