@@ -12,6 +12,8 @@ Rules, fixing nanoGPT's sharp edges:
   int (1e4), a tuple, a comma list of words or a single value for a list, true/false for a bool;
   a key whose default is None takes any value;
 - a comma list of its keys for a dict-valued key keeps those entries (--arms=parent,rd_attnres);
+  `entries` may name more that such a list can pick (train.py: every scheme name is an arm);
+- None is a value only for a key whose default is None (--out_dir=None is an error, not a crash later);
 - a config file is found from the working directory or else this file's directory, and runs with
   __file__ set, so it can exec a neighbour from any working directory; one that fails to run is
   one error line.
@@ -28,9 +30,11 @@ class ConfigError(Exception):
     """Bad configuration: the message is the one line the user sees."""
 
 
-def coerce(key, value, default):
-    if default is None or value is None:
+def coerce(key, value, default, entries=None):
+    if default is None:
         return value
+    if value is None:
+        raise ConfigError(f"{key} cannot be None; give a {type(default).__name__} (default {default!r})")
     if isinstance(default, bool):
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
@@ -45,10 +49,11 @@ def coerce(key, value, default):
         return list(value) if isinstance(value, tuple) else value.split(",") if isinstance(value, str) else [value]
     if isinstance(default, dict) and isinstance(value, (str, tuple)):
         names = value.split(",") if isinstance(value, str) else list(value)
-        unknown = [n for n in names if n not in default]
+        known = (entries or {}) | default
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise ConfigError(f"{key} has no entries {', '.join(map(str, unknown))}; known: {', '.join(default)}")
-        return {n: default[n] for n in names}
+            raise ConfigError(f"{key} has no entries {', '.join(map(str, unknown))}; known: {', '.join(known)}")
+        return {n: known[n] for n in names}
     if isinstance(default, str) and not isinstance(value, str):
         return str(value)  # --out_dir=123 means the string
     if type(value) is not type(default):
@@ -75,8 +80,11 @@ def current(key, config, defaults):
     return None if defaults[key] is None else config[key]
 
 
-def configure(defaults, argv):
-    """Returns a new dict: defaults updated by config files and --key=value arguments, in order."""
+def configure(defaults, argv, entries=None):
+    """Returns a new dict: defaults updated by config files and --key=value arguments, in order.
+    entries: {key: {name: value}}, what a comma list may select for a dict-valued key beyond its
+    current entries."""
+    entries = entries or {}
     config = dict(defaults)
     for arg in argv:
         if arg.startswith("--"):
@@ -84,7 +92,7 @@ def configure(defaults, argv):
             if not eq:
                 raise ConfigError(f"{arg}: write overrides as --key=value")
             check_key(key, config)
-            config[key] = coerce(key, parse_literal(text), current(key, config, defaults))
+            config[key] = coerce(key, parse_literal(text), current(key, config, defaults), entries.get(key))
         else:
             path = arg if os.path.isfile(arg) else os.path.join(HERE, arg)  # config/x.py from any directory
             if not os.path.isfile(path):
@@ -102,5 +110,5 @@ def configure(defaults, argv):
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue  # helpers and imports inside the config file
                 check_key(key, config)
-                config[key] = coerce(key, value, current(key, config, defaults))
+                config[key] = coerce(key, value, current(key, config, defaults), entries.get(key))
     return config
