@@ -563,3 +563,122 @@ def test_resume_equals_uninterrupted_line_for_line(shards, tmp_path, monkeypatch
     assert [r["step"] for r in whole if "loss" in r] == [3, 6, 9, 12, 14]
     assert without_timings(resumed) == without_timings(whole)
     assert result(tmp_path / "killed", "rd_attnres")["val_loss"] == result(tmp_path / "whole", "rd_attnres")["val_loss"]
+
+
+# --- what users see: the evaluated tokens, the timings, the keys that change a result ---------------
+
+class TargetMean(torch.nn.Module):
+    """A stand-in model whose 'loss' is the sum of its (non-ignored) target ids: evaluate() then
+    returns the mean id of the tokens it evaluated, which a direct count can check."""
+
+    def forward(self, x, y, reduction="sum"):
+        return None, (y * (y != -1)).sum().float()
+
+
+@pytest.mark.parametrize("eval_tokens", [1024, 1000, 17, 33, 32])
+def test_evaluation_covers_every_whole_sequence_in_eval_tokens(eval_tokens):
+    T = 16
+    val = np.arange(1, 3001, dtype=np.uint16)  # token i + 1 at position i: a sum tells which ones were read
+    ctx = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
+    # the direct count: sequence j predicts positions j*T+1 .. j*T+T and needs positions up to j*T+T
+    targets = [p for j in range(eval_tokens) for p in range(j * T + 1, j * T + T + 1) if j * T + T < eval_tokens]
+    for batch in (1, 3, 64):
+        mean = train.evaluate(TargetMean(), val, dict(block_size=T, eval_tokens=eval_tokens, eval_batch_size=batch), ctx)
+        assert mean == pytest.approx(np.mean(val[targets].astype(np.float64)), rel=1e-12)
+    assert len(targets) == (eval_tokens - 1) // T * T  # what result.json records as eval_tokens
+
+
+def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypatch):
+    # a fake clock: each training step takes 1 s, each evaluation 100 s, nothing else takes time
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    clock = [0.0]
+    monkeypatch.setattr(train, "time", type("FakeTime", (), {"time": staticmethod(lambda: clock[0])}))
+    real_step, real_eval = train.backward_step, train.evaluate
+
+    def step(*args):
+        clock[0] += 1.0
+        return real_step(*args)
+
+    def evaluation(*args):
+        clock[0] += 100.0
+        return real_eval(*args)
+    monkeypatch.setattr(train, "backward_step", step)
+    monkeypatch.setattr(train, "evaluate", evaluation)
+    train.main(tiny(shards, tmp_path / "o", "--max_iters=8", "--eval_interval=4", "--log_interval=2", "--seeds=0,1",
+                    "--arms=attnres"))
+    n, evals, tokens_per_step = 8, 3, 4 * 16
+    for seed in (0, 1):
+        log = log_records(tmp_path / "o", "attnres", seed)
+        assert [r["eval_s"] for r in log if "val_loss" in r] == [100.0] * evals
+        for r in (r for r in log if "loss" in r):
+            assert r["ms_per_step"] == 1000.0 and r["tokens_per_s"] == tokens_per_step and r["mfu"] is None
+            evals_left = sum(1 for s in range(r["step"] + 1, n + 1) if s % 4 == 0 or s == n)
+            assert r["eta_cell_s"] == (n - r["step"]) * 1.0 + evals_left * 100.0
+            later_cells = 1 - seed  # seed 1 is the grid's last cell
+            assert r["eta_grid_s"] == r["eta_cell_s"] + later_cells * (n * 1.0 + evals * 100.0)
+        assert result(tmp_path / "o", "attnres", seed)["wall_time_s"] == n * 1.0 + evals * 100.0
+
+
+# every key of the config: how a rerun that changes only it must go. Values: a valid other value.
+RERUN_GOES_ON = dict(seeds=[0], arms="attnres", reference_arm="rd_attnres", log_interval=2, eval_batch_size=3,
+                     verify_shards=True, allow_changes=True, device="auto", data_dir="COPY")
+RERUN_REFUSED = dict(
+    block_size=8, vocab_size=128, n_layer=4, n_head=4, n_embd=64, dropout=0.1, norm_eps=1e-5, attnres_block_size=2,
+    rd_control="dup", routing_lr_scale=2.0, learning_rate=2e-2, max_iters=3, weight_decay=0.0, beta1=0.8, beta2=0.99,
+    grad_clip=0.5, lr_schedule="wsd", warmup_iters=1, min_lr=1e-4, cooldown_frac=0.5, batch_size=2,
+    gradient_accumulation_steps=2, dtype="bfloat16", compile=True, eval_interval=1, eval_tokens=900)
+RERUN_OTHERWISE = dict(
+    out_dir="another out_dir is another grid", residual="every arm sets it: refused as overridden",
+    dar_keys="no dar arm: refused as an option no arm trains", hc_streams="no hc arm: likewise",
+    init_from="tested in test_warm_start_from_a_standard_checkpoint")
+
+
+def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch):
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    assert set(RERUN_GOES_ON) | set(RERUN_REFUSED) | set(RERUN_OTHERWISE) == set(train.DEFAULTS)
+    shutil.copytree(shards, tmp_path / "copy")
+    args = tiny(shards, tmp_path / "o", "--max_iters=2", "--eval_interval=2", "--seeds=0,1")
+    train.main(args)
+    grid = (tmp_path / "o" / "config.json").read_text()
+    results = {p: p.read_text() for p in (tmp_path / "o").glob("*/seed*/result.json")}
+    monkeypatch.setattr(train, "GPT", lambda *a: pytest.fail("a rerun with a changed key trained"))
+    for key, value in RERUN_GOES_ON.items():
+        value = str(tmp_path / "copy") if value == "COPY" else value
+        train.main(args + [f"--{key}={value}"])
+    for key, value in RERUN_REFUSED.items():
+        with pytest.raises(ConfigError, match=rf"config.json was made with other settings: {key} \("):
+            train.main(args + [f"--{key}={value}"])
+    assert (tmp_path / "o" / "config.json").read_text() == grid  # nothing was recorded
+    assert {p: p.read_text() for p in results} == results
+
+
+def test_the_grid_is_recorded_once_a_cell_trains(shards, tmp_path, monkeypatch):
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    short = tmp_path / "short"
+    short.mkdir()
+    shutil.copy(os.path.join(shards, "val_000000.bin"), short)
+    write_shard(str(short / "train_000001.bin"), np.arange(10, dtype=np.uint16))  # less than one sequence
+    with pytest.raises(DataError, match="fewer than block_size"):
+        train.main(tiny(str(short), tmp_path / "o"))
+    assert not (tmp_path / "o" / "config.json").exists()  # the corrected rerun is not refused
+    args = tiny(shards, tmp_path / "o", "--max_iters=2", "--eval_interval=2")
+    train.main(args)
+    grid = (tmp_path / "o" / "config.json").read_text()
+    train.main(args + ["--learning_rate=0.5", "--allow_changes=True"])  # trains nothing: records nothing
+    assert (tmp_path / "o" / "config.json").read_text() == grid
+
+
+def test_a_copied_cell_folder_is_not_a_new_seed(shards, tmp_path, monkeypatch):
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    args = tiny(shards, tmp_path / "o", "--max_iters=2", "--eval_interval=2", "--arms=attnres")
+    train.main(args)
+    shutil.copytree(tmp_path / "o" / "attnres" / "seed0", tmp_path / "o" / "attnres" / "seed7")
+    with pytest.raises(ConfigError, match=r"attnres/seed7 holds the record of arm 'attnres' seed 0 \(a copied"):
+        train.main(args + ["--seeds=0,7"])
+    (tmp_path / "o" / "attnres" / "seed0" / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="seed0/config.json holds list, not a train.py record"):
+        train.main(args)
