@@ -1,6 +1,8 @@
 import hashlib
 import json
 import os
+import resource
+import socket
 import subprocess
 import sys
 
@@ -26,7 +28,22 @@ def test_known_token_ids(enc):
     assert enc.encode_ordinary(" the") == [262]
     assert enc.encode_ordinary("First Citizen:\nBefore we proceed any further, hear me speak.") == \
         [5962, 22307, 25, 198, 8421, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13]
-    assert enc.encode("<|endoftext|>", allowed_special="all") == [P.EOT]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [P.GPT2.eot]
+
+
+def test_tokenizers_encode_and_decode():
+    text = "ROMEO: caf\u00e9 \u2014 <|endoftext|> as text\n"
+    b = P.get_tokenizer("bytes")
+    assert list(b.encode(text)) == list(text.encode("utf-8")) and b.vocab_size == 257 and b.eot == 256
+    assert b.decode(list(b.encode(text))) == text
+    assert b.decode([256, 104, 105]) == "<|endoftext|>hi"
+    assert b.decode([0xc3, 104]) == "\ufffdh"  # half a UTF-8 character
+    assert b.decode([104, 300, 105]) == "h\ufffdi"  # a padding id of a 320-row model
+    g = P.get_tokenizer("gpt2")
+    assert g.vocab_size == 50257 and g.eot == 50256
+    assert g.decode(g.encode(text)) == text and g.decode([31373, 995, 50256, 50300]) == "hello world<|endoftext|>\ufffd"
+    with pytest.raises(P.DataError, match="unknown tokenizer 'bpe'; choose one of bytes, gpt2"):
+        P.get_tokenizer("bpe")
 
 
 def make_corpus(tmp_path):
@@ -53,7 +70,14 @@ def stream_of(out_dir):
 
 
 def expected_stream(enc, docs):
-    return np.array([t for d in docs for t in [P.EOT] + enc.encode_ordinary(d)], dtype=np.uint16)
+    return np.array([t for d in docs for t in [P.GPT2.eot] + enc.encode_ordinary(d)], dtype=np.uint16)
+
+
+def byte_stream(docs):
+    return np.array([t for d in docs for t in [256] + list(d.encode("utf-8"))], dtype=np.uint16)
+
+
+BYTES = dict(tokenizer="bytes", workers=1, quiet=True)  # most tests: the tokenizer is not what they test
 
 
 def test_shards_concatenate_to_the_documents_in_order(tmp_path, enc):
@@ -71,13 +95,27 @@ def test_shards_concatenate_to_the_documents_in_order(tmp_path, enc):
     assert not (out / "progress.json").exists() and not list(out.glob("*.tmp"))
 
 
-def test_val_docs_and_max_tokens(tmp_path, enc):
+def test_val_docs_and_max_tokens(tmp_path):
     pattern, docs = make_corpus(tmp_path)
     out = tmp_path / "out"
-    P.prepare(str(out), input=pattern, val_docs=4, shard_tokens=500, max_tokens=2500, workers=1, quiet=True)
+    P.prepare(str(out), input=pattern, val_docs=4, shard_tokens=3000, max_tokens=15000, **BYTES)
     manifest, stream = stream_of(out)
-    assert manifest["val_tokens"] == len(expected_stream(enc, docs[:4]))  # whole documents
-    assert np.array_equal(stream, expected_stream(enc, docs)[:2500])
+    assert manifest["val_tokens"] == len(byte_stream(docs[:4]))  # whole documents
+    assert np.array_equal(stream, byte_stream(docs)[:15000])
+
+
+def test_byte_shards_say_their_tokenizer(tmp_path):
+    pattern, docs = make_corpus(tmp_path)
+    out = tmp_path / "out"
+    P.prepare(str(out), input=pattern, val_tokens=2000, shard_tokens=6000, **BYTES)
+    manifest, stream = stream_of(out)
+    assert np.array_equal(stream, byte_stream(docs))
+    assert manifest["tokenizer"] == "bytes" and manifest["tokenizer_sha256"] is None
+    header = np.fromfile(out / "train_000001.bin", dtype="<i4", count=256)
+    assert list(header[:4]) == [20240520, 1, 6000, 257] and not header[4:].any()
+    assert P.tokenizer_of(str(out)) == "bytes"
+    with pytest.raises(P.DataError, match="other arguments"):
+        P.prepare(str(out), input=pattern, val_tokens=2000, shard_tokens=6000, tokenizer="gpt2", workers=1, quiet=True)
 
 
 def test_workers_do_not_change_the_output(tmp_path):
@@ -85,7 +123,7 @@ def test_workers_do_not_change_the_output(tmp_path):
     P.TASK_CHARS, old = 200, P.TASK_CHARS  # many small tasks, so two workers really interleave
     try:
         for w in (1, 2):
-            P.prepare(str(tmp_path / f"w{w}"), input=pattern, val_tokens=300, shard_tokens=700, workers=w, quiet=True)
+            P.prepare(str(tmp_path / f"w{w}"), input=pattern, val_tokens=1800, shard_tokens=4200, **BYTES | dict(workers=w))
     finally:
         P.TASK_CHARS = old
     m1, m2 = (json.loads((tmp_path / f"w{w}" / "manifest.json").read_text()) for w in (1, 2))
@@ -95,7 +133,7 @@ def test_workers_do_not_change_the_output(tmp_path):
 @pytest.mark.parametrize("die_at", [4, 6])  # resumes inside the parquet file, then inside the jsonl file
 def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch, die_at):
     pattern, _ = make_corpus(tmp_path)
-    args = dict(input=pattern, val_tokens=333, shard_tokens=600, workers=1, quiet=True)
+    args = dict(input=pattern, val_tokens=2000, shard_tokens=3600, **BYTES)
     P.prepare(str(tmp_path / "whole"), **args)
 
     out = tmp_path / "killed"
@@ -115,7 +153,7 @@ def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch, die_at):
     P.prepare(str(out), **args)  # complete: nothing is redone
     assert len(resumed) == len(names) - (die_at - 1)
     with pytest.raises(P.DataError, match="other arguments"):
-        P.prepare(str(out), **{**args, "shard_tokens": 700})
+        P.prepare(str(out), **{**args, "shard_tokens": 4200})
 
 
 def test_bad_shards_name_the_file_and_problem(tmp_path):
@@ -140,40 +178,52 @@ def test_bad_shards_name_the_file_and_problem(tmp_path):
 
 def test_bad_inputs(tmp_path):
     with pytest.raises(P.DataError, match="matches no files"):
-        P.prepare(str(tmp_path / "o1"), input=str(tmp_path / "nothing*.txt"), quiet=True)
+        P.prepare(str(tmp_path / "o1"), input=str(tmp_path / "nothing*.txt"), **BYTES)
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "x.parquet")
     with pytest.raises(P.DataError, match="no 'text' column"):
-        P.prepare(str(tmp_path / "o2"), input=str(tmp_path / "x.parquet"), workers=1, quiet=True)
+        P.prepare(str(tmp_path / "o2"), input=str(tmp_path / "x.parquet"), **BYTES)
     (tmp_path / "y.jsonl").write_text('{"text": "ok"}\nnot json\n')
     with pytest.raises(P.DataError, match="y.jsonl:2"):
-        P.prepare(str(tmp_path / "o3"), input=str(tmp_path / "y.jsonl"), workers=1, quiet=True)
+        P.prepare(str(tmp_path / "o3"), input=str(tmp_path / "y.jsonl"), **BYTES)
     (tmp_path / "z.txt").write_text("tiny")
     with pytest.raises(P.DataError, match="too few tokens"):
-        P.prepare(str(tmp_path / "o4"), input=str(tmp_path / "z.txt"), workers=1, quiet=True)
+        P.prepare(str(tmp_path / "o4"), input=str(tmp_path / "z.txt"), **BYTES)
+    with pytest.raises(P.DataError, match="unknown tokenizer 'bpe'"):
+        P.prepare(str(tmp_path / "o5"), input=str(tmp_path / "z.txt"), tokenizer="bpe")
+    assert not (tmp_path / "o5").exists()
 
 
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])
 def test_fineweb_offline_fails_fast_with_one_line(tmp_path, env):
     # HF_HUB_OFFLINE, or a hub that cannot be reached (a closed local port stands in for no network)
     full_env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | env
-    proc = subprocess.run([sys.executable, "data/prepare.py", "--out_dir", str(tmp_path / "fw")],
+    proc = subprocess.run([sys.executable, "data/prepare.py", "--tokenizer=bytes", "--out_dir", str(tmp_path / "fw")],
                           cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "--input" in proc.stderr and "shakespeare" in proc.stderr
 
 
-def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, enc, monkeypatch, capsys):
+def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, monkeypatch, capsys):
+    assert P.BUNDLED == {os.path.join(ROOT, "data", "shakespeare_bytes"): "bytes",
+                         os.path.join(ROOT, "data", "shakespeare_gpt2"): "gpt2"}
     monkeypatch.chdir(tmp_path)
-    manifest = P.prepare_bundled(str(tmp_path / "sh"), quiet=True)
-    plays = sorted(os.listdir(P.BUNDLED_CORPUS))
-    val_plays = [open(os.path.join(P.BUNDLED_CORPUS, p), encoding="utf-8").read() for p in plays[:3]]
-    assert manifest["val_tokens"] == len(expected_stream(enc, val_plays))
-    assert 1_400_000 < manifest["total_tokens"] < 1_700_000  # PROVENANCE.md: about 1.57M tokens
-    val = P.open_shard(str(tmp_path / "sh" / "val_000000.bin"))
-    assert val[0] == P.EOT and (np.asarray(val) == P.EOT).sum() == 3
+    manifest = P.prepare_bundled(str(tmp_path / "sh"), "bytes", quiet=True)
+    plays = [open(os.path.join(P.BUNDLED_CORPUS, p), encoding="utf-8").read() for p in sorted(os.listdir(P.BUNDLED_CORPUS))]
+    assert manifest["val_tokens"] == len(byte_stream(plays[:3]))  # three whole plays
+    assert manifest["total_tokens"] == len(byte_stream(plays)) and manifest["tokenizer"] == "bytes"
     monkeypatch.chdir(ROOT)
-    assert P.prepare_bundled(str(tmp_path / "sh")) == manifest  # the same arguments and inputs: complete
+    assert P.prepare_bundled(str(tmp_path / "sh"), "bytes") == manifest  # the same arguments and inputs: complete
     assert "complete" in capsys.readouterr().out
+    with pytest.raises(P.DataError, match="not one of the bundled outputs"):
+        P.prepare_bundled(str(tmp_path / "elsewhere"))
+
+
+def test_bundled_outputs_are_prepared_with_their_tokenizer(monkeypatch):
+    made = []
+    monkeypatch.setattr(P, "prepare", lambda out_dir, **kw: made.append((out_dir, kw["tokenizer"], kw["val_docs"])))
+    for out_dir, tokenizer in P.BUNDLED.items():
+        P.prepare_bundled(out_dir)
+    assert made == [(d, t, 3) for d, t in P.BUNDLED.items()]
 
 
 def write_llmc_shard(path, tokens):
@@ -269,7 +319,7 @@ def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
 def test_manifest_catches_changed_extra_missing_and_truncated_shards(tmp_path):
     pattern, _ = make_corpus(tmp_path)
     out = tmp_path / "out"
-    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1000, workers=1, quiet=True)
+    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1000, **BYTES)
     assert P.verify_manifest(str(out), full=True)["shards"][0]["name"] == "val_000000.bin"
     train1 = out / "train_000001.bin"
     original = train1.read_bytes()
@@ -283,12 +333,14 @@ def test_manifest_catches_changed_extra_missing_and_truncated_shards(tmp_path):
     train1.write_bytes(bytes(overwritten))
     P.verify_manifest(str(out))
     fails(r"train_000001.bin: its tokens differ from manifest.json \(sha256\); re-run data/prepare.py", full=True)
-    P.write_shard(str(train1), np.arange(600))  # a valid shard of another size
+    P.write_shard(str(train1), np.arange(600), "bytes")  # a valid shard of another size
     fails("train_000001.bin holds 600 tokens, manifest.json lists 1,000; re-run data/prepare.py")
     train1.write_bytes(original[:-2])
     fails("train_000001.bin: size .* truncated or corrupt")
     train1.unlink()
     fails("train_000001.bin is listed in manifest.json but missing; re-run data/prepare.py")
+    P.write_shard(str(train1), np.frombuffer(original[1024:], dtype="<u2"), "gpt2")  # the same tokens, marked GPT-2
+    fails("train_000001.bin holds gpt2 tokens, manifest.json says bytes")
     train1.write_bytes(original)
     P.verify_manifest(str(out), full=True)
     np.save(out / "edufineweb_train_000009", np.arange(10, dtype=np.uint16))
@@ -364,16 +416,16 @@ def prepare_dying(monkeypatch, out, args, die_at):
     assert (out / "progress.json").exists() and not (out / "manifest.json").exists()
 
 
-def assert_same_shards(a, b):
+def assert_same_shards(a, b, at_least=6):
     names = sorted(p.name for p in a.glob("*.bin"))
-    assert names == sorted(p.name for p in b.glob("*.bin")) and len(names) > 5
+    assert names == sorted(p.name for p in b.glob("*.bin")) and len(names) >= at_least
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert not list(b.glob("*.tmp"))
 
 
 def test_resume_after_any_interruption_in_uneven_row_groups(tmp_path, monkeypatch):
-    args = dict(input=uneven_parquet_corpus(tmp_path), val_tokens=500, shard_tokens=700, workers=1, quiet=True)
+    args = dict(input=uneven_parquet_corpus(tmp_path), val_tokens=2800, shard_tokens=4000, **BYTES)
     whole = tmp_path / "whole"
     n_shards = len(P.prepare(str(whole), **args)["shards"])
     for die_at in range(2, n_shards + 1):  # every shard boundary a resume can start from
@@ -385,7 +437,7 @@ def test_resume_after_any_interruption_in_uneven_row_groups(tmp_path, monkeypatc
 
 
 def test_two_interruptions_in_a_row(tmp_path, monkeypatch):
-    args = dict(input=uneven_parquet_corpus(tmp_path), val_tokens=500, shard_tokens=700, workers=1, quiet=True)
+    args = dict(input=uneven_parquet_corpus(tmp_path), val_tokens=2800, shard_tokens=4000, **BYTES)
     P.prepare(str(tmp_path / "whole"), **args)
     out = tmp_path / "killed"
     prepare_dying(monkeypatch, out, args, 3)
@@ -397,7 +449,7 @@ def test_two_interruptions_in_a_row(tmp_path, monkeypatch):
 
 def test_resume_stops_when_the_input_files_changed(tmp_path, monkeypatch):
     pattern = uneven_parquet_corpus(tmp_path)
-    args = dict(input=pattern, val_tokens=500, shard_tokens=700, workers=1, quiet=True)
+    args = dict(input=pattern, val_tokens=2800, shard_tokens=4000, **BYTES)
     out = tmp_path / "out"
     prepare_dying(monkeypatch, out, args, 4)
     src = tmp_path / "src"
@@ -416,7 +468,7 @@ def test_resume_stops_when_the_input_files_changed(tmp_path, monkeypatch):
 def test_complete_output_is_verified_and_repaired(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(P, "TASK_CHARS", 200)  # a rebuilt shard spans several tokenizer tasks
     pattern, _ = make_corpus(tmp_path)
-    args = dict(input=pattern, val_tokens=333, shard_tokens=600, workers=1)
+    args = dict(input=pattern, val_tokens=2000, shard_tokens=3600, tokenizer="bytes", workers=1)
     out = tmp_path / "out"
     P.prepare(str(out), quiet=True, **args)
     whole = {p.name: p.read_bytes() for p in out.glob("*.bin")}
@@ -457,7 +509,7 @@ def test_bad_rows_and_files_name_where(tmp_path):
         path = tmp_path / name
         path.write_bytes(content) if isinstance(content, bytes) else content(str(path))
         with pytest.raises(P.DataError, match=match):
-            P.prepare(str(tmp_path / ("out_" + name)), input=str(path), workers=1, quiet=True)
+            P.prepare(str(tmp_path / ("out_" + name)), input=str(path), **BYTES)
         assert not list((tmp_path / ("out_" + name)).glob("*.bin"))
 
     fails("null.jsonl", b'{"text": "fine"}\n\n{"text": null}\n', r"null.jsonl:3: 'text' is null, not a string")
@@ -472,7 +524,7 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "taken").write_text("x")
     (tmp_path / "a.txt").write_text("some text")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), "--input", str(tmp_path / "a.txt"),
-                           "--out_dir", str(tmp_path / "taken")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                           "--tokenizer=bytes", "--out_dir", str(tmp_path / "taken")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr == f"error: out_dir {tmp_path / 'taken'} is a file; choose a directory\n"
 
 
@@ -500,3 +552,174 @@ def test_write_json_into_a_read_only_directory_is_one_line(tmp_path):
     with pytest.raises(P.DataError, match=r"\(Permission denied\); free disk space or check the permissions"):
         P.write_json(str(locked / "x.json"), {})
     assert os.listdir(locked) == []
+
+
+def test_write_json_is_strict_and_its_temporary_is_this_process_own(tmp_path, monkeypatch):
+    path = tmp_path / "result.json"
+    P.write_json(str(path), {"a": 1})
+    (tmp_path / "result.json.tmp").write_text("another writer's")  # not ours: left alone
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=f"{path}: Out of range float values"):
+            P.write_json(str(path), {"loss": [1.0, bad]})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.tmp"]
+    seen, real_dump = [], json.dump
+    monkeypatch.setattr(json, "dump", lambda obj, f, **kw: (seen.append((f.name, kw)), real_dump(obj, f, **kw)))
+    P.write_json(str(path), {"a": 2})
+    assert seen == [(f"{path}.{os.getpid()}.tmp", dict(indent=1, allow_nan=False))]
+    assert json.loads(path.read_text()) == {"a": 2} and (tmp_path / "result.json.tmp").read_text() == "another writer's"
+
+
+def test_torn_or_foreign_manifests_are_one_line(tmp_path):
+    out = tmp_path / "out"
+    P.prepare(str(out), input=make_corpus(tmp_path)[0], val_tokens=2000, shard_tokens=9000, **BYTES)
+    good = (out / "manifest.json").read_text()
+    manifest = json.loads(good)
+    cases = [(good[:len(good) // 2], r"cannot be read as JSON \(.*line"),
+             (json.dumps([1, 2]), r"missing or wrong: arguments, inputs, tokenizer"),
+             (json.dumps({k: v for k, v in manifest.items() if k != "shards"}), r"missing or wrong: shards\)"),
+             (json.dumps({**manifest, "shards": {"name": "val_000000.bin"}}), r"missing or wrong: shards\)"),
+             (json.dumps({**manifest, "shards": [{**manifest["shards"][0], "tokens": "2000"}]}), r"shards\[0\]"),
+             (json.dumps({**manifest, "tokenizer": "bpe"}), r"tokenizer 'bpe'")]
+    for text, problem in cases:
+        (out / "manifest.json").write_text(text)
+        for read in (P.verify_manifest, P.tokenizer_of, lambda d: P.prepare(d, input="x", **BYTES)):
+            with pytest.raises(P.DataError, match=problem) as err:
+                read(str(out))
+            assert str(err.value).startswith(f"{out / 'manifest.json'} ") and "\n" not in str(err.value)
+            assert "run data/prepare.py again" in str(err.value)
+    (out / "manifest.json").write_text(good)
+    assert P.verify_manifest(str(out)) == manifest
+
+
+def test_shards_of_two_tokenizers_are_refused(tmp_path):
+    P.write_shard(str(tmp_path / "val_000000.bin"), np.arange(10), "gpt2")
+    P.write_shard(str(tmp_path / "train_000001.bin"), np.arange(10), "gpt2")
+    assert P.tokenizer_of(str(tmp_path)) == "gpt2"
+    P.write_shard(str(tmp_path / "train_000002.bin"), np.arange(10), "bytes")
+    with pytest.raises(P.DataError, match=r"mixes tokenizers: val_000000.bin holds gpt2 tokens, train_000002.bin bytes"):
+        P.find_shards(str(tmp_path))
+    write_llmc_shard(tmp_path / "val_000000.bin", np.arange(10))  # made elsewhere (header [3] = 0): GPT-2's
+    with pytest.raises(P.DataError, match="mixes tokenizers"):
+        P.tokenizer_of(str(tmp_path))
+    (tmp_path / "train_000002.bin").unlink()
+    assert P.tokenizer_of(str(tmp_path)) == "gpt2"
+    header = np.fromfile(tmp_path / "train_000001.bin", dtype="<i4", count=256)
+    header[3] = 1000
+    (tmp_path / "train_000001.bin").write_bytes(header.tobytes() + np.arange(10, dtype="<u2").tobytes())
+    with pytest.raises(P.DataError, match="train_000001.bin: its header gives vocabulary size 1000"):
+        P.find_shards(str(tmp_path))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lone_surrogate_is_refused_naming_the_line(tmp_path, workers):
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n\n{"text": "bad \\ud800 half"}\n')
+    with pytest.raises(P.DataError, match=r"s.jsonl:3: 'text' holds a lone surrogate \(\\ud800 at character 4\)"):
+        P.prepare(str(tmp_path / "out"), input=str(tmp_path / "s.jsonl"), **BYTES | dict(workers=workers))
+    assert sorted(os.listdir(tmp_path / "out")) == []  # no shard, temporary or lock left
+
+
+@pytest.mark.parametrize("failure", ["file size limit", "full disk"])
+def test_a_failed_shard_write_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, failure):
+    pattern, _ = make_corpus(tmp_path)
+    args = dict(input=pattern, val_tokens=2000, shard_tokens=9000, **BYTES)
+    P.prepare(str(tmp_path / "whole"), **args)
+    out = tmp_path / "out"
+    limit = 10000  # bytes: the validation shard (5 KB) and progress.json fit, a train shard (19 KB) does not
+    if failure == "file size limit":  # ulimit -f: Python ignores SIGXFSZ, so the write fails with EFBIG
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            with pytest.raises(P.DataError) as err:
+                P.prepare(str(out), **args)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert "(File too large)" in str(err.value)
+    else:
+        real_open, shards = open, []
+
+        class FullDisk:  # the disk fills up 14 KB into the second shard
+            def __init__(self, f):
+                self.f, self.written, self.name = f, 0, f.name
+                shards.append(self)
+
+            def write(self, data):
+                self.written += memoryview(data).nbytes
+                if len(shards) == 2 and self.written > 14000:
+                    raise OSError(28, "No space left on device")
+                return self.f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        monkeypatch.setattr(P, "open", lambda path, *a, **kw: FullDisk(real_open(path, *a, **kw))
+                            if str(path).endswith(".bin.tmp") else real_open(path, *a, **kw), raising=False)
+        with pytest.raises(P.DataError) as err:
+            P.prepare(str(out), **args)
+        monkeypatch.undo()
+        assert "(No space left on device)" in str(err.value)
+    assert str(err.value) == (f"cannot write {out / 'train_000001.bin'} ({str(err.value).split('(')[1].split(')')[0]}); "
+                              f"free disk space (or raise the file size limit, ulimit -f) and run data/prepare.py "
+                              f"again: it keeps the complete shards")
+    assert sorted(os.listdir(out)) == ["progress.json", "val_000000.bin"]  # the complete shard, no temporary
+    P.prepare(str(out), **args)
+    assert_same_shards(tmp_path / "whole", out, at_least=3)
+
+
+def test_one_prepare_at_a_time_per_out_dir(tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 500)
+    args = dict(input=str(tmp_path / "a.txt"), val_tokens=1000, **BYTES)
+    out = tmp_path / "out"
+    out.mkdir()
+    host = socket.gethostname()
+    for holder, pid in ((f"{os.getpid()} {host}", os.getpid()), ("123 another-host", 123)):
+        (out / "lock").write_text(holder)  # a running prepare.py: this process, or one on another host
+        with pytest.raises(P.DataError, match=rf"{out} is being prepared by pid {pid} on .*; wait for it, or remove "
+                                              rf"{out / 'lock'} if that process is gone"):
+            P.prepare(str(out), **args)
+        assert sorted(os.listdir(out)) == ["lock"] and (out / "lock").read_text() == holder
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    (out / "lock").write_text(f"{dead.pid} {host}")  # a killed run's: taken over
+    P.prepare(str(out), **args)
+    assert "lock" not in os.listdir(out) and (out / "manifest.json").exists()
+
+
+def test_an_input_edited_in_place_stops_the_resume(tmp_path, monkeypatch):
+    pattern, _ = make_corpus(tmp_path)
+    args = dict(input=pattern, val_tokens=2000, shard_tokens=3600, **BYTES)
+    out = tmp_path / "out"
+    prepare_dying(monkeypatch, out, args, 3)
+    jsonl = tmp_path / "src" / "b.jsonl"
+    original = jsonl.read_bytes()
+    jsonl.write_bytes(original.replace(b"fox", b"cat"))  # same size, other text
+    assert jsonl.stat().st_size == len(original)
+    with pytest.raises(P.DataError, match=r"input files differ .*\(\.\./src/b.jsonl has other content of the same size\)"):
+        P.prepare(str(out), **args)
+    jsonl.write_bytes(original)
+    P.prepare(str(out), **args)
+    P.prepare(str(tmp_path / "whole"), **args)
+    assert_same_shards(tmp_path / "whole", out)
+
+
+def test_fingerprint_samples_big_files_from_start_to_end(tmp_path):
+    big = tmp_path / "big.jsonl"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, size=5 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(data)
+    sampled = hashlib.sha256(b"".join(bytes(data[i * (len(data) - 65536) // 63:][:65536]) for i in range(64)))
+    assert P.fingerprint(str(big)) == sampled.hexdigest()  # 64 blocks of 64 KiB, the first and the last included
+    (tmp_path / "small.txt").write_bytes(data[:100000])
+    assert P.fingerprint(str(tmp_path / "small.txt")) == hashlib.sha256(data[:100000]).hexdigest()  # whole
+
+
+@pytest.mark.parametrize("where", ["out_dir is the input folder", "the glob reaches into out_dir"])
+def test_an_out_dir_among_the_inputs_is_refused(tmp_path, where):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("some text " * 500)
+    out, pattern = ((tmp_path / "src", tmp_path / "src" / "*.txt") if where == "out_dir is the input folder"
+                    else (tmp_path / "src" / "out", tmp_path / "src" / "**"))
+    (out / "old.txt").parent.mkdir(exist_ok=True)
+    (out / "old.txt").write_text("an earlier input")
+    with pytest.raises(P.DataError, match=rf"--input .* matches .*, inside --out_dir {out}; choose an --out_dir outside"):
+        P.prepare(str(out), input=str(pattern), val_tokens=1000, **BYTES)
+    assert not list(out.glob("*.bin")) and not (out / "lock").exists()

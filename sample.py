@@ -1,0 +1,106 @@
+"""
+Text from a trained cell, decoded with the tokenizer its data was made with (nanoGPT's sample.py).
+
+$ python sample.py out/rd_attnres/seed0 --start="ROMEO:" --num_samples=3 --max_new_tokens=200
+$ python sample.py out/attnres/seed1/ckpt.pt --start=FILE:prompt.txt --temperature=0.8 --top_k=40 --seed=2
+
+The cell is a folder of train.py's out_dir (out/<arm>/seed<k>) or its ckpt.pt; the tokenizer is
+that of the checkpoint's data_dir (data/prepare.py's tokenizer_of). An empty --start begins a new
+document (the end-of-text token). Each sample is printed whole, starting with --start.
+"""
+
+import argparse
+import math
+import os
+import pickle
+import sys
+
+import torch
+
+from data.prepare import DataError, get_tokenizer, tokenizer_of
+from model import GPT, GPTConfig
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other error of the project
+        sys.exit(f"error: {message}; see python sample.py --help")
+
+
+def load_cell(path, device):
+    """The cell's model (uncompiled, in eval mode) and its record from train.py's ckpt.pt."""
+    ckpt_path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    give = "give a cell folder of train.py's out_dir (out/<arm>/seed<k>) or its ckpt.pt"
+    if not os.path.isfile(ckpt_path):
+        raise DataError(f"{ckpt_path} does not exist; {give}")
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # tensors and plain data only
+    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+        raise DataError(f"{ckpt_path} cannot be read as a checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                        f"{give}") from None
+    record = ckpt.get("config") if isinstance(ckpt, dict) else None
+    if not (isinstance(record, dict) and isinstance(ckpt.get("model"), dict) and isinstance(record.get("model"), dict)
+            and isinstance(record.get("data_dir"), str)):
+        raise DataError(f"{ckpt_path} is not a train.py checkpoint (no model weights with their cell's config); {give}")
+    try:
+        model = GPT(GPTConfig(**record["model"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise DataError(f"{ckpt_path}: its model does not fit this model.py ({str(e).splitlines()[0]}); "
+                        f"sample with the code that trained it") from None
+    return model.to(device).eval(), record
+
+
+def main(argv):
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cell", help="out_dir/<arm>/seed<k>, or its ckpt.pt")
+    parser.add_argument("--start", default="", help='the prompt, or FILE:path to read it from (default: a new document)')
+    parser.add_argument("--num_samples", type=int, default=3)
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more predictable")
+    parser.add_argument("--top_k", type=int, default=None, help="sample from the k likeliest tokens only (default: all)")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", default="auto", help="auto (cuda if there is one, else cpu), cpu, cuda, cuda:1, mps")
+    args = parser.parse_args(argv)
+    for name, ok in (("num_samples", args.num_samples >= 1), ("max_new_tokens", args.max_new_tokens >= 1),
+                     ("temperature", math.isfinite(args.temperature) and args.temperature > 0),
+                     ("top_k", args.top_k is None or args.top_k >= 1)):
+        if not ok:
+            parser.error(f"--{name}={getattr(args, name)} must be {'> 0' if name == 'temperature' else '>= 1'}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # an unknown name, or a device this torch cannot use
+        parser.error(f"--device={args.device}: {str(e).splitlines()[0]}")
+
+    model, record = load_cell(args.cell, device)
+    try:
+        tokenizer = get_tokenizer(tokenizer_of(record["data_dir"]))
+    except DataError as e:
+        raise DataError(f"the tokenizer of {args.cell}'s data_dir is unknown: {e}") from None
+    start = args.start
+    if start.startswith("FILE:"):
+        try:
+            with open(start[5:], encoding="utf-8") as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"--start={args.start}: cannot read {start[5:]} as UTF-8 text ({e.strerror if isinstance(e, OSError) else e.reason})") from None
+    try:
+        ids = tokenizer.encode(start).tolist() if start else [tokenizer.eot]
+    except UnicodeEncodeError as e:  # a command line that is not UTF-8 arrives as lone surrogates
+        raise DataError(f"--start is not text the tokenizer can encode (character {e.start}: {e.reason})") from None
+    if max(ids) >= model.config.vocab_size:
+        raise DataError(f"--start encodes to token id {max(ids)}, beyond the model's vocab_size {model.config.vocab_size}")
+    torch.manual_seed(args.seed)
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    with torch.no_grad():
+        for _ in range(args.num_samples):
+            y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
+            print(start + tokenizer.decode(y[0, len(ids):].tolist()))
+            print("---------------")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except DataError as e:
+        sys.exit(f"error: {e}")
