@@ -288,7 +288,7 @@ class ResidualScheme(nn.Module):
     RD's second route, '.s0' / '.s1' for DAR's streams); any other quantity is 'group/read name'.
     Interventions (optional): an analysis may set self.intervention to a change whose kind is in
     `interventions`; changes() lists every change this model can make (see GPT.intervene), and
-    each must change the loss once the routing has learned something (tested).
+    each must change the loss once the routing parameters are random (tested).
     """
     options = ()
     interventions = ()
