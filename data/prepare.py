@@ -664,25 +664,32 @@ def pid_lock(path, busy):
     """
     One process at a time: path holds the holder's pid and host while it runs. A lock whose process
     is gone from this host (a killed run) is taken over; one from another host (a shared filesystem)
-    cannot be checked and stays until removed. busy: what the error says is going on.
+    cannot be checked and stays until removed. The lock appears with its content (a hard link of a
+    written file), so no kill leaves an empty one. busy: what the error says is going on.
     """
-    host = socket.gethostname()
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
+    host, mine = socket.gethostname(), f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(mine, "w") as f:
+            f.write(f"{os.getpid()} {host}")
+    except OSError as e:
+        raise DataError(f"cannot write {mine} ({e.strerror}); check the permissions of {os.path.dirname(path) or '.'}") from None
+    try:
+        while True:
             try:
-                with open(path) as f:
-                    pid, _, owner = f.read().partition(" ")
-            except FileNotFoundError:
-                continue  # released meanwhile
-            if owner != host or not pid.isdigit() or process_exists(int(pid)):
-                raise DataError(f"{busy} by pid {pid or '?'} on {owner or '?'}; wait for it, or remove {path} "
-                                f"if that process is gone") from None
-            os.remove(path)  # stale: its process ended without releasing it
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{os.getpid()} {host}")
+                os.link(mine, path)
+                break
+            except FileExistsError:
+                try:
+                    with open(path) as f:
+                        pid, _, owner = f.read().partition(" ")
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                if owner != host or not pid.isdigit() or process_exists(int(pid)):
+                    raise DataError(f"{busy} by pid {pid or '?'} on {owner or '?'}; wait for it, or remove {path} "
+                                    f"if that process is gone") from None
+                os.remove(path)  # stale: its process ended without releasing it
+    finally:
+        os.remove(mine)
     try:
         yield
     finally:
