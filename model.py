@@ -271,9 +271,12 @@ def js_divergence(p, q):
 
 class ResidualScheme(nn.Module):
     """
-    What GPT.hidden drives. Sublayers are numbered k = 0 .. n_sublayers - 1 (n_sublayers = 2L):
-    even k is layer k // 2's attention, odd k its MLP, and k = n_sublayers is the output read
-    (into ln_f and the head). The state is whatever start() returns; write() returns a new one.
+    What GPT.hidden drives. A scheme writes start, read, write and extra_params (and check,
+    read_attention, changes where the defaults do not fit), gets one line in RESIDUALS and is
+    tested by `pytest tests/test_model.py -k NAME`. Sublayers are numbered k = 0 .. n_sublayers - 1
+    (n_sublayers = 2L): even k is layer k // 2's attention, odd k its MLP, and k = n_sublayers is
+    the output read (into ln_f and the head). The state is whatever start() returns; write()
+    returns a new one.
     `options` are the GPTConfig fields only this scheme reads; another scheme must leave them at
     their defaults (GPTConfig checks this).
 

@@ -68,7 +68,7 @@ def test_default_eps_shifts_zero_init_but_not_much():
 
 
 def shared_init_and_rng_after(build, seed):
-    """The shared (non-routing) parameters of a model built after torch.manual_seed(seed), and the global RNG state after it."""
+    """The shared (non-routing) parameters of a model that build() makes, and the global RNG state after it."""
     torch.manual_seed(seed)
     model = build()
     return {n: p for n, p in model.named_parameters() if not n.startswith("residual.")}, torch.get_rng_state()
