@@ -24,39 +24,93 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 
 import torch
 from tqdm import tqdm
 
+import bookkeeping
 import train
 from configurator import ConfigError
 from data.prepare import DataError, find_shards, open_shard, write_json
 from model import GPT, GPTConfig
 
 
+# what analyze.py reads from a cell's config.json (train.py writes them all), and their types
+RECORD_KEYS = dict(model=dict, data_dir=str, dtype=str, eval_tokens=int, eval_batch_size=int, arm=str, seed=int)
+
+
+def not_a_record(path, why):
+    return ConfigError(f"{path} is not a cell record of this code ({why}); rerun train.py for the cell")
+
+
 def load_cell(cell_dir):
     """(the cell's config.json record, its model with the checkpoint's weights, on the CPU, the checkpoint's step)"""
+    give = "give OUT_DIR/<arm>/seed<k> of a train.py run"
+    if not os.path.exists(cell_dir):
+        raise ConfigError(f"{cell_dir} does not exist; {give}")
+    if not os.path.isdir(cell_dir):
+        raise ConfigError(f"{cell_dir} is a file, not a cell folder; {give}")
     config_path, ckpt_path = os.path.join(cell_dir, "config.json"), os.path.join(cell_dir, "ckpt.pt")
     if not os.path.isfile(config_path):
-        raise ConfigError(f"{cell_dir} is not a cell folder (no config.json); give OUT_DIR/<arm>/seed<k> of a train.py run")
+        raise ConfigError(f"{cell_dir} is not a cell folder (no config.json); {give}")
+    cfg = bookkeeping.read_record(config_path, "restore it, or rerun train.py for the cell")
+    for key, kind in RECORD_KEYS.items():  # bool is an int to Python, never to a record
+        if key not in cfg:
+            raise not_a_record(config_path, f"no {key}")
+        if not isinstance(cfg[key], kind) or isinstance(cfg[key], bool):
+            raise not_a_record(config_path, f"{key}={cfg[key]!r} is not of type {kind.__name__}")
+    for key in ("eval_tokens", "eval_batch_size"):
+        if cfg[key] < 1:
+            raise not_a_record(config_path, f"{key}={cfg[key]} is not positive")
+    missing = [f.name for f in fields(GPTConfig) if f.name not in cfg["model"]]
+    if missing:  # a default filled in here would be a model other than the one trained
+        raise not_a_record(config_path, f"model has no {', '.join(missing)}")
     try:
-        with open(config_path) as f:
-            cfg = json.load(f)
         config = GPTConfig(**cfg["model"])
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{config_path} is not a cell record of this code ({type(e).__name__}: {e}); "
-                          f"rerun train.py for the cell") from None
+    except (ValueError, TypeError) as e:
+        raise not_a_record(config_path, f"model: {e}") from None
     if not os.path.isfile(ckpt_path):
         raise ConfigError(f"{ckpt_path} is missing: the cell saves it at its first evaluation after step 0; "
                           f"train the cell (train.py) first")
-    ckpt = train.load_checkpoint(ckpt_path, "cpu")
+    ckpt = bookkeeping.load_checkpoint(ckpt_path, "cpu")
+    weights = ckpt["model"]
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise ConfigError(f"{ckpt_path} holds no model weights; delete it to train the cell from scratch")
     model = GPT(config)
     try:
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(weights)
     except RuntimeError as e:
         raise ConfigError(f"{ckpt_path} does not fit the model in {config_path} "
                           f"({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e})") from None
+    if not all(v.isfinite().all() for v in weights.values() if v.is_floating_point()):
+        raise ConfigError(f"{ckpt_path} has non-finite weights (a diverged cell): there is nothing to analyse; "
+                          f"retrain the cell, e.g. with a lower learning_rate")
     return cfg, model, ckpt["step"]
+
+
+def recorded_val_loss(cell_dir):
+    """The cell's recorded val_loss from result.json (None when it has none: unfinished or diverged)."""
+    path = os.path.join(cell_dir, "result.json")
+    if not os.path.exists(path):
+        return None
+    result = bookkeeping.read_record(path, bookkeeping.RESULT_REMEDY)
+    loss = result.get("val_loss")
+    if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
+        raise ConfigError(f"{path} is not a result of train.py (val_loss={loss!r}); {bookkeeping.RESULT_REMEDY}")
+    return loss
+
+
+def check_writable(cell_dir):
+    """A probe file in the cell folder: a read-only cell fails here, not after the whole evaluation."""
+    probe = os.path.join(cell_dir, f".analysis_probe.{os.getpid()}.tmp")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"cannot write into {cell_dir} ({e.strerror or e}): analyze.py writes its results there; "
+                          f"make it writable, or copy the cell folder somewhere writable and analyse the copy") from None
 
 
 def accumulate(total, value, weight):
@@ -91,6 +145,25 @@ def interventions(model, val, cfg, ctx):
     finally:
         model.intervene()
     return base, rows
+
+
+def off_diagonal_mean(matrix):
+    n = len(matrix)
+    return sum(matrix[i][j] for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+
+
+def dar_summary(a):
+    """What DAR's claims need, per stream s where it has one: the own_keys delta (None under
+    dar_keys='self'), the one_stream s deltas, the cross-stream cosine per block, and at the output
+    read (where every block exists) each stream's mean off-diagonal source cosine and effective
+    number of sources, out of `sources`."""
+    delta = {tuple(r["change"]): r["delta"] for r in a["interventions"]}
+    rep = a["representations"]
+    return dict(own_keys=delta.get(("own_keys",)), one_stream=[delta[("one_stream", s)] for s in (0, 1)],
+                block_cosine=rep["block_cosine"]["out"],
+                source_cosine_off_diagonal=[off_diagonal_mean(rep["source_cosine"][f"out.s{s}"]) for s in (0, 1)],
+                effective_sources=[rep["effective_sources"][f"out.s{s}"] for s in (0, 1)],
+                sources=len(rep["weights"]["out.s0"]))
 
 
 def describe(change):
@@ -140,14 +213,23 @@ def markdown(a):
                   "(0: the embedding, then one per block or layer), per token, averaged.", ""]
         for name, m in rep["source_cosine"].items():
             lines += matrix_table(name, m)
-    if "block_cosine" in rep:
-        lines += ["## Cross-stream similarity", "", "Cosine similarity of the two streams' versions of each block "
-                  "(the embedding is shared), per token, averaged: 1 means the two streams hold the same thing.", "",
-                  "| block | " + " | ".join(str(b + 1) for b in range(len(rep["block_cosine"]["out"]))) + " |",
-                  "|---" * (len(rep["block_cosine"]["out"]) + 1) + "|",
-                  "| cosine | " + " | ".join(f"{v:.3f}" for v in rep["block_cosine"]["out"]) + " |", ""]
+    if "dar" in a:
+        d = a["dar"]
+        lines += ["", "## DAR", "", "The numbers DAR's claims rest on (docs/analyses.md says how to read them): the "
+                  "interventions' deltas (NLL with the change minus without), the cosine of the two streams' versions "
+                  "of each block (the embedding is shared), and at the output read, where all "
+                  f"{d['sources']} sources exist, each stream's depth-wise diversity.", "",
+                  "| | stream 0 | stream 1 |", "|---|---|---|",
+                  f"| one_stream delta NLL | {d['one_stream'][0]:+.3g} | {d['one_stream'][1]:+.3g} |",
+                  "| mean off-diagonal source cosine at out | " + " | ".join(f"{v:.3f}" for v in d["source_cosine_off_diagonal"]) + " |",
+                  f"| effective sources at out (of {d['sources']}) | " + " | ".join(f"{v:.2f}" for v in d["effective_sources"]) + " |",
+                  "", "own_keys delta NLL: " + ("none (dar_keys='self' reads by its own keys)" if d["own_keys"] is None
+                                               else f"{d['own_keys']:+.3g}") + ".", "",
+                  "| block | " + " | ".join(str(b + 1) for b in range(len(d["block_cosine"]))) + " |",
+                  "|---" * (len(d["block_cosine"]) + 1) + "|",
+                  "| cross-stream cosine | " + " | ".join(f"{v:.6g}" for v in d["block_cosine"]) + " |", ""]
     if "stream_cosine" in rep and "out" in rep["stream_cosine"] and isinstance(rep["stream_cosine"]["out"], list):
-        lines += ["## Cross-stream similarity", "", "Cosine similarity of the residual streams before the output.", ""]
+        lines += ["", "## Cross-stream similarity", "", "Cosine similarity of the residual streams before the output.", ""]
         lines += matrix_table("streams", rep["stream_cosine"]["out"])
     return "\n".join(lines) + "\n"
 
@@ -160,7 +242,7 @@ def plots(a, cell_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    save = lambda fig, name: train.save_atomically(fig, os.path.join(cell_dir, name),
+    save = lambda fig, name: bookkeeping.save_atomically(fig, os.path.join(cell_dir, name),
                                                    writer=lambda f, p: f.savefig(p, format="png", dpi=120))
     rows = a["interventions"]
     fig, ax = plt.subplots(figsize=(6, 0.25 * len(rows) + 1))
@@ -192,31 +274,31 @@ def main(argv):
     args = parser.parse_args(argv)
     cfg, model, step = load_cell(args.cell)
     ctx = train.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"]))
-    model.to(ctx["device"])
-    data_dir = train.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
+    data_dir = bookkeeping.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
-    T = cfg["block_size"]
+    T = model.config.block_size
     if cfg["eval_tokens"] > len(val):
         raise ConfigError(f"the validation shard in {data_dir} holds {len(val):,} tokens, fewer than the cell's "
                           f"eval_tokens={cfg['eval_tokens']}: it is not the data the cell was trained with")
     eval_tokens = min(args.max_tokens or cfg["eval_tokens"], cfg["eval_tokens"])
     if eval_tokens < T + 1:
         raise ConfigError(f"--max_tokens={args.max_tokens} is less than one sequence of block_size+1 = {T + 1} tokens")
+    capped = eval_tokens < cfg["eval_tokens"]
+    recorded = None if capped else recorded_val_loss(args.cell)  # on other tokens it would not compare
+    check_writable(args.cell)  # every input is checked: now minutes of evaluation, then the writes
+    model.to(ctx["device"])
     ecfg = dict(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
     base, rows = interventions(model, val, ecfg, ctx)
-    result_path = os.path.join(args.cell, "result.json")
-    recorded = None
-    if os.path.exists(result_path) and eval_tokens == cfg["eval_tokens"]:
-        with open(result_path) as f:
-            recorded = json.load(f).get("val_loss")
     tokens = (eval_tokens - 1) // T * T
-    a = dict(cell=os.path.abspath(args.cell), arm=cfg.get("arm"), seed=cfg.get("seed"), residual=model.config.residual,
+    a = dict(cell=os.path.abspath(args.cell), arm=cfg["arm"], seed=cfg["seed"], residual=model.config.residual,
              step=step, device=ctx["device"], tokens=tokens, cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
-             capped=eval_tokens < cfg["eval_tokens"], base_nll=base, recorded_val_loss=recorded,
+             capped=capped, base_nll=base, recorded_val_loss=recorded,
              interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
-             representations=train.rounded(representations(model, val, ecfg, ctx)) if rows else None)
+             representations=bookkeeping.rounded(representations(model, val, ecfg, ctx)) if rows else None)
+    if model.config.residual == "dar":
+        a["dar"] = dar_summary(a)
     write_json(os.path.join(args.cell, "analysis.json"), a)
-    train.save_atomically(markdown(a), os.path.join(args.cell, "analysis.md"), writer=train.write_text)
+    bookkeeping.save_atomically(markdown(a), os.path.join(args.cell, "analysis.md"), writer=bookkeeping.write_text)
     if rows:
         plots(a, args.cell)
     print(markdown(a))

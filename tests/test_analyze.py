@@ -1,11 +1,14 @@
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import analyze
 import train
@@ -135,21 +138,220 @@ def test_capped_tokens_are_recorded(grid):
         analyze.main([cell, "--device=cpu", "--max_tokens=10"])
 
 
-def test_bad_cells_are_one_line(grid, tmp_path):
-    cell = tmp_path / "cell"
-    with pytest.raises(ConfigError, match="is not a cell folder"):
-        analyze.main([str(cell)])
-    cell.mkdir()
-    (cell / "config.json").write_text(open(os.path.join(grid, "attnres", "seed0", "config.json")).read())
-    with pytest.raises(ConfigError, match="ckpt.pt is missing"):
-        analyze.main([str(cell)])
-    (cell / "ckpt.pt").write_bytes(open(os.path.join(grid, "attnres", "seed0", "ckpt.pt"), "rb").read()[:1000])
-    with pytest.raises(ConfigError, match="unreadable, truncated or empty"):
-        analyze.main([str(cell)])
-    ckpt = torch.load(os.path.join(grid, "dar", "seed0", "ckpt.pt"), weights_only=False)
-    torch.save(ckpt, cell / "ckpt.pt")
-    with pytest.raises(ConfigError, match="does not fit the model"):
-        analyze.main([str(cell)])
-    run = subprocess.run([sys.executable, "analyze.py", str(tmp_path / "nothing")], cwd=ROOT, capture_output=True,
+def randomize(model, seed):
+    """Random routing parameters (every residual.* tensor moved off its init), so every number is non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.residual.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def nll_by_hand(model, x, y, change=None):
+    """Mean cross-entropy (fp64) of the next tokens y, the model under `change`."""
+    model.intervene(change)
+    try:
+        with torch.no_grad():
+            logits = model.lm_head(model.hidden(x))
+        return F.cross_entropy(logits.double().flatten(0, 1), y.flatten()).item()
+    finally:
+        model.intervene()
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "standard"])
+def test_intervention_nll_is_the_cross_entropy_under_the_change(variant, stream):
+    model = randomize(make(variant), seed=1)
+    base, rows = analyze.interventions(model, stream, EVAL, CPU)
+    x, y = train.validation_batch(stream, range((EVAL["eval_tokens"] - 1) // 16), 16, "cpu")
+    assert abs(base - nll_by_hand(model, x, y)) < 1e-6
+    for change, nll in rows:
+        assert abs(nll - nll_by_hand(model, x, y, change)) < 1e-6, change
+    assert max(abs(nll - base) for _, nll in rows) > 5e-5  # 50 times the tolerance: a wrong sign or change fails
+
+
+def final_state(model, x):
+    """The scheme's state before the output read: GPT.hidden's loop, written out."""
+    r = model.residual
+    state = r.start(model.transformer.wte(x))
+    for k in range(r.n_sublayers):
+        block = model.transformer.h[k // 2]
+        out = block.attention(*r.read_attention(state, k)) if k % 2 == 0 else block.feedforward(r.read(state, k))
+        state = r.write(state, k, out)
+    return state
+
+
+def cosines(a, b):
+    """Token-wise cosine of every source in a with every source in b, averaged over tokens."""
+    return torch.tensor([[F.cosine_similarity(u, v, dim=-1).mean().item() for v in b] for u in a])
+
+
+def depth_softmax(query, keys, eps):
+    """A read's weights over its sources by their definition: softmax_i <q, k_i> / rms(k_i)."""
+    logits = torch.stack([(k * query).sum(-1) / (k.pow(2).mean(-1) + eps).sqrt() for k in keys], -1)
+    return logits.softmax(-1)
+
+
+def close(reported, expected, what):
+    """analysis.json keeps 6 significant digits."""
+    torch.testing.assert_close(torch.tensor(reported, dtype=torch.float64), torch.as_tensor(expected).double(),
+                               rtol=2e-5, atol=2e-6, msg=what)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "standard"])
+def test_analysis_json_recomputed_by_hand(grid, stream, variant, tmp_path):
+    """Every number analyze.py writes, recomputed from the cell's model: a trained cell of the grid
+    with random routing parameters, so that no number is its init value."""
+    src, cell = os.path.join(grid, variant, "seed0"), str(tmp_path / "cell")
+    os.makedirs(cell)
+    for f in ("config.json", "result.json"):
+        shutil.copy(os.path.join(src, f), cell)
+    cfg = json.load(open(os.path.join(cell, "config.json")))
+    model = GPT(GPTConfig(**cfg["model"]))
+    ckpt = torch.load(os.path.join(src, "ckpt.pt"), weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    randomize(model, seed=2)
+    ckpt["model"] = model.state_dict()
+    torch.save(ckpt, os.path.join(cell, "ckpt.pt"))
+    analyze.main([cell, "--device=cpu"])
+    a = json.load(open(os.path.join(cell, "analysis.json")))
+    model.eval()
+    x, y = train.validation_batch(stream[:2000], range((cfg["eval_tokens"] - 1) // 16), 16, "cpu")
+    base = nll_by_hand(model, x, y)
+    assert abs(a["base_nll"] - base) < 1e-6
+    for r in a["interventions"]:  # delta = NLL with the change - NLL without: positive when the change hurts
+        assert abs(r["delta"] - (nll_by_hand(model, x, y, tuple(r["change"])) - base)) < 2e-6, r
+    assert max(abs(r["delta"]) for r in a["interventions"]) > 1e-4  # 50 times the tolerance: a negated delta fails
+    rep, r = a["representations"], model.residual
+    r.record = {}  # the per-token record of one pass over every sequence of the set
+    with torch.no_grad():
+        model.hidden(x)
+        state = final_state(model, x)
+    record, r.record = r.record, None
+    weights = {k: w for k, w in record.items() if "/" not in k}
+    assert set(rep["weights"]) == set(weights) and bool(weights) == (variant not in ("hc", "mhc", "denseformer"))
+    for name, w in weights.items():
+        h = -(w * w.clamp_min(1e-30).log()).sum(-1)
+        close(rep["weights"][name], w.mean((0, 1)), name)
+        close(rep["entropy"][name], h.mean(), name)
+        close(rep["effective_sources"][name], h.exp().mean(), name)  # the mean of exp(H), not exp of the mean
+    for key, value in record.items():  # fusion, write_gate, mixing, stream_mixing, dwa: token averages
+        if "/" in key and key.split("/")[0] not in ("source_cosine", "block_cosine", "stream_cosine"):
+            group, name = key.split("/")
+            close(rep[group][name], value.mean((0, 1)), key)
+    for layer, jsd in rep["qk_v_jsd"].items():
+        p, q = weights[f"attn.{layer}"], weights[f"attn_v.{layer}"]
+        m = (p + q) / 2
+        close(jsd, (0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)).mean(), layer)
+    assert bool(rep["qk_v_jsd"]) == (variant == "rd_attnres")
+    if variant in ("hc", "mhc"):
+        close(rep["stream_cosine"]["out"], cosines(state.H.unbind(-2), state.H.unbind(-2)), "streams")
+    elif variant == "denseformer":
+        close(rep["source_cosine"]["out"], cosines(state.outputs, state.outputs), "layer outputs")
+    elif variant == "dar":
+        n = r.n_sublayers
+        for s in (0, 1):
+            sources, keys = state[s].blocks, state[1 - s].blocks  # reciprocal: addressed by the other stream's keys
+            close(rep["source_cosine"][f"out.s{s}"], cosines(sources, sources), f"out.s{s}")
+            w = depth_softmax(r.query[n, s] * r.key_gain[n], keys, r.eps)
+            close(rep["weights"][f"out.s{s}"], w.mean((0, 1)), f"out.s{s}")
+            h = -(w * w.log()).sum(-1)
+            close(a["dar"]["effective_sources"][s], h.exp().mean(), f"effective sources, stream {s}")
+            c = cosines(sources, sources)
+            close(a["dar"]["source_cosine_off_diagonal"][s], c[~torch.eye(len(c), dtype=torch.bool)].mean(), f"stream {s}")
+        close(rep["fusion"]["out"], r.fusion[n].softmax(-1), "fusion")
+        block = cosines(state[0].blocks[1:], state[1].blocks[1:]).diagonal()
+        close(rep["block_cosine"]["out"], block, "block cosine")
+        close(a["dar"]["block_cosine"], block, "block cosine")
+        delta = {tuple(d["change"]): d["delta"] for d in a["interventions"]}
+        assert a["dar"]["own_keys"] == delta[("own_keys",)] and abs(delta[("own_keys",)]) > 1e-4
+        assert a["dar"]["one_stream"] == [delta[("one_stream", 0)], delta[("one_stream", 1)]]
+        assert a["dar"]["sources"] == len(state[0].blocks)
+        text = open(os.path.join(cell, "analysis.md")).read()
+        assert f"| one_stream delta NLL | {delta[('one_stream', 0)]:+.3g} | {delta[('one_stream', 1)]:+.3g} |" in text
+    else:
+        close(rep["source_cosine"]["out"], cosines(state.blocks, state.blocks), "sources")
+
+
+def write(cell, name, text):
+    with open(os.path.join(cell, name), "w") as f:
+        f.write(text)
+
+
+def edit_json(cell, name, edit):
+    with open(os.path.join(cell, name)) as f:
+        record = json.load(f)
+    edit(record)
+    write(cell, name, json.dumps(record))
+
+
+def edit_ckpt(cell, edit):
+    ckpt = torch.load(os.path.join(cell, "ckpt.pt"), weights_only=False)
+    edit(ckpt)
+    torch.save(ckpt, os.path.join(cell, "ckpt.pt"))
+
+
+BAD_CELLS = {  # what is wrong with a copy of a good cell -> the one line that says so
+    "torn config.json": (lambda c: write(c, "config.json", '{"model": {"n_layer": 2,'), "config.json is unreadable or damaged"),
+    "list config.json": (lambda c: write(c, "config.json", "[1, 2]"), "config.json holds list, not a train.py record"),
+    "no dtype": (lambda c: edit_json(c, "config.json", lambda r: r.pop("dtype")), "(no dtype)"),
+    "dtype a number": (lambda c: edit_json(c, "config.json", lambda r: r.update(dtype=32)), "dtype=32 is not of type str"),
+    "eval_tokens a string": (lambda c: edit_json(c, "config.json", lambda r: r.update(eval_tokens="500")),
+                             "eval_tokens='500' is not of type int"),
+    "eval_batch_size 0": (lambda c: edit_json(c, "config.json", lambda r: r.update(eval_batch_size=0)),
+                          "eval_batch_size=0 is not positive"),
+    "model without block_size": (lambda c: edit_json(c, "config.json", lambda r: r["model"].pop("block_size")),
+                                 "model has no block_size"),
+    "model n_layer a string": (lambda c: edit_json(c, "config.json", lambda r: r["model"].update(n_layer="2")),
+                               "n_layer='2' must be a positive integer"),
+    "no ckpt.pt": (lambda c: os.remove(os.path.join(c, "ckpt.pt")), "ckpt.pt is missing"),
+    "truncated ckpt.pt": (lambda c: write(c, "ckpt.pt", "PK\x03\x04 not a checkpoint"), "unreadable, truncated or empty"),
+    "ckpt.pt without weights": (lambda c: edit_ckpt(c, lambda k: k.update(model=[1, 2])), "holds no model weights"),
+    "ckpt.pt of another model": (lambda c: edit_ckpt(c, lambda k: k["model"].pop("residual.query")), "does not fit the model"),
+    "ckpt.pt diverged": (lambda c: edit_ckpt(c, lambda k: k["model"]["residual.query"].fill_(float("nan"))),
+                         "non-finite weights"),
+    "torn result.json": (lambda c: write(c, "result.json", '{"val_loss": 2.4'), "result.json is unreadable or damaged"),
+    "list result.json": (lambda c: write(c, "result.json", "[2.4]"), "result.json holds list, not a train.py record"),
+    "val_loss a string": (lambda c: edit_json(c, "result.json", lambda r: r.update(val_loss="2.4")),
+                          "is not a result of train.py (val_loss='2.4')"),
+}
+
+
+@pytest.mark.parametrize("problem", BAD_CELLS)
+def test_a_bad_cell_is_one_line_and_writes_nothing(grid, tmp_path, problem):
+    cell = str(tmp_path / "cell")
+    shutil.copytree(os.path.join(grid, "attnres", "seed0"), cell)
+    write(cell, "analysis.json", "the last analysis")  # kept whatever fails
+    spoil, message = BAD_CELLS[problem]
+    spoil(cell)
+    before = sorted(os.listdir(cell))
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        analyze.main([cell, "--device=cpu"])
+    assert "\n" not in str(e.value) and sorted(os.listdir(cell)) == before
+    assert open(os.path.join(cell, "analysis.json")).read() == "the last analysis"
+
+
+def test_a_read_only_cell_fails_before_computing(grid, tmp_path, monkeypatch):
+    cell = str(tmp_path / "cell")
+    shutil.copytree(os.path.join(grid, "attnres", "seed0"), cell)
+
+    def refuse(path, *args, **kwargs):  # what the OS says in a read-only folder (chmod does not stop root)
+        if os.path.dirname(os.path.abspath(path)) == cell and "w" in (args[0] if args else kwargs.get("mode", "r")):
+            raise PermissionError(13, "Permission denied", path)
+        return open(path, *args, **kwargs)
+    monkeypatch.setattr(analyze, "open", refuse, raising=False)
+    monkeypatch.setattr(analyze, "interventions", lambda *a: pytest.fail("computed before checking the folder"))
+    with pytest.raises(ConfigError, match=f"cannot write into {re.escape(cell)} \\(Permission denied\\)"):
+        analyze.main([cell, "--device=cpu"])
+
+
+def test_not_a_cell_folder_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        analyze.main([str(tmp_path / "nothing")])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a cell folder"):
+        analyze.main([str(tmp_path / "file")])
+    with pytest.raises(ConfigError, match="is not a cell folder \\(no config.json\\)"):
+        analyze.main([str(tmp_path)])
+    run = subprocess.run([sys.executable, "analyze.py", str(tmp_path / "file")], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 1 and run.stderr.count("\n") == 1 and run.stderr.startswith("error: ")
