@@ -456,7 +456,7 @@ def write_atomic(path, write):
         write(tmp)
         os.replace(tmp, path)
     except OSError as e:
-        raise DataError(f"cannot write {path} ({(e.strerror or str(e)).lower()}); free disk space or check the "
+        raise DataError(f"cannot write {path} ({e.strerror or e}); free disk space or check the "
                         f"permissions of {os.path.dirname(path) or '.'}") from None
     finally:
         if os.path.lexists(tmp):

@@ -413,3 +413,112 @@ def test_result_json_without_its_cell_is_unreadable(tmp_path, no_matplotlib):
                  'rd/seed1/result.json: unreadable (seed is "1", not a seed)',
                  "rd/seed2/result.json: unreadable (no arm recorded)"):
         assert note in paired["skipped"]
+
+
+@pytest.mark.parametrize("name", ["report.md", "paired.json", "val_loss.png", "jsd_parent.png", "routing_rd_seed0.png"])
+def test_an_output_name_that_is_a_folder_is_one_line_before_anything_is_written(tmp_path, name):
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9})
+    (out / name).mkdir()
+    with pytest.raises(report.DataError) as e:
+        report.main([str(out)])
+    assert str(e.value) == f"{out / name} is a folder, where report.py writes its {name}; move or delete it"
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "parent", "rd", name])
+
+
+def test_folders_where_files_belong_and_empty_cells_make_no_arm_or_seed(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    (out / "phantom" / "seed0").mkdir(parents=True)
+    (out / "rd" / "seed9").mkdir()
+    (out / "rd" / "seed3" / "log.jsonl").unlink()
+    (out / "rd" / "seed3" / "log.jsonl").mkdir()
+    (out / "parent" / "seed2" / "result.json").unlink()
+    (out / "parent" / "seed2" / "result.json").mkdir()
+    os.mkfifo(out / "parent" / "seed1" / "result.json.fifo")
+    (out / "parent" / "seed1" / "result.json").unlink()
+    (out / "parent" / "seed1" / "result.json.fifo").rename(out / "parent" / "seed1" / "result.json")  # would block a read
+    paired, text = run(out)
+    assert list(paired["arms"]) == ["rd"] and paired["arms"]["rd"]["seeds"] == [0, 3] and "seed 9" not in text
+    assert paired["arms"]["rd"]["delta_curve"]["tokens"] == []  # rd/seed3 has no log to read
+    for note in ("folder phantom/: not an arm (no seed<k> cell of its own with a result.json or log.jsonl)",
+                 "folder rd/seed9/: no result.json or log.jsonl (not started)",
+                 "rd/seed3/log.jsonl: unreadable (a folder, not a file)",
+                 "parent/seed2/result.json: unreadable (a folder, not a file)",
+                 "parent/seed1/result.json: unreadable (not a regular file)"):
+        assert note in paired["skipped"]
+
+
+def test_temporary_names_are_the_processs_own_and_never_left_behind(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9})
+    others = [out / f"{name}.{os.getpid() + 1}.tmp" for name in ("report.md", "paired.json", "jsd_rd.png")]
+    for other in others:  # another report's temporaries, mid-write: folders, so touching one would fail
+        other.mkdir()
+    run(out)
+    assert sorted(p.name for p in out.glob("*.tmp")) == sorted(p.name for p in others)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    replace = os.replace
+
+    def full_disk(src, dst):
+        if dst.endswith(".png"):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(report.DataError, match=r"^cannot write .*val_loss.png \(No space left on device\); free disk"):
+        report.main([str(out)])
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in out.glob("*.tmp")) == sorted(p.name for p in others)
+
+
+def raise_on_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_every_file_written_for_a_one_seed_grid_is_strict_json(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9, ("parent", 1): 3.1})
+    edit(out, "parent", 1, lambda r: r.update(val_loss=float("nan"), diverged_at=float("inf")))
+    paired, _ = run(out)
+    written = sorted(p.name for p in out.iterdir() if p.name not in ("config.json", "parent", "rd"))
+    assert written == ["paired.json", "report.md"]  # without matplotlib; the plots are PNGs
+    json.loads((out / "paired.json").read_text(), parse_constant=raise_on_constant)
+    rd = paired["arms"]["rd"]
+    assert rd["n"] == 1 and rd["std"] is None and rd["ci95"] == [None, None] and rd["p_ttest"] is None
+    assert rd["delta_curve"]["ci95_low"] == [None] * 3 and rd["mean"] == pytest.approx(-0.1)
+    assert paired["diverged"] == [dict(arm="parent", seed=1, step=None, reason="val_loss is nan")]
+
+
+def test_hostile_files_and_folders_are_skipped_with_a_note(tmp_path, monkeypatch, no_matplotlib):
+    out = make_grid(tmp_path, {(arm, s): 3.0 - i / 100 for i, arm in enumerate(("parent", "rd")) for s in range(6)})
+    (out / "rd" / "seed0" / "result.json").write_text("[1, 2]")
+    edit(out, "rd", 1, lambda r: r.update(val_loss=float("inf")))
+    (out / "rd" / "seed2" / "result.json").write_text("[" * 100_000 + "]" * 100_000)  # past Python's recursion limit
+    (out / "rd" / "seed3" / "result.json").write_bytes(b'{"arm": "rd", "seed": 3, "val_loss": \xff}')
+    (out / "other" / "seed0").mkdir(parents=True)
+    locked = [str(out / "rd" / "seed4" / "result.json"), str(out / "other")]  # root ignores chmod: refuse in open/listdir
+    real_open, real_listdir = open, os.listdir
+
+    def refusing(call):
+        def refuse(path, *args, **kwargs):
+            if str(path) in locked:
+                raise PermissionError(13, "Permission denied", str(path))
+            return call(path, *args, **kwargs)
+        return refuse
+
+    monkeypatch.setattr(report, "open", refusing(real_open), raising=False)
+    monkeypatch.setattr(os, "listdir", refusing(real_listdir))
+    paired, text = run(out)
+    rd = paired["arms"]["rd"]
+    assert rd["seeds"] == [5] and [d["reason"] for d in rd["left_out"]][:5] == [
+        "rd/seed0 unreadable result.json", "rd/seed1 diverged", "rd/seed2 unreadable result.json",
+        "rd/seed3 unreadable result.json", "rd/seed4 unreadable result.json"]
+    assert paired["diverged"] == [dict(arm="rd", seed=1, step=20, reason="val_loss is inf")]
+    for note in ("rd/seed0/result.json: unreadable ([1, 2], not a JSON object)",
+                 "rd/seed2/result.json: unreadable (not JSON)", "rd/seed3/result.json: unreadable (not JSON)",
+                 "rd/seed4/result.json: unreadable (permission denied)", "folder other/: unreadable (permission denied)"):
+        assert note in paired["skipped"] and f"- {note}" in text
+    locked.append(str(out))
+    with pytest.raises(report.DataError, match=f"^cannot list {out} \\(permission denied\\); check its permissions$"):
+        report.main([str(out)])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="is not a directory; give the out_dir of a train.py grid"):
+        report.main([str(tmp_path / "file")])
