@@ -17,7 +17,11 @@ when matplotlib is installed, analysis_interventions.png and analysis_cosine.png
 - representations, averaged over the same tokens: per read the mean weights over its sources and
   the effective number of sources, exp(entropy) per token averaged over tokens; at the output
   read, the cosine-similarity matrix of the depth sources per stream; DAR's cross-stream cosine per
-  block and HC/mHC's per pair of streams; RD's QK/V divergence per layer.
+  block and HC/mHC's per pair of streams; RD's QK/V divergence per layer;
+- for DAR, a summary of what its claims need: the own_keys and one_stream deltas, the cross-stream
+  cosine per block, and per stream the mean off-diagonal source cosine and effective sources at out.
+
+Every input is checked before the evaluation (bad input: one line, nothing written).
 """
 
 import argparse
@@ -37,7 +41,8 @@ from model import GPT, GPTConfig
 
 
 # what analyze.py reads from a cell's config.json (train.py writes them all), and their types
-RECORD_KEYS = dict(model=dict, data_dir=str, dtype=str, eval_tokens=int, eval_batch_size=int, arm=str, seed=int)
+RECORD_KEYS = dict(model=dict, data_dir=str, dtype=str, eval_tokens=int, eval_batch_size=int, val_hash=str, arm=str,
+                   seed=int)
 
 
 def not_a_record(path, why):
@@ -277,9 +282,9 @@ def main(argv):
     data_dir = bookkeeping.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = model.config.block_size
-    if cfg["eval_tokens"] > len(val):
-        raise ConfigError(f"the validation shard in {data_dir} holds {len(val):,} tokens, fewer than the cell's "
-                          f"eval_tokens={cfg['eval_tokens']}: it is not the data the cell was trained with")
+    if bookkeeping.validation_hash(val, cfg["eval_tokens"], T) != cfg["val_hash"]:  # a shorter shard differs too
+        raise ConfigError(f"the first eval_tokens={cfg['eval_tokens']:,} tokens of the validation shard in {data_dir} "
+                          f"are not the ones the cell was evaluated on (val_hash differs): restore the cell's data there")
     eval_tokens = min(args.max_tokens or cfg["eval_tokens"], cfg["eval_tokens"])
     if eval_tokens < T + 1:
         raise ConfigError(f"--max_tokens={args.max_tokens} is less than one sequence of block_size+1 = {T + 1} tokens")

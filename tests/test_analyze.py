@@ -113,7 +113,7 @@ def test_analyze_runs_on_a_trained_cell_of_every_variant(grid, variant, capsys):
     assert abs(a["base_nll"] - result["val_loss"]) < 1e-6 and a["recorded_val_loss"] == result["val_loss"]
     assert a["tokens"] == result["pairing"]["eval_tokens"] and a["step"] == 8 and not a["capped"]
     assert [tuple(r["change"]) for r in a["interventions"]] == make(variant).interventions()
-    for r in a["interventions"]:  # trained routing: every change matters (DAR's streams part slowly: own_keys ~1e-6)
+    for r in a["interventions"]:  # trained routing: every change matters (DAR's streams part slowly: small deltas)
         assert r["delta"] != 0 and r["tokens"] == a["tokens"], r
     text = open(os.path.join(cell, "analysis.md")).read()
     assert f"{a['base_nll']:.4f}" in text and not [f for f in os.listdir(cell) if f.endswith(".tmp")]
@@ -309,6 +309,8 @@ BAD_CELLS = {  # what is wrong with a copy of a good cell -> the one line that s
     "ckpt.pt of another model": (lambda c: edit_ckpt(c, lambda k: k["model"].pop("residual.query")), "does not fit the model"),
     "ckpt.pt diverged": (lambda c: edit_ckpt(c, lambda k: k["model"]["residual.query"].fill_(float("nan"))),
                          "non-finite weights"),
+    "other validation tokens": (lambda c: edit_json(c, "config.json", lambda r: r.update(val_hash="0" * 64)),
+                                "are not the ones the cell was evaluated on"),
     "torn result.json": (lambda c: write(c, "result.json", '{"val_loss": 2.4'), "result.json is unreadable or damaged"),
     "list result.json": (lambda c: write(c, "result.json", "[2.4]"), "result.json holds list, not a train.py record"),
     "val_loss a string": (lambda c: edit_json(c, "result.json", lambda r: r.update(val_loss="2.4")),
