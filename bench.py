@@ -16,6 +16,7 @@ compile_s is the time to build, compile and warm up (3 steps) a variant: with a 
 cache it is mostly the warm-up; --compile_only=True stops there.
 """
 
+import glob
 import json
 import os
 import resource
@@ -29,6 +30,7 @@ import torch
 
 import train
 from configurator import ConfigError, configure
+from data.prepare import DataError, write_json
 from model import GPT, RESIDUALS
 
 VARIANTS = {}  # one row per scheme in model.RESIDUALS at its defaults; AttnRes in its Full and Block forms
@@ -63,7 +65,8 @@ def setup_variant(name, cfg, device, autocast):
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.split(":")[0])
     forward = torch.compile(model) if cfg["compile"] else model
     g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, 50257, (cfg["batch_size"], cfg["block_size"]), generator=g).to(device) for _ in range(2))
+    shape = cfg["batch_size"], cfg["block_size"]
+    x, y = (torch.randint(0, model.config.vocab_size, shape, generator=g).to(device) for _ in range(2))
 
     def step():
         with autocast:
@@ -132,9 +135,6 @@ def bench_models(cfg, argv):
     names = ["standard"] + [v for v in cfg["variants"] if v != "standard"]
     if cfg["compile_only"]:  # warm the compile cache (gpu_check.py: one process per variant, all at once)
         names = cfg["variants"]
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise ConfigError(f"unknown variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     print(f"device {device}, dtype {cfg['dtype']}, compile {cfg['compile']}, {cfg['n_layer']} layers, "
           f"d={cfg['n_embd']}, T={cfg['block_size']}, B={cfg['batch_size']}")
     setups, ready_s = {}, {}
@@ -151,6 +151,8 @@ def bench_models(cfg, argv):
     times = {name: [] for name in names}
     ratios = {name: [] for name in names}
     for _ in range(cfg["rounds"]):
+        if len(names) == 1:  # standard alone: nothing to interleave with
+            times["standard"].append(timed(setups["standard"][1], cfg["steps"], device))
         for name in names[1:]:  # standard, variant, standard, variant, ...
             t_std = timed(setups["standard"][1], cfg["steps"], device)
             t_var = timed(setups[name][1], cfg["steps"], device)
@@ -181,8 +183,6 @@ def bench_models(cfg, argv):
 
 def bench_prepare(cfg):
     """data/prepare.py end to end on local parquet, against single-core tiktoken x cores."""
-    import glob
-
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -196,7 +196,13 @@ def bench_prepare(cfg):
             for i in range(cfg["copies"]):
                 pq.write_table(pa.table({"text": texts}), os.path.join(tmp, f"part{i:04d}.parquet"), row_group_size=1024)
             pattern = os.path.join(tmp, "*.parquet")
-        texts = [t for f in sorted(glob.glob(pattern)) for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
+        texts = []
+        for path in sorted(glob.glob(pattern)):
+            try:
+                texts += pq.read_table(path, columns=["text"]).column(0).to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(f"{path}: not a parquet file with a text column ({str(e).splitlines()[0]}); "
+                                f"give --input a glob of such files") from None
         enc = P.gpt2_tokenizer()
 
         def single_core_rate():
@@ -208,9 +214,12 @@ def bench_prepare(cfg):
         # the command line as a user runs it: a process of its own, whose workers do not import bench's torch
         out = os.path.join(tmp, "out")
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, os.path.join(P.HERE, "prepare.py"), f"--input={pattern}", f"--out_dir={out}",
-                        "--val_tokens=1e5", f"--workers={workers}"], check=True, capture_output=True)
+        proc = subprocess.run([sys.executable, os.path.join(P.HERE, "prepare.py"), f"--input={pattern}",
+                               f"--out_dir={out}", "--val_tokens=1e5", f"--workers={workers}"], capture_output=True, text=True)
         elapsed = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise DataError(f"data/prepare.py failed on {pattern}: "
+                            f"{(proc.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}")
         with open(os.path.join(out, "manifest.json")) as f:
             manifest = json.load(f)
         rate = manifest["total_tokens"] / elapsed
@@ -223,17 +232,52 @@ def bench_prepare(cfg):
                  workers=workers, tokens_per_s=rate, fraction_of_ideal=rate / ideal)]
 
 
+def check_bench(cfg):
+    """One line for each setting that cannot run, before anything is measured; the variants without repeats."""
+    if cfg["mode"] not in ("model", "prepare"):
+        raise ConfigError(f"mode={cfg['mode']!r}: choose model or prepare")
+    for key in ("rounds", "steps", "batch_size", "copies"):
+        if cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
+    if cfg["mode"] == "prepare":
+        if cfg["input"] and not glob.glob(cfg["input"]):
+            raise ConfigError(f"input={cfg['input']} matches no file; give a glob of parquet files with a text column")
+        return
+    cfg["variants"] = list(dict.fromkeys(cfg["variants"]))  # a variant named twice is one row
+    if not cfg["variants"]:
+        raise ConfigError(f"variants is empty; give one or more of {', '.join(VARIANTS)}")
+    unknown = [v for v in cfg["variants"] + ([cfg["one_variant"]] if cfg["one_variant"] else []) if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"unknown variants {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)}")
+    for name in ["standard"] + cfg["variants"]:  # a bad model setting now, not after the other variants compiled
+        variant_config(cfg, name)
+
+
+def check_writable(path):
+    """An --out that cannot be written fails before the benchmark, not after it."""
+    if os.path.isdir(path):
+        raise ConfigError(f"out={path} is a folder; give a file name, e.g. --out={os.path.join(path, 'bench.json')}")
+    probe = f"{path}.{os.getpid()}.tmp"
+    try:
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"out={path}: cannot write there ({e.strerror or e}); give a path in a writable folder") from None
+
+
 def main(argv):
     cfg = configure(BENCH_DEFAULTS, argv)
+    check_bench(cfg)
+    if not cfg["one_variant"]:  # the peak-RSS subprocess prints its number and writes nothing
+        check_writable(cfg["out"])
     records = bench_prepare(cfg) if cfg["mode"] == "prepare" else bench_models(cfg, argv)
     if records is not None:
-        with open(cfg["out"], "w") as f:
-            json.dump(records, f, indent=1)
+        write_json(cfg["out"], records)
         print(f"wrote {cfg['out']}")
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         sys.exit(f"error: {e}")

@@ -1,0 +1,86 @@
+import json
+import os
+from contextlib import nullcontext
+
+import pytest
+
+import bench
+from configurator import ConfigError, configure
+
+# eager, tiny and on the CPU: a benchmark of two variants takes a fraction of a second
+TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--dtype=float32",
+        "--compile=False", "--peak_mem=False", "--device=cpu", "--rounds=1", "--steps=1"]
+
+
+def raise_on_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_tokens_are_drawn_from_the_models_vocabulary():
+    cfg = configure(bench.BENCH_DEFAULTS, TINY + ["--vocab_size=64"])
+    model, step, (x, y) = bench.setup_variant("rd_attnres", cfg, "cpu", nullcontext())
+    assert model.config.vocab_size == 64 and x.shape == (2, 16)
+    assert 0 <= int(x.min()) and int(x.max()) < 64 and int(y.max()) < 64 and int(x.max()) > 32  # the whole range
+    step()  # an id past the embedding was an IndexError here
+
+
+def test_a_benchmark_writes_one_row_per_variant_as_strict_json(tmp_path):
+    out = tmp_path / "bench.json"
+    bench.main(TINY + ["--vocab_size=64", "--variants=rd_attnres,standard,rd_attnres", "--rounds=2", f"--out={out}"])
+    records = json.loads(out.read_text(), parse_constant=raise_on_constant)
+    assert [r["variant"] for r in records] == ["standard", "rd_attnres"]  # standard first, a repeat is one row
+    assert records[0]["time_ratio"] == 1.0 and records[0]["mem_ratio"] == 1.0
+    assert all(r["ms_per_step"] > 0 and r["saved_bytes"] > 0 and r["peak_mem_bytes"] is None for r in records)
+    assert records[1]["mem_ratio"] == records[1]["saved_bytes"] / records[0]["saved_bytes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no temporary left
+
+
+def test_standard_alone_is_timed_on_its_own(tmp_path):
+    out = tmp_path / "bench.json"
+    bench.main(TINY + ["--variants=standard", "--rounds=3", f"--out={out}"])
+    (record,) = json.loads(out.read_text())
+    assert record["variant"] == "standard" and record["ms_per_step"] > 0 and record["time_ratio"] == 1.0
+    assert record["tokens_per_s"] == pytest.approx(2 * 16 / record["ms_per_step"] * 1000)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rounds=0"], "rounds=0 must be at least 1"),
+    (["--steps=-1"], "steps=-1 must be at least 1"),
+    (["--batch_size=0"], "batch_size=0 must be at least 1"),
+    (["--copies=0", "--mode=prepare"], "copies=0 must be at least 1"),
+    (["--mode=train"], "mode='train': choose model or prepare"),
+    (["--variants=standard,lstm"], "unknown variants 'lstm'; choose from standard, attnres_full, attnres_block, "),
+    (["--variants="], "unknown variants ''; choose from "),
+    (["--variants=()"], "variants is empty; give one or more of standard, "),
+    (["--n_layer=1", "--variants=dar"], "dar: attnres_block_size=4 must be 1 (Full) or an even divisor of 2*n_layer=2"),
+    (["--vocab_size=0"], "standard: vocab_size=0 must be a positive integer"),
+    (["--out=/nonexistent/bench.json"], "out=/nonexistent/bench.json: cannot write there (No such file or directory); "
+                                        "give a path in a writable folder"),
+    (["--mode=prepare", "--input=/nonexistent/*.parquet"], "input=/nonexistent/*.parquet matches no file; give a glob "
+                                                           "of parquet files with a text column"),
+])
+def test_a_bad_setting_is_one_line_before_anything_is_measured(tmp_path, monkeypatch, args, message):
+    def measure(*_):
+        raise AssertionError("measured before the settings were checked")
+
+    for name in ("setup_variant", "bench_prepare"):
+        monkeypatch.setattr(bench, name, measure)
+    monkeypatch.chdir(tmp_path)  # the default --out=bench.json lands here, if anywhere
+    with pytest.raises(ConfigError) as e:
+        bench.main(TINY + args)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_that_is_a_folder_is_refused_before_the_benchmark(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "setup_variant", lambda *_: pytest.fail("measured before --out was checked"))
+    with pytest.raises(ConfigError, match=f"^out={tmp_path} is a folder; give a file name, e.g. --out="):
+        bench.main(TINY + [f"--out={tmp_path}"])
+
+
+def test_an_input_that_is_not_parquet_is_one_line(tmp_path):
+    pytest.importorskip("pyarrow")
+    (tmp_path / "part0.parquet").write_text("not parquet")
+    with pytest.raises(bench.DataError, match=r"part0.parquet: not a parquet file with a text column \(.*\); give"):
+        bench.main(["--mode=prepare", f"--input={tmp_path}/*.parquet", f"--out={tmp_path / 'bench.json'}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part0.parquet"]
