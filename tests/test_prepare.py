@@ -255,9 +255,12 @@ def test_foreign_shards_are_found_and_read(tmp_path):
         assert P.verify_manifest(str(d)) is None  # made elsewhere: accepted after the header checks
 
 
-def test_find_shards_errors(tmp_path):
+def test_find_shards_errors(tmp_path, monkeypatch):
     with pytest.raises(P.DataError, match="does not exist"):
         P.find_shards(str(tmp_path / "nothing"))
+    monkeypatch.setattr(P, "BUNDLED", {str(tmp_path / "bundled"): "bytes"})
+    with pytest.raises(P.DataError, match="does not exist; create it with: python data/prepare.py shakespeare --tokenizer=bytes$"):
+        P.find_shards(str(tmp_path / "bundled"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(P.DataError, match="is a file"):
         P.find_shards(str(tmp_path / "file"))
