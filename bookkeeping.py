@@ -8,6 +8,7 @@ warm-start checks, result records and time left. docs/protocol.md says what each
 import ast
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from configurator import ConfigError, coerce
 from data.prepare import DataError, write_json
@@ -33,9 +36,10 @@ MODEL_KEYS = tuple(MODEL_DEFAULTS)
 ARM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 OUT_DIR_SUFFIXES = (".json", ".md", ".png", ".tmp")
 # keys that do not change a cell's result: left out of its pairing settings and of the rerun check.
-# data_dir: where the shards lie is not what they hold (train_data_sha256, val_hash and data_hash are)
+# data_dir: where the shards lie is not what they hold (train_data_sha256, val_hash and data_hash are);
+# wandb_*: a copy of the log elsewhere
 NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "data_dir", "log_interval",
-                   "eval_batch_size", "verify_shards", "allow_changes")
+                   "eval_batch_size", "verify_shards", "allow_changes", "wandb_log", "wandb_project", "wandb_run_name")
 CODE_FILES = ("model.py", "train.py", "bookkeeping.py", "configurator.py", "data/prepare.py")
 RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or delete the cell's folder to retrain it"
 
@@ -79,8 +83,9 @@ def check_config(cfg, world, command_line=()):
                 "eval_batch_size"):
         if cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")
-    if not cfg["learning_rate"] > 0:
-        raise ConfigError(f"learning_rate={cfg['learning_rate']} must be positive")
+    for key in ("learning_rate", "muon_learning_rate"):
+        if not cfg[key] > 0:
+            raise ConfigError(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters"):
         if not cfg[key] >= 0:
             raise ConfigError(f"{key}={cfg[key]} must not be negative")
@@ -135,6 +140,19 @@ def check_config(cfg, world, command_line=()):
                           f"over {world} processes; change either, or the number of processes")
     if cfg["lr_schedule"] not in ("cosine", "wsd"):
         raise ConfigError(f"lr_schedule={cfg['lr_schedule']!r}: choose cosine or wsd")
+    if cfg["optimizer"] not in ("adamw", "muon"):
+        raise ConfigError(f"optimizer={cfg['optimizer']!r}: choose adamw or muon")
+    if cfg["optimizer"] == "muon" and not hasattr(torch.optim, "Muon"):
+        raise ConfigError(f"optimizer='muon' needs torch.optim.Muon (torch 2.9 or later), this is torch "
+                          f"{torch.__version__}; upgrade torch or use --optimizer=adamw")
+    if cfg["fsdp"] and world < 2:
+        raise ConfigError("fsdp=True shards the model over processes: run under torchrun with --nproc_per_node=2 "
+                          "or more, or set --fsdp=False")
+    if cfg["fsdp"] and cfg["optimizer"] == "muon":  # Newton-Schulz wants whole matrices, FSDP holds row shards
+        raise ConfigError("fsdp=True with optimizer='muon' is not supported (Muon orthogonalizes whole matrices, "
+                          "FSDP holds shards of them); use DDP (--fsdp=False) for Muon, or --optimizer=adamw")
+    if cfg["wandb_log"] and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or set --wandb_log=False)")
     if cfg["reference_arm"] and cfg["reference_arm"] not in cfg["arms"]:
         raise ConfigError(f"reference_arm={cfg['reference_arm']!r} is not an arm ({', '.join(cfg['arms'])})")
 
@@ -541,22 +559,52 @@ def restore_rng(states, ctx):
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
+def optimizer_parts(optimizer):
+    """The torch optimizers behind configure_optimizers' one object (AdamW, or Muon and AdamW)."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def training_state(model, optimizer, ctx):
+    """(model state, optimizer state) for ckpt.pt, in one format however the model is spread: the
+    full model state_dict and the optimizer state keyed by parameter name. Under FSDP every rank
+    must call it (it gathers the shards) and rank 0 gets them; otherwise rank 0 alone does."""
+    if ctx["fsdp"]:
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(model, options=full),
+                get_optimizer_state_dict(model, optimizer_parts(optimizer), options=full))
+    return model.state_dict(), get_optimizer_state_dict(model, optimizer_parts(optimizer))
+
+
+def load_training_state(path, ckpt, model, optimizer, ctx):
+    """ckpt's model and optimizer state into model and optimizer (each rank takes its shards under FSDP)."""
+    full = StateDictOptions(full_state_dict=True) if ctx["fsdp"] else None
+    if ctx["fsdp"]:
+        set_model_state_dict(model, ckpt["model"], options=full)
+    else:
+        model.load_state_dict(ckpt["model"])
+    try:
+        set_optimizer_state_dict(model, optimizer_parts(optimizer), ckpt["optimizer"], options=full)
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise ConfigError(f"{path} holds an optimizer state that does not fit this optimizer ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else '-'}): written with another optimizer or by an "
+                          f"older train.py; delete it to train the cell from scratch") from None
+
+
 def resume(cell_dir, recorded, change, model, optimizer, ctx):
     """Load the cell's checkpoint into model and optimizer, cut its log back to it, restore its RNG;
-    returns (step, data_hash, loss_sum, step_last, wall_time_s, changes)."""
+    returns (step, data_hash, loss_sum, step_last, wall_time_s, changes, wandb_id)."""
     if recorded is None:
         raise ConfigError(f"{cell_dir} has ckpt.pt but no config.json to check it against; restore config.json, "
                           f"or delete ckpt.pt to train the cell from scratch")
     ckpt = load_checkpoint(os.path.join(cell_dir, "ckpt.pt"), ctx["device"])
     kept_log = log_until(os.path.join(cell_dir, "log.jsonl"), ckpt["step"])
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    load_training_state(os.path.join(cell_dir, "ckpt.pt"), ckpt, model, optimizer, ctx)
     restore_rng(ckpt["rng"], ctx)
     if ctx["rank"] == 0:
         save_atomically(kept_log, os.path.join(cell_dir, "log.jsonl"), write_text)
     changes = (recorded.get("changes") or []) + ([dict(step=ckpt["step"], changed=change)] if change else [])
     return (ckpt["step"], ckpt["data_hash"], ckpt["loss_sum"] if ctx["rank"] == 0 else 0.0, ckpt["step_last"],
-            ckpt["wall_time_s"], changes)
+            ckpt["wall_time_s"], changes, ckpt.get("wandb_id"))
 
 
 # -----------------------------------------------------------------------------
@@ -575,7 +623,7 @@ def rounded(value):
 
 def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, diverged, routing, init_hash,
                  data_hash, eval_tokens, changes, wall_time_s):
-    """result.json: how the cell ended, and the pairing record report.py compares across arms."""
+    """result.json: how the cell ended, and the pairing record report.py compares across arms; returns it."""
     init_from = dict(path=cell["init_from"], sha256=cell["init_from_sha256"]) if cell["init_from"] else None
     pairing = dict(init_hash=init_hash, data_hash=data_hash, eval_tokens=eval_tokens, val_hash=record["val_hash"],
                    code=code["fingerprint"], init_from=init_from,
@@ -583,14 +631,16 @@ def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, di
     if changes:
         pairing["changes"] = changes
     finished = not diverged
-    write_json(path, dict(arm=cell["arm"], seed=cell["seed"], status="finished" if finished else "diverged",
-                          val_loss=val_loss if finished else None,
-                          # past exp(709) a perplexity is no float: null, as for a diverged cell
-                          val_ppl=math.exp(val_loss) if finished and val_loss < 709 else None,
-                          diverged_at=None if finished else steps, reason=diverged, tokens=tokens, steps=steps,
-                          params=model.num_params(non_embedding=False), non_embedding_params=model.num_params(),
-                          wall_time_s=round(wall_time_s, 3), routing=routing if finished else None,
-                          pairing=pairing, code=code, config=record))
+    result = dict(arm=cell["arm"], seed=cell["seed"], status="finished" if finished else "diverged",
+                  val_loss=val_loss if finished else None,
+                  # past exp(709) a perplexity is no float: null, as for a diverged cell
+                  val_ppl=math.exp(val_loss) if finished and val_loss < 709 else None,
+                  diverged_at=None if finished else steps, reason=diverged, tokens=tokens, steps=steps,
+                  params=model.num_params(non_embedding=False), non_embedding_params=model.num_params(),
+                  wall_time_s=round(wall_time_s, 3), routing=routing if finished else None,
+                  pairing=pairing, code=code, config=record)
+    write_json(path, result)
+    return result
 
 
 def describe_done(path, change):

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -832,6 +833,26 @@ RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRe
                  hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer)
 
 
+class MuonAdamW:
+    """Muon for the hidden matrices and AdamW for the rest, stepped as one optimizer: param_groups
+    holds both's groups (train.py's schedule sets each one's lr), .optimizers the two (checkpoints)."""
+
+    def __init__(self, adamw, muon):
+        self.optimizers = (adamw, muon)
+
+    @property
+    def param_groups(self):
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -904,6 +925,7 @@ class GPT(nn.Module):
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: the scheme is built on the CPU
             torch.default_generator.manual_seed(scheme_seed(config.residual))
             self.residual = RESIDUALS[config.residual](config)
+        self.activation_checkpointing = False  # train.py's key: recompute each sublayer in backward (hidden)
 
     def num_params(self, non_embedding=True):
         """Parameter count; the tied embedding counts once, and not at all with non_embedding."""
@@ -914,12 +936,16 @@ class GPT(nn.Module):
         """Final normalised hidden states (B, T, d)."""
         x = self.transformer.drop(self.transformer.wte(idx))
         state = self.residual.start(x)
+        # activation checkpointing: a sublayer keeps only its inputs for backward and is recomputed
+        # there (its dropout masks too); the scheme's reads and writes stay outside, as without it
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if recompute else (lambda f, *a: f(*a))
         for k in range(self.residual.n_sublayers):
             block = self.transformer.h[k // 2]
             if k % 2 == 0:
-                out = block.attention(*self.residual.read_attention(state, k))
+                out = run(block.attention, *self.residual.read_attention(state, k))
             else:
-                out = block.feedforward(self.residual.read(state, k))
+                out = run(block.feedforward, self.residual.read(state, k))
             # sublayer outputs join the stream in its own dtype (fp32 under autocast) in every
             # scheme, so all arms sum their residuals at the same precision
             state = self.residual.write(state, k, out.to(x.dtype))
@@ -995,21 +1021,36 @@ class GPT(nn.Module):
         """Every change intervene() accepts for this model, in a fixed order (none for standard)."""
         return self.residual.changes()
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw",
+                             muon_learning_rate=0.02):
         """
         AdamW with three groups, in every arm (empty for standard's routing): the shared matrices and
         the tied embedding (decayed), the shared norms, the routing parameters (never decayed). Each
         group's "lr_scale" is its learning rate over the schedule's (routing: routing_lr_scale).
+        optimizer="muon": the hidden matrices (attention and MLP weights) leave the first group for a
+        torch.optim.Muon group (lr_scale = muon_learning_rate / learning_rate), decayed by the same
+        fraction per step as AdamW decays (torch's Muon multiplies its weight decay by its own lr);
+        the tied embedding, the norms and every routing parameter stay in AdamW. One object either way.
         """
+        if optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer={optimizer!r}: choose adamw or muon")
         shared = list(self.transformer.parameters())  # lm_head's weight is the tied embedding
-        groups = [{"params": [p for p in shared if p.dim() >= 2], "weight_decay": weight_decay, "lr_scale": 1.0},
+        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2] if optimizer == "muon" else []
+        matrices = [p for p in shared if p.dim() >= 2 and all(p is not q for q in hidden)]
+        groups = [{"params": matrices, "weight_decay": weight_decay, "lr_scale": 1.0},
                   {"params": [p for p in shared if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
                   {"params": list(self.residual.parameters()), "weight_decay": 0.0,
                    "lr_scale": self.config.routing_lr_scale}]
         for group in groups:
             group["lr"] = learning_rate * group["lr_scale"]
         fused = device_type == "cuda"  # fused AdamW kernels exist for CUDA tensors
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        if optimizer == "adamw":
+            return adamw
+        scale = muon_learning_rate / learning_rate
+        muon = torch.optim.Muon([{"params": hidden, "lr_scale": scale}], lr=muon_learning_rate,
+                                weight_decay=weight_decay / scale)
+        return MuonAdamW(adamw, muon)
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token (PaLM appendix B): 6N for the matmuls + 12 L d T for attention."""

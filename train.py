@@ -29,6 +29,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -62,7 +63,9 @@ n_head = 4
 n_embd = 128
 block_size = 128
 # optimizer: AdamW; routing parameters and norms are never decayed (routing_lr_scale: a model key)
+optimizer = "adamw"  # or 'muon': attention and MLP matrices in torch.optim.Muon; embedding, norms, routing in AdamW
 learning_rate = 3e-3
+muon_learning_rate = 0.02  # muon: the hidden matrices' peak learning rate, on the schedule of learning_rate
 max_iters = 200
 weight_decay = 0.1
 beta1 = 0.9
@@ -79,6 +82,12 @@ gradient_accumulation_steps = 1
 device = "auto"  # 'auto' (cuda, then mps, then cpu), or e.g. 'cpu', 'cuda', 'cuda:1', 'mps'; recorded as the type used
 dtype = "auto"  # 'auto' (bfloat16 autocast where supported, else float32), 'bfloat16', 'float32'; recorded as used
 compile = True
+fsdp = False  # under torchrun: FSDP2 shards weights, gradients and optimizer state over the processes (not DDP)
+activation_checkpointing = False  # recompute each sublayer in backward: less memory, about one more forward
+# wandb: one run per cell (pip install wandb; WANDB_MODE=offline works without a network)
+wandb_log = False
+wandb_project = "nanodepth"
+wandb_run_name = ""  # the runs' group, each run named <group>/<arm>/seed<k>; "" = out_dir's name
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if k not in _before_config and k != "_before_config"}
 DEFAULTS = MODEL_DEFAULTS | DEFAULTS  # every GPTConfig field is a key; the globals above override its defaults
@@ -140,7 +149,8 @@ def to_device(tokens, device):
 
 def validation_batch(val, seq_ids, T, device):
     """Validation sequences seq_ids (whole sequences of T + 1 tokens) as (inputs, targets)."""
-    return to_device(np.stack([val[j * T: j * T + T + 1] for j in seq_ids]), device)
+    rows = [val[j * T: j * T + T + 1] for j in seq_ids]
+    return to_device(np.stack(rows) if rows else np.zeros((0, T + 1), dtype=np.uint16), device)
 
 
 def micro_batches(n, batch_size):
@@ -160,8 +170,8 @@ def backward_step(train_model, batches, step_sequences, ctx):
     """
     part = 0.0
     for i, (x, y) in enumerate(batches):
-        if ctx["world"] > 1:  # sync gradients on the last micro-step only
-            train_model.require_backward_grad_sync = i == len(batches) - 1
+        if isinstance(train_model, DDP):  # sync gradients on the last micro-step only (FSDP reduces each one:
+            train_model.require_backward_grad_sync = i == len(batches) - 1  # its gradients stay sharded)
         with ctx["autocast"]:
             _, loss = train_model(x, y)
         share = x.size(0) / step_sequences
@@ -187,14 +197,15 @@ def evaluate(model, val, cfg, ctx):
     validation shard as whole sequences, split over ranks, batch sums added in fp64, so the result
     does not depend on eval_batch_size or the world size beyond fp32 rounding. model may be the
     compiled module: every batch has one shape (a short last one is padded with ignored targets),
-    so evaluation compiles once."""
+    so evaluation compiles once. Every rank runs as many batches (an FSDP forward is collective)."""
     T = cfg["block_size"]
     n_seq = (cfg["eval_tokens"] - 1) // T
     mine = np.arange(ctx["rank"], n_seq, ctx["world"])
-    B = min(cfg["eval_batch_size"], -(-n_seq // ctx["world"]))
+    per_rank = -(-n_seq // ctx["world"])
+    B = min(cfg["eval_batch_size"], per_rank)
     total = torch.zeros(2, dtype=torch.float64, device=ctx["device"])
     model.eval()
-    for i in range(0, len(mine), B):
+    for i in range(0, per_rank, B):
         x, y = validation_batch(val, mine[i:i + B], T, ctx["device"])
         x, y = F.pad(x, (0, 0, 0, B - len(x))), F.pad(y, (0, 0, 0, B - len(y)), value=-1)
         with ctx["autocast"]:
@@ -216,6 +227,16 @@ def routing_summary(model, val, cfg, ctx):
         diag = model.routing_diagnostics(x)
     model.train()
     return rounded(diag)
+
+
+def shard(model):
+    """FSDP2 over the processes: each sublayer's weights a unit (the scheme calls attention and MLP
+    apart, so they are gathered apart), then the root with the rest (embedding, norms, routing)."""
+    for block in model.transformer.h:
+        fully_shard(block.attn)
+        fully_shard(block.mlp)
+    fully_shard(model)
+    register_fsdp_forward_method(model, "routing_diagnostics")  # gathers the root's weights, as forward does
 
 
 # -----------------------------------------------------------------------------
@@ -245,15 +266,18 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
         model.load_state_dict(grid["init"], strict=False)
     init_hash = bookkeeping.shared_init_hash(model)
     model.to(ctx["device"])
+    model.activation_checkpointing = cell["activation_checkpointing"]
+    if ctx["fsdp"]:
+        shard(model)
     optimizer = model.configure_optimizers(cell["weight_decay"], cell["learning_rate"], (cell["beta1"], cell["beta2"]),
-                                           ctx["device"].split(":")[0])
+                                           ctx["device"].split(":")[0], cell["optimizer"], cell["muon_learning_rate"])
     data = TrainData(train_shards, T, seed_for(seed, 1))
     torch.manual_seed(seed_for(seed, 2, ctx["rank"]))  # dropout masks: paired across arms, distinct per rank
     # where training stands: the step, the hash of every batch so far, the log interval's loss so far
     # (rank 0 holds it all after a checkpoint) and where that interval began
-    step, data_hash, loss_sum, step_last, wall_before, changes = 0, "", 0.0, 0, 0.0, []
+    step, data_hash, loss_sum, step_last, wall_before, changes, wandb_id = 0, "", 0.0, 0, 0.0, [], None
     if os.path.exists(ckpt_path):
-        step, data_hash, loss_sum, step_last, wall_before, changes = bookkeeping.resume(
+        step, data_hash, loss_sum, step_last, wall_before, changes, wandb_id = bookkeeping.resume(
             cell_dir, recorded, change, model, optimizer, ctx)
         if master:
             print(f"{prefix} resuming from step {step}" + (f" with changes: {', '.join(change)}" if change else ""))
@@ -265,7 +289,13 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
     # one graph per batch shape (training micro-batches, evaluation batches), never a dynamic one
     compiled = torch.compile(model, dynamic=False) if cell["compile"] else model
     train_model = DDP(compiled, device_ids=[ctx["local_rank"]] if ctx["device"].startswith("cuda") else None) \
-        if world > 1 else compiled
+        if world > 1 and not ctx["fsdp"] else compiled
+    run = None  # the cell's wandb run (rank 0), continued when the cell resumes
+    if master and cell["wandb_log"]:
+        import wandb
+        group = cell["wandb_run_name"] or os.path.basename(os.path.abspath(cell["out_dir"]))
+        run = wandb.init(project=cell["wandb_project"], group=group, name=f"{group}/{arm}/seed{seed}",
+                         config=dict(record, init_hash=init_hash), **(dict(id=wandb_id, resume="allow") if wandb_id else {}))
 
     step_sequences = cell["gradient_accumulation_steps"] * cell["batch_size"]  # all ranks together
     mine = step_sequences // world
@@ -287,30 +317,35 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
             if not math.isfinite(val_loss):
                 diverged = f"validation loss {val_loss} at step {step}"
                 break
-            routing = routing_summary(model, val, cell, ctx) if master else None
+            routing = routing_summary(model, val, cell, ctx)  # on every rank: an FSDP forward is collective
             if master:
                 print(f"{prefix} step {step}: val_loss {val_loss:.4f}")
-                log.write(json.dumps(dict(step=step, tokens=step * tokens_per_step, val_loss=val_loss,
-                                          eval_s=round(time.time() - t_eval, 3), routing=routing)) + "\n")
+                entry = dict(step=step, tokens=step * tokens_per_step, val_loss=val_loss,
+                             eval_s=round(time.time() - t_eval, 3))
+                log.write(json.dumps(dict(entry, routing=routing)) + "\n")
                 log.flush()
+                if run:
+                    run.log(entry, step=step)
             rng = bookkeeping.gather_rng(ctx)
             if world > 1:  # the interval's loss so far, on rank 0 alone: a resume restores it exactly
                 dist.all_reduce(loss_sum)
                 if not master:
                     loss_sum.zero_()
+            state = bookkeeping.training_state(model, optimizer, ctx) if step > 0 else None  # FSDP: every rank
             if master and step > 0:
                 grid["record"]()
-                bookkeeping.save_atomically(dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                bookkeeping.save_atomically(dict(model=state[0], optimizer=state[1],
                                                  step=step, rng=rng, data_hash=data_hash, config=record,
                                                  loss_sum=loss_sum.item(), step_last=step_last,
-                                                 wall_time_s=wall_before + time.time() - t_start), ckpt_path)
+                                                 wall_time_s=wall_before + time.time() - t_start,
+                                                 wandb_id=run.id if run else None), ckpt_path)
             time_left.evaluated(time.time() - t_eval)
             t_last += time.time() - t_eval  # evaluation time is not training time
         if step == max_iters:
             break
         lr = learning_rate_at(step, cell)
         for group in optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+            group["lr"] = lr * group["lr_scale"]
         tokens = data.sequences(data.sequence_ids(step * step_sequences, step_sequences))  # all ranks' sequences
         data_hash = hashlib.sha256(data_hash.encode() + tokens.tobytes()).hexdigest()  # chains what was trained on
         tokens = tokens[ctx["rank"] * mine:(ctx["rank"] + 1) * mine]  # this rank's sequences, in micro-batches
@@ -336,10 +371,13 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
                       f"{dt * 1000:.1f} ms/step | {tokens_per_step / dt:,.0f} tok/s"
                       + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
                       + f" | left: cell {bookkeeping.duration(eta_cell)}, grid {bookkeeping.duration(eta_grid)}")
-                log.write(json.dumps(dict(step=step, tokens=step * tokens_per_step, loss=loss_avg, lr=lr,
-                                          ms_per_step=dt * 1000, tokens_per_s=tokens_per_step / dt, mfu=mfu,
-                                          eta_cell_s=round(eta_cell, 1), eta_grid_s=round(eta_grid, 1))) + "\n")
+                entry = dict(step=step, tokens=step * tokens_per_step, loss=loss_avg, lr=lr, ms_per_step=dt * 1000,
+                             tokens_per_s=tokens_per_step / dt, mfu=mfu, eta_cell_s=round(eta_cell, 1),
+                             eta_grid_s=round(eta_grid, 1))
+                log.write(json.dumps(entry) + "\n")
                 log.flush()
+                if run:
+                    run.log(entry, step=step)
             loss_sum.zero_()
             t_last, step_last = time.time(), step
     if master:
@@ -347,10 +385,14 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
         if diverged:
             print(f"{prefix} diverged: {diverged}; the cell stops here, the grid goes on")
         grid["record"]()
-        bookkeeping.write_result(result_path, cell, record, model, code, steps=step, tokens=step * tokens_per_step,
-                                 val_loss=val_loss, diverged=diverged, routing=routing, init_hash=init_hash,
-                                 data_hash=data_hash, eval_tokens=(cell["eval_tokens"] - 1) // T * T,
-                                 changes=changes, wall_time_s=wall_before + time.time() - t_start)
+        result = bookkeeping.write_result(
+            result_path, cell, record, model, code, steps=step, tokens=step * tokens_per_step, val_loss=val_loss,
+            diverged=diverged, routing=routing, init_hash=init_hash, data_hash=data_hash,
+            eval_tokens=(cell["eval_tokens"] - 1) // T * T, changes=changes,
+            wall_time_s=wall_before + time.time() - t_start)
+        if run:  # the run's summary: how the cell ended and its pairing record (its config is the run's config)
+            run.summary.update({k: v for k, v in result.items() if k != "config"})
+            run.finish()
 
 
 # -----------------------------------------------------------------------------
@@ -383,7 +425,7 @@ def setup(cfg):
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
     return dict(world=world, rank=rank, local_rank=local_rank, device=device, dtype=dtype, autocast=autocast,
-                peak_flops=peak)
+                peak_flops=peak, fsdp=cfg["fsdp"])
 
 
 def main(argv):

@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -279,3 +280,20 @@ def test_time_left_counts_training_and_evaluation_apart():
     assert grid == pytest.approx(cell + 2 * (100 * 2.0 + 5 * 2.0))
     rates["b"] = (0.5, 1.0)  # once arm b has run in this process, its own rates
     assert clock.logged("a", 0, 40, 10, 20.0)[1] == pytest.approx(60 * 2.0 + 3 * 2.0 + (100 * 0.5 + 5) + (200 + 10))
+
+
+@pytest.mark.parametrize("override, world, message", [
+    ({"optimizer": "sgd"}, 1, "optimizer='sgd': choose adamw or muon"),
+    ({"optimizer": "muon", "muon_learning_rate": 0.0}, 1, "muon_learning_rate=0.0 must be positive"),
+    ({"fsdp": True}, 1, "fsdp=True shards the model over processes: run under torchrun"),
+    ({"fsdp": True, "optimizer": "muon"}, 2, "fsdp=True with optimizer='muon' is not supported"),
+    ({"wandb_log": True}, 1, "wandb_log=True needs the wandb package: pip install wandb"),
+])
+def test_optimizer_fsdp_and_wandb_settings_are_one_line(override, world, message, monkeypatch):
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(bookkeeping.importlib.util, "find_spec", lambda name: None)  # as where wandb is not installed
+    with pytest.raises(ConfigError) as e:
+        bookkeeping.check_config(dict(train.DEFAULTS, **override), world)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    bookkeeping.check_config(dict(train.DEFAULTS, fsdp=True, batch_size=8), 2)  # what does run
+    bookkeeping.check_config(dict(train.DEFAULTS, optimizer="muon"), 2)

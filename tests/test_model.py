@@ -841,3 +841,79 @@ def test_listed_interventions_are_accepted_and_each_matters(variant):
                 f"{variant}: intervention {change} does not change the loss with random routing parameters; "
                 f"make it change the routing or leave it out of changes()")
         model.intervene()
+
+
+@pytest.mark.parametrize("variant", ["standard", "rd_attnres_param", "dar", "mhc"])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(variant):
+    model = make(variant, routing_lr_scale=3.0)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", "muon", 0.02)
+    adamw, muon = optimizer.optimizers
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    groups = optimizer.param_groups
+    ids = [id(p) for group in groups for p in group["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())  # every parameter exactly once
+    # Muon: exactly the attention and MLP weights, by name
+    hidden = {id(p) for name, p in model.named_parameters() if name.endswith((".c_attn.weight", ".c_proj.weight",
+                                                                              ".c_fc.weight"))}
+    assert {id(p) for group in muon.param_groups for p in group["params"]} == hidden
+    assert len(hidden) == 4 * TINY["n_layer"]
+    # AdamW: the tied embedding (decayed), the norms and every routing parameter (never decayed), as under adamw
+    routing = {id(p) for p in model.residual.parameters()}
+    assert [{id(p) for p in g["params"]} for g in adamw.param_groups] == [
+        {id(model.lm_head.weight)}, {id(p) for n, p in model.named_parameters() if n.endswith("ln_1.weight")
+                                     or n.endswith("ln_2.weight") or n == "transformer.ln_f.weight"}, routing]
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0, 0.0]
+    assert [g["lr_scale"] for g in groups] == [1.0, 1.0, 3.0, 20.0]
+    for group in groups:
+        assert group["lr"] == pytest.approx(1e-3 * group["lr_scale"])
+    # Muon's decoupled decay is lr x weight_decay of its own group: the same fraction per step as AdamW's matrices
+    (g,) = muon.param_groups
+    assert g["lr"] * g["weight_decay"] == pytest.approx(1e-3 * 0.1)
+    # a step changes every matrix Muon holds by the orthogonalized momentum: at step 1 (nesterov, buffer = (1-m) g)
+    # that is NS(g (1 - m^2)) scaled by lr sqrt(max(1, rows/cols)), after the decay
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    model(tokens(), tokens())[1].backward()
+    p = model.transformer.h[0].mlp.c_fc.weight
+    grad = p.grad.clone()
+    optimizer.step()
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    update = _zeropower_via_newtonschulz(grad * (1 - 0.95 ** 2), (3.4445, -4.775, 2.0315), 5, 1e-7)
+    expected = before[id(p)] * (1 - 0.02 * g["weight_decay"]) - 0.02 * math.sqrt(4) * update.float()
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+    optimizer.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(variant):
+    # fp32, eager, dropout on (the recomputation must draw the same masks), routing away from its init
+    model = make(variant, dropout=0.1)
+    randomize_routing(model)
+    x = tokens()
+
+    def run(checkpointing):
+        model.activation_checkpointing = checkpointing
+        torch.manual_seed(3)
+        loss = model(x, x)[1]
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    (loss, grads), (loss_ac, grads_ac) = run(False), run(True)
+    assert torch.equal(loss, loss_ac) and grads.keys() == grads_ac.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_ac[name]), name  # bit for bit
+    # and it does recompute: each sublayer runs again in backward (attention and MLP, every layer)
+    calls = []
+    for block in model.transformer.h:
+        for name in ("attention", "feedforward"):
+            def counted(*args, sublayer=getattr(block, name)):
+                calls.append(sublayer)
+                return sublayer(*args)
+            setattr(block, name, counted)
+    model.activation_checkpointing = True
+    loss = model(x, x)[1]
+    assert len(calls) == 2 * TINY["n_layer"]
+    loss.backward()
+    assert len(calls) == 4 * TINY["n_layer"]

@@ -622,16 +622,20 @@ def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypa
 
 # every key of the config: how a rerun that changes only it must go. Values: a valid other value.
 RERUN_GOES_ON = dict(seeds=[0], arms="attnres", reference_arm="rd_attnres", log_interval=2, eval_batch_size=3,
-                     verify_shards=True, allow_changes=True, device="auto", data_dir="COPY")
+                     verify_shards=True, allow_changes=True, device="auto", data_dir="COPY", wandb_project="other",
+                     wandb_run_name="other")
 RERUN_REFUSED = dict(
     block_size=8, vocab_size=128, n_layer=4, n_head=4, n_embd=64, dropout=0.1, norm_eps=1e-5, attnres_block_size=2,
     rd_control="dup", routing_lr_scale=2.0, learning_rate=2e-2, max_iters=3, weight_decay=0.0, beta1=0.8, beta2=0.99,
     grad_clip=0.5, lr_schedule="wsd", warmup_iters=1, min_lr=1e-4, cooldown_frac=0.5, batch_size=2,
-    gradient_accumulation_steps=2, dtype="bfloat16", compile=True, eval_interval=1, eval_tokens=900)
+    gradient_accumulation_steps=2, dtype="bfloat16", compile=True, eval_interval=1, eval_tokens=900,
+    optimizer="muon", muon_learning_rate=0.01, activation_checkpointing=True)
 RERUN_OTHERWISE = dict(
     out_dir="another out_dir is another grid", residual="every arm sets it: refused as overridden",
     dar_keys="no dar arm: refused as an option no arm trains", hc_streams="no hc arm: likewise",
-    init_from="tested in test_warm_start_from_a_standard_checkpoint")
+    init_from="tested in test_warm_start_from_a_standard_checkpoint",
+    fsdp="needs torchrun; a setting, as world_size (test_fsdp_and_muon_under_torchrun_equal_one_process)",
+    wandb_log="needs wandb; goes on (test_wandb_logs_one_run_per_cell)")
 
 
 def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch):
