@@ -17,6 +17,11 @@ left out of its n; diverged cells are listed apart. Per arm against the referenc
 seeds: delta_s = NLL_arm - NLL_reference, wins (delta < 0), mean, sample std, 95%
 CI (t), paired t-test and exact sign-test p-values (two-sided), the perplexity change
 exp(mean delta) - 1, and the mean delta with its 95% CI at every evaluation during training.
+
+A cell is the arm and seed its result.json records: a copied, moved or linked cell folder, or two
+cells of one arm with the same init and data hashes, is listed under "Skipped" and never counted.
+Every file is written to a temporary name of this process and renamed (two reports on one grid
+never share one); paired.json is strict JSON, null for a number that is not finite.
 """
 
 import argparse
@@ -37,8 +42,9 @@ CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
 
 
 def is_number(x):
-    """A real number (JSON true/false load as bools, which Python would count as 1 and 0)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number that fits a float (JSON true/false load as bools, which Python would count as 1 and 0;
+    a JSON integer of 400 digits loads as an int that no float arithmetic takes)."""
+    return isinstance(x, float) or isinstance(x, int) and not isinstance(x, bool) and abs(x) <= sys.float_info.max
 
 
 def is_seed(x):
