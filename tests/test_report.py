@@ -222,7 +222,8 @@ def test_fields_of_the_wrong_type_are_skipped_with_a_note(tmp_path, no_matplotli
     edit(out, "rd", 2, lambda r: r.update(pairing=[r["pairing"]]))
     edit(out, "rd", 3, lambda r: r["pairing"].update(settings=[["learning_rate", 0.1]]))  # would compare nothing
     log = out / "rd" / "seed4" / "log.jsonl"
-    log.write_text(log.read_text().replace('"val_loss": 2.99', '"val_loss": "2.99"'))  # the last evaluation
+    log.write_text(log.read_text().replace('"val_loss": 2.99', '"val_loss": "2.99"')  # the last evaluation
+                   + json.dumps(dict(step=30, tokens=10 ** 400, val_loss=2.9)) + "\n")  # no float holds the int
     paired, text = run(out)
     rd = paired["arms"]["rd"]
     assert rd["seeds"] == [4] and rd["deltas"] == pytest.approx([-0.01])
@@ -236,7 +237,8 @@ def test_fields_of_the_wrong_type_are_skipped_with_a_note(tmp_path, no_matplotli
                  'parent/seed1/result.json: unreadable (wall_time_s is "100", not a finite number)',
                  "rd/seed2/result.json: unreadable (pairing is [{\"init_hash\": \"..., not a dict)",
                  "rd/seed3/result.json: unreadable (pairing.settings is not a dict)",
-                 'rd/seed4/log.jsonl: skipped line 5 (val_loss is "2.99", not a number)'):
+                 'rd/seed4/log.jsonl: skipped line 5 (val_loss is "2.99", not a number), line 6 (tokens is '
+                 '1000000000000000..., not a finite number)'):
         assert note in notes and f"- {note}" in text
     assert "parent/seed1" not in paired["wall_time_s"] and "| parent | 100 | - | 102 | 103 | 104 | 409 |" in text
 
