@@ -157,6 +157,15 @@ def check_config(cfg, world, command_line=()):
         raise ConfigError(f"reference_arm={cfg['reference_arm']!r} is not an arm ({', '.join(cfg['arms'])})")
 
 
+def resolve_compile(requested, device):
+    """compile as used: 'auto' compiles on CUDA only (on a CPU, compiling a small model costs more
+    than it saves), else True or False as asked (--compile=True arrives as the string 'True')."""
+    choice = str(requested).lower()
+    if choice not in ("auto", "true", "false"):
+        raise ConfigError(f"compile={requested!r}: choose auto, True or False")
+    return device.startswith("cuda") if choice == "auto" else choice == "true"
+
+
 def resolve_device(requested, world, local_rank, cuda_count, mps_available):
     """The device this process trains on: 'auto' picks cuda, then mps, then cpu; 'cuda' is the
     process's own GPU (cuda:LOCAL_RANK under torchrun, cuda:0 alone); 'cuda:N' names one GPU, so

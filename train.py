@@ -36,21 +36,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import bookkeeping
 from bookkeeping import MODEL_DEFAULTS, MODEL_KEYS, resolve_data_dir, rounded
 from configurator import ConfigError, configure
-from data.prepare import BUNDLED_OUT, DataError, find_shards, open_shard, prepare_bundled, verify_manifest, write_json
+from data.prepare import (BUNDLED, TOKENIZERS, DataError, find_shards, open_shard, prepare_bundled, tokenizer_of,
+                          verify_manifest, write_json)
 from model import GPT, RESIDUALS, GPTConfig
 
 _before_config = set(globals())
 # -----------------------------------------------------------------------------
-# default config: a small paired run on the bundled Shakespeare corpus, minutes on a 2-core CPU
+# default config: a small paired run on the bundled Shakespeare corpus in bytes, minutes on a 2-core CPU
 # I/O
 out_dir = "out"  # relative to the working directory
-data_dir = "data/shakespeare_gpt2"  # relative: from the working directory if there, else from this file's
-# directory (recorded absolute); the bundled corpus is prepared on demand
+data_dir = "data/shakespeare_bytes"  # relative: from the working directory if there, else from this file's
+# directory (recorded absolute); the bundled corpus (shakespeare_bytes, shakespeare_gpt2) is prepared on demand
 verify_shards = False  # at start, also check each shard's sha256 against manifest.json (file names and sizes always)
 init_from = ""  # warm start: every cell from this standard checkpoint's weights (docs/protocol.md); "" = the seed's init
-eval_interval = 100
+eval_interval = 25
 log_interval = 10
-eval_tokens = 32768  # the fixed validation set: the first N tokens of the validation shard
+eval_tokens = 8192  # the fixed validation set: the first N tokens of the validation shard
 eval_batch_size = 8  # sequences per evaluation forward; does not change the result
 allow_changes = False  # go on with cells recorded under other settings or code; the change is recorded in them
 # the paired grid: each arm is a named set of model settings; every arm runs with every seed
@@ -62,11 +63,12 @@ n_layer = 4
 n_head = 4
 n_embd = 128
 block_size = 128
+vocab_size = 320  # the bytes tokenizer's 257 ids padded to a multiple of 64 (GPT-2 data: 50304, model.py's default)
 # optimizer: AdamW; routing parameters and norms are never decayed (routing_lr_scale: a model key)
 optimizer = "adamw"  # or 'muon': attention and MLP matrices in torch.optim.Muon; embedding, norms, routing in AdamW
 learning_rate = 3e-3
 muon_learning_rate = 0.02  # muon: the hidden matrices' peak learning rate, on the schedule of learning_rate
-max_iters = 200
+max_iters = 250
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
@@ -81,7 +83,8 @@ gradient_accumulation_steps = 1
 # system
 device = "auto"  # 'auto' (cuda, then mps, then cpu), or e.g. 'cpu', 'cuda', 'cuda:1', 'mps'; recorded as the type used
 dtype = "auto"  # 'auto' (bfloat16 autocast where supported, else float32), 'bfloat16', 'float32'; recorded as used
-compile = True
+compile = "auto"  # 'auto': compiled on CUDA, eager elsewhere (on 2 CPU cores a cell's compile took ~60 s and
+# saved ~8 s at the default size); True or False to choose; recorded as used
 fsdp = False  # under torchrun: FSDP2 shards weights, gradients and optimizer state over the processes (not DDP)
 activation_checkpointing = False  # recompute each sublayer in backward: less memory, about one more forward
 # wandb: one run per cell (pip install wandb; WANDB_MODE=offline works without a network)
@@ -438,11 +441,11 @@ def main(argv):
     # same); the world size changes a step's rounding, so it is a setting too
     # (torch.__version__ is a str subclass, which weights_only checkpoint loads refuse)
     cfg.update(device=ctx["device"].split(":")[0], dtype=ctx["dtype"], torch_version=str(torch.__version__),
-               world_size=ctx["world"])
+               world_size=ctx["world"], compile=bookkeeping.resolve_compile(cfg["compile"], ctx["device"]))
     # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
     init_weights, cfg["init_from_sha256"] = bookkeeping.load_init_from(cfg)
     cfg["data_dir"] = data_dir = resolve_data_dir(cfg["data_dir"])
-    if data_dir == BUNDLED_OUT and not os.path.exists(os.path.join(data_dir, "manifest.json")):
+    if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
         if master:
             prepare_bundled(data_dir)
         if ctx["world"] > 1:
@@ -451,6 +454,11 @@ def main(argv):
         verify_manifest(data_dir, full=cfg["verify_shards"])
     val_path, train_paths = find_shards(data_dir)
     vocab_size = min(bookkeeping.model_config(cfg, settings).vocab_size for settings in cfg["arms"].values())
+    cfg["tokenizer"] = tokenizer = tokenizer_of(data_dir)  # recorded: byte and GPT-2 cells never pair
+    needed = TOKENIZERS[tokenizer].vocab_size
+    if os.path.exists(os.path.join(data_dir, "manifest.json")) and vocab_size < needed:
+        raise ConfigError(f"vocab_size={vocab_size} is less than the {needed} ids of {data_dir}'s {tokenizer} tokens; "
+                          f"set --vocab_size={-(-needed // 64) * 64} (padded to a multiple of 64)")
     val = open_shard(val_path, vocab_size)
     if cfg["eval_tokens"] > len(val):
         raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "

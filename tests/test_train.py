@@ -15,7 +15,7 @@ import torch
 import bookkeeping
 import train
 from configurator import ConfigError, configure
-from data.prepare import BUNDLED_OUT, DataError, write_shard
+from data.prepare import BUNDLED, DataError, write_shard
 from model import GPT, RESIDUALS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -410,10 +410,10 @@ def test_relative_data_dir_is_under_the_project_from_any_directory(shards, tmp_p
     train.main(tiny(os.path.relpath(shards, ROOT), "rel", "--max_iters=1", "--arms=attnres"))
     assert result(tmp_path / "rel", "attnres")["steps"] == 1  # out_dir: under the working directory
     assert result(tmp_path / "rel", "attnres")["config"]["data_dir"] == shards  # recorded resolved
-    assert bookkeeping.resolve_data_dir(train.DEFAULTS["data_dir"]) == BUNDLED_OUT
+    assert BUNDLED[bookkeeping.resolve_data_dir(train.DEFAULTS["data_dir"])] == "bytes"
     # one that is there from the working directory is taken from there
-    os.makedirs("data/shakespeare_gpt2")
-    assert bookkeeping.resolve_data_dir(train.DEFAULTS["data_dir"]) == str(tmp_path / "data" / "shakespeare_gpt2")
+    os.makedirs("data/shakespeare_bytes")
+    assert bookkeeping.resolve_data_dir(train.DEFAULTS["data_dir"]) == str(tmp_path / "data" / "shakespeare_bytes")
 
 
 def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkeypatch):
@@ -686,3 +686,69 @@ def test_a_copied_cell_folder_is_not_a_new_seed(shards, tmp_path, monkeypatch):
     (tmp_path / "o" / "attnres" / "seed0" / "config.json").write_text("[]")
     with pytest.raises(ConfigError, match="seed0/config.json holds list, not a train.py record"):
         train.main(args)
+
+
+# --- optimizers, sharding, activation checkpointing, wandb ---------------------------------------
+
+KILLED_AT_STEP_4 = """
+import sys
+sys.path.insert(0, {root!r})
+import train
+real = train.learning_rate_at
+def killed_at_step_4(step, cfg):
+    if step == 4:
+        raise KeyboardInterrupt
+    return real(step, cfg)
+train.learning_rate_at = killed_at_step_4
+train.main(sys.argv[1:])
+"""
+
+
+def torchrun(script, args):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                           *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_fsdp_killed_and_resumed_equals_one_process(shards, tmp_path):
+    # 2 ranks under FSDP2, killed after the checkpoint at step 3 and resumed, against one process
+    # uninterrupted: the same losses within fp32 rounding (the shards' sums run in another order)
+    args = ["--batch_size=8", "--arms=attnres", "--max_iters=6", "--eval_interval=3", "--log_interval=2"]
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AT_STEP_4.format(root=ROOT))
+    cell = tmp_path / "fsdp" / "attnres" / "seed0"
+    killed = torchrun(str(script), tiny(shards, tmp_path / "fsdp", *args, "--fsdp=True"))
+    assert killed.returncode != 0 and (cell / "ckpt.pt").exists() and not (cell / "result.json").exists()
+    assert torch.load(cell / "ckpt.pt", weights_only=False)["step"] == 3
+    resumed = torchrun("train.py", tiny(shards, tmp_path / "fsdp", *args, "--fsdp=True"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    train.main(tiny(shards, tmp_path / "single", *args))
+    np.testing.assert_allclose(records(tmp_path / "fsdp", "attnres"), records(tmp_path / "single", "attnres"), rtol=1e-5)
+    np.testing.assert_allclose(records(tmp_path / "fsdp", "attnres", key="val_loss"),
+                               records(tmp_path / "single", "attnres", key="val_loss"), rtol=1e-6)
+    # the checkpoint gathered on rank 0 is a one-process checkpoint: the same names, the same optimizer layout
+    fsdp, single = (torch.load(tmp_path / d / "attnres" / "seed0" / "ckpt.pt", weights_only=False) for d in ("fsdp", "single"))
+    assert fsdp["model"].keys() == single["model"].keys()
+    layout = lambda ckpt: [(g["params"], g["lr"], g["weight_decay"]) for g in ckpt["optimizer"]["param_groups"]]
+    assert layout(fsdp) == layout(single)
+    for name, tensor in single["model"].items():
+        assert type(fsdp["model"][name]) is torch.Tensor
+        torch.testing.assert_close(fsdp["model"][name], tensor, rtol=1e-4, atol=1e-5)
+    for name, state in single["optimizer"]["state"].items():
+        torch.testing.assert_close(fsdp["optimizer"]["state"][name]["exp_avg"], state["exp_avg"], rtol=1e-3, atol=1e-6)
+    # a setting, as the world size: recorded, so the two do not pair
+    a, b = (result(tmp_path / d, "attnres")["pairing"] for d in ("fsdp", "single"))
+    assert (a["settings"].pop("fsdp"), b["settings"].pop("fsdp")) == (True, False)
+    assert (a["settings"].pop("world_size"), b["settings"].pop("world_size")) == (2, 1) and a == b
+
+
+def test_muon_under_ddp_equals_one_process(shards, tmp_path):
+    # DDP averages the gradients before Muon's step, so every rank orthogonalizes the same whole matrices
+    args = ["--batch_size=8", "--arms=rd_attnres", "--max_iters=6", "--eval_interval=3", "--log_interval=2",
+            "--optimizer=muon"]
+    ddp = torchrun("train.py", tiny(shards, tmp_path / "ddp", *args))
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    train.main(tiny(shards, tmp_path / "single", *args))
+    np.testing.assert_allclose(records(tmp_path / "ddp", "rd_attnres"), records(tmp_path / "single", "rd_attnres"),
+                               rtol=1e-5)
+    np.testing.assert_allclose(records(tmp_path / "ddp", "rd_attnres", key="val_loss"),
+                               records(tmp_path / "single", "rd_attnres", key="val_loss"), rtol=1e-5)
