@@ -28,6 +28,7 @@ import time
 
 import torch
 
+import bookkeeping
 import train
 from configurator import ConfigError, configure
 from data.prepare import DataError, write_json
@@ -41,19 +42,16 @@ for name in RESIDUALS:
         VARIANTS[name] = dict(residual=name)
 # every train.py key, so every GPTConfig field, is a bench key
 BENCH_DEFAULTS = dict(
-    train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4, dtype="bfloat16",
+    train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4, vocab_size=50304, compile=True,
+    dtype="bfloat16",
     mode="model", variants=list(VARIANTS), rounds=5, steps=5, peak_mem=True, out="bench.json", input="",
     copies=40, one_variant="", compile_only=False)
 
 
 def variant_config(cfg, name):
-    """A row's GPTConfig: the run's model keys, except the options of other schemes (--hc_streams=2
-    is meant for the hc and mhc rows, not for standard's)."""
-    settings = VARIANTS[name]
-    own = RESIDUALS[settings["residual"]].options
-    others = {k: train.MODEL_DEFAULTS[k] for scheme in RESIDUALS.values() for k in scheme.options if k not in own}
+    """A row's GPTConfig: the run's model keys, a scheme's own options (--hc_streams=2) for its rows only."""
     try:
-        return train.model_config(cfg | others, settings)
+        return bookkeeping.model_config(cfg, VARIANTS[name])
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
 

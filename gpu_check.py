@@ -129,7 +129,12 @@ def main(argv):
     finish("train_smoke", start("train_smoke", smoke, out), cap(240), summary, log)
     log_path = os.path.join(train_out, "rd_attnres", "seed0", "log.jsonl")
     if os.path.exists(log_path):
-        records = [json.loads(line) for line in open(log_path)]
+        records = []
+        for line in open(log_path):
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line torn when the time cap stopped the smoke
+                pass
         train_records = [r for r in records if "loss" in r][1:]  # the first interval includes the compile
         evals = [r for r in records if "val_loss" in r]
         summary["train_smoke"] = dict(

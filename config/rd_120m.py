@@ -11,6 +11,7 @@ n_layer = 12
 n_head = 12
 n_embd = 768
 block_size = 1024
+vocab_size = 50304  # GPT-2 tokens (FineWeb-Edu), padded to a multiple of 64
 attnres_block_size = 4  # 12 layers: 6 blocks of 4 sublayers, about 7-8 sources per read
 
 # 32 sequences x 16 micro-steps x 1024 tokens = 524,288 = 2^19 tokens per step, over all GPUs

@@ -11,6 +11,7 @@ n_layer = 24
 n_head = 16
 n_embd = 1024
 block_size = 1024
+vocab_size = 50304  # GPT-2 tokens (FineWeb-Edu), padded to a multiple of 64
 attnres_block_size = 6  # 24 layers: 8 blocks of 6 sublayers, about 9 sources per read
 
 # 16 sequences x 32 micro-steps x 1024 tokens = 524,288 = 2^19 tokens per step, over all GPUs
