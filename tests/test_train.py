@@ -55,12 +55,13 @@ def test_learning_rate_schedules():
 
 @pytest.mark.parametrize("path, world", [("config/rd_120m.py", 8), ("config/rd_343m.py", 8),
                                          ("config/rd_controls_120m.py", 8), ("config/dar_120m.py", 8),
-                                         ("config/dar_shakespeare.py", 1)])
+                                         ("config/dar_ablations_120m.py", 8), ("config/dar_shakespeare.py", 1)])
 def test_config_files_are_valid(path, world, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = configure(train.DEFAULTS, [path])
     bookkeeping.check_config(cfg, world)
-    if world == 8:  # the paper protocol: 2^19 tokens per step, 2.0B (controls: 0.5B) tokens per run
+    if world == 8:  # the paper protocol: GPT-2 tokens, 2^19 tokens per step, 2.0B (controls: 0.5B) tokens per run
+        assert cfg["vocab_size"] == 50304
         assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2 ** 19
         assert cfg["max_iters"] * 2 ** 19 == pytest.approx(0.5e9 if "controls" in path else 2.0e9, rel=1e-3)
 
