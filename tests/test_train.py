@@ -1,5 +1,6 @@
 import dataclasses
 import hashlib
+import importlib.machinery
 import io
 import json
 import os
@@ -7,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -460,7 +462,7 @@ def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path):
     lock = cell / "lock"
     with bookkeeping.cell_lock(str(cell), True):
         assert lock.read_text() == f"{os.getpid()} {host}"
-        with pytest.raises(ConfigError, match=f"is being trained by pid {os.getpid()} on {host}; wait for it or remove "):
+        with pytest.raises(DataError, match=f"is being trained by pid {os.getpid()} on {host}; wait for it, or remove "):
             with bookkeeping.cell_lock(str(cell), True):
                 pass
     assert not lock.exists()
@@ -475,14 +477,14 @@ def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path):
     assert not lock.exists()
     # another host's lock cannot be checked from here; ranks other than 0 take none
     lock.write_text(f"{gone.pid} elsewhere")
-    with pytest.raises(ConfigError, match=f"by pid {gone.pid} on elsewhere"):
+    with pytest.raises(DataError, match=f"by pid {gone.pid} on elsewhere"):
         with bookkeeping.cell_lock(str(cell), True):
             pass
     with bookkeeping.cell_lock(str(cell), False):
         assert lock.read_text() == f"{gone.pid} elsewhere"
     # train.py stops at a cell that a live process trains
     lock.write_text(f"{os.getppid()} {host}")
-    with pytest.raises(ConfigError, match=f"attnres.seed0 is being trained by pid {os.getppid()}"):
+    with pytest.raises(DataError, match=f"attnres.seed0 is being trained by pid {os.getppid()}"):
         train.main(tiny(shards, tmp_path / "o", "--arms=attnres"))
     assert not os.path.exists(cell / "config.json")
 
@@ -753,3 +755,78 @@ def test_muon_under_ddp_equals_one_process(shards, tmp_path):
                                rtol=1e-5)
     np.testing.assert_allclose(records(tmp_path / "ddp", "rd_attnres", key="val_loss"),
                                records(tmp_path / "single", "rd_attnres", key="val_loss"), rtol=1e-5)
+
+
+def test_muon_trains_and_resumes_exactly(shards, tmp_path, monkeypatch):
+    # Muon's momentum and AdamW's moments both go through the checkpoint: a killed run resumes line for line
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    args = ["--max_iters=8", "--eval_interval=3", "--log_interval=2", "--arms=dar", "--optimizer=muon",
+            "--activation_checkpointing=True"]
+    train.main(tiny(shards, tmp_path / "whole", *args))
+    losses = records(tmp_path / "whole", "dar")
+    assert losses[-1] < losses[0] - 0.5  # it learns
+    state = torch.load(tmp_path / "whole" / "dar" / "seed0" / "ckpt.pt", weights_only=False)["optimizer"]["state"]
+    assert all("momentum_buffer" in s for name, s in state.items() if name.endswith(".mlp.c_fc.weight"))
+    assert "exp_avg" in state["transformer.wte.weight"]
+    real = train.learning_rate_at
+
+    def killed_at_step_7(step, cfg):
+        if step == 7:
+            raise KeyboardInterrupt
+        return real(step, cfg)
+    monkeypatch.setattr(train, "learning_rate_at", killed_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny(shards, tmp_path / "killed", *args))
+    monkeypatch.setattr(train, "learning_rate_at", real)
+    train.main(tiny(shards, tmp_path / "killed", *args))
+    whole, resumed = (log_records(tmp_path / d, "dar") for d in ("whole", "killed"))
+    assert without_timings(resumed) == without_timings(whole)
+    # another optimizer cannot take over the checkpoint: one line
+    os.remove(tmp_path / "killed" / "dar" / "seed0" / "result.json")
+    with pytest.raises(ConfigError, match="ckpt.pt holds an optimizer state that does not fit this optimizer"):
+        train.main(tiny(shards, tmp_path / "killed", *args[:-2], "--allow_changes=True"))
+
+
+class FakeWandb:
+    """Stands in for the wandb package: records what train.py asks of it."""
+
+    def __init__(self):
+        self.runs, self.__spec__ = [], importlib.machinery.ModuleSpec("wandb", None)
+
+    def init(self, **kwargs):
+        run = types.SimpleNamespace(id=f"run{len(self.runs)}", kwargs=kwargs, logged=[], summary={}, finished=False)
+        run.log = lambda entry, step: run.logged.append((step, entry))
+        run.finish = lambda: setattr(run, "finished", True)
+        self.runs.append(run)
+        return run
+
+
+def test_wandb_logs_one_run_per_cell(shards, tmp_path, monkeypatch):
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    args = ["--max_iters=4", "--eval_interval=2", "--log_interval=2"]
+    # off (the default): wandb is never imported
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    train.main(tiny(shards, tmp_path / "off", *args))
+    assert "wandb" not in sys.modules
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train.main(tiny(shards, tmp_path / "on", *args, "--wandb_log=True", "--wandb_project=p", "--wandb_run_name=g"))
+    assert [run.kwargs["name"] for run in fake.runs] == ["g/attnres/seed0", "g/rd_attnres/seed0"]
+    for run, arm in zip(fake.runs, ("attnres", "rd_attnres")):
+        r = result(tmp_path / "on", arm)
+        assert run.kwargs["project"] == "p" and run.kwargs["group"] == "g" and run.finished
+        assert {k: v for k, v in run.kwargs["config"].items() if k != "init_hash"} == r["config"]
+        assert run.kwargs["config"]["init_hash"] == r["pairing"]["init_hash"]
+        assert run.summary["pairing"] == r["pairing"] and run.summary["val_loss"] == r["val_loss"]
+        logged = [dict(entry, step=step) for step, entry in run.logged]
+        assert logged == [{k: v for k, v in e.items() if k != "routing"} for e in log_records(tmp_path / "on", arm)]
+    # the same results as without it, timings aside
+    for arm in ("attnres", "rd_attnres"):
+        assert without_timings(log_records(tmp_path / "on", arm)) == without_timings(log_records(tmp_path / "off", arm))
+    # a resumed cell continues its run
+    os.remove(tmp_path / "on" / "attnres" / "seed0" / "result.json")
+    train.main(tiny(shards, tmp_path / "on", *args, "--wandb_log=True", "--wandb_project=p", "--wandb_run_name=g",
+                    "--arms=attnres"))
+    assert fake.runs[-1].kwargs["id"] == "run0" and fake.runs[-1].kwargs["resume"] == "allow"
