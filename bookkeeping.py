@@ -15,7 +15,6 @@ import os
 import pickle
 import re
 import shutil
-import socket
 import subprocess
 from contextlib import contextmanager
 
@@ -26,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from configurator import ConfigError, coerce
-from data.prepare import DataError, write_json
+from data.prepare import DataError, pid_lock, write_atomic, write_json
 from model import GPT, RESIDUALS, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -381,55 +380,18 @@ def record_grid(cfg, code, recorded, change):
 
 @contextmanager
 def cell_lock(cell_dir, master):
-    """
-    One process at a time trains a cell: cell_dir/lock holds its pid and host while it runs. A lock
-    whose process is gone from this host (a killed run) is taken over; one from another host (a
-    shared filesystem) cannot be checked and stays until removed. Under DDP rank 0 holds it. The
-    lock appears with its content (a hard link of a written file), so no kill leaves an empty one.
-    """
+    """One process at a time trains a cell: cell_dir/lock (data/prepare.py's pid_lock: pid and host,
+    a killed run's lock taken over). Under DDP rank 0 holds it."""
     if not master:
         yield
         return
-    path, host = os.path.join(cell_dir, "lock"), socket.gethostname()
-    mine = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(cell_dir, exist_ok=True)
-        with open(mine, "w") as f:
-            f.write(f"{os.getpid()} {host}")
     except OSError as e:  # a file where the arm's or the cell's folder should be, a read-only disk
         raise ConfigError(f"cannot create the cell folder {cell_dir} ({e.strerror}); move away the file in its "
                           f"place, or choose another --out_dir") from None
-    try:
-        while True:
-            try:
-                os.link(mine, path)
-                break
-            except FileExistsError:
-                try:
-                    with open(path) as f:
-                        pid, _, owner = f.read().partition(" ")
-                except FileNotFoundError:
-                    continue  # released meanwhile
-                if pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):
-                    raise ConfigError(f"cell {cell_dir} is being trained by pid {pid} on {owner or '?'}; wait for "
-                                      f"it or remove {path} if that process is gone") from None
-                os.remove(path)  # stale: its process ended without releasing it (or an older version left it empty)
-    finally:
-        os.remove(mine)
-    try:
+    with pid_lock(os.path.join(cell_dir, "lock"), f"cell {cell_dir} is being trained"):
         yield
-    finally:
-        os.remove(path)
-
-
-def process_exists(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 # -----------------------------------------------------------------------------
@@ -488,17 +450,13 @@ def load_init_from(cfg):
 # checkpoints and logs
 
 def save_atomically(obj, path, writer=torch.save):
-    """Write to a temporary name of this process, then rename: a failed write (a full disk) leaves
-    the last good file in place and no temporary behind."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    """writer(obj, tmp) through write_atomic: a failed write (a full disk) leaves the last good file
+    in place and no temporary behind. torch.save reports a full disk as a RuntimeError."""
     try:
-        writer(obj, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        write_atomic(path, lambda tmp: writer(obj, tmp))
+    except RuntimeError as e:
         full = shutil.disk_usage(os.path.dirname(path) or ".").free < 1 << 26
-        why = "no space left on device" if full else (getattr(e, "strerror", None) or str(e).splitlines()[0])
+        why = "no space left on device" if full else str(e).splitlines()[0]
         raise ConfigError(f"could not write {path} ({why}); the last good copy is kept: "
                           f"free disk space and rerun to resume") from None
 

@@ -35,7 +35,7 @@ import sys
 import numpy as np
 from scipy import stats
 
-from data.prepare import DataError
+from data.prepare import DataError, write_atomic
 
 MISSING = object()  # a pairing key one cell does not record
 CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
@@ -452,21 +452,6 @@ def save(fig, out_dir, name, title):
     finally:
         plt.close(fig)
     return title, name
-
-
-def write_atomic(path, write):
-    """write(tmp) to a temporary name of this process's own (two reports on one grid never share one), then
-    renamed onto path: a reader never sees half a file, and a failure leaves path as it was, with no temporary."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise DataError(f"cannot write {path} ({e.strerror or e}); free disk space or check the "
-                        f"permissions of {os.path.dirname(path) or '.'}") from None
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
 
 
 def write_text(path, text):

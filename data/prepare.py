@@ -641,26 +641,33 @@ class ShardWriter:
         self.shard = None
 
 
-def write_json(path, obj):
+def write_atomic(path, write):
     """
-    Strict JSON (a NaN or an Infinity is the caller's bug: a ValueError naming the path), written to
-    a temporary name of this process and renamed: a reader never sees half a file, two writers never
-    share a temporary, and a failed write leaves the previous file and no temporary behind.
+    write(tmp) to a temporary name of this process, then renamed onto path: a reader never sees half a
+    file, two writers never share a temporary, and a failed write leaves the previous file and no
+    temporary behind. Every file the project writes goes through here.
     """
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise DataError(f"cannot write {path} ({e.strerror or e}); free disk space or check the permissions "
+                        f"of {os.path.dirname(path) or '.'}") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, obj):
+    """Strict JSON, written atomically: a NaN or an Infinity is the caller's bug (a ValueError naming the path)."""
+    def write(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1, allow_nan=False)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise DataError(f"cannot write {path} ({e.strerror or e}); free disk space or check the permissions "
-                            f"of {os.path.dirname(path) or '.'}") from None
-        if isinstance(e, ValueError):
-            raise ValueError(f"{path}: {e}; write null for a number that is not finite") from None
-        raise
+    try:
+        write_atomic(path, write)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}; write null for a number that is not finite") from None
 
 
 @contextmanager
@@ -688,10 +695,10 @@ def pid_lock(path, busy):
                         pid, _, owner = f.read().partition(" ")
                 except FileNotFoundError:
                     continue  # released meanwhile
-                if owner != host or not pid.isdigit() or process_exists(int(pid)):
-                    raise DataError(f"{busy} by pid {pid or '?'} on {owner or '?'}; wait for it, or remove {path} "
+                if pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):
+                    raise DataError(f"{busy} by pid {pid} on {owner or '?'}; wait for it, or remove {path} "
                                     f"if that process is gone") from None
-                os.remove(path)  # stale: its process ended without releasing it
+                os.remove(path)  # stale: its process ended without releasing it (or an older version left it empty)
     finally:
         os.remove(mine)
     try:

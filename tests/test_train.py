@@ -57,7 +57,8 @@ def test_learning_rate_schedules():
 
 @pytest.mark.parametrize("path, world", [("config/rd_120m.py", 8), ("config/rd_343m.py", 8),
                                          ("config/rd_controls_120m.py", 8), ("config/dar_120m.py", 8),
-                                         ("config/dar_ablations_120m.py", 8), ("config/dar_shakespeare.py", 1)])
+                                         ("config/dar_ablations_120m.py", 8), ("config/dar_1b.py", 8),
+                                         ("config/dar_shakespeare.py", 1)])
 def test_config_files_are_valid(path, world, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = configure(train.DEFAULTS, [path])
@@ -462,7 +463,7 @@ def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path):
     lock = cell / "lock"
     with bookkeeping.cell_lock(str(cell), True):
         assert lock.read_text() == f"{os.getpid()} {host}"
-        with pytest.raises(ConfigError, match=f"is being trained by pid {os.getpid()} on {host}; wait for it or remove "):
+        with pytest.raises(DataError, match=f"is being trained by pid {os.getpid()} on {host}; wait for it, or remove "):
             with bookkeeping.cell_lock(str(cell), True):
                 pass
     assert not lock.exists()
@@ -477,14 +478,14 @@ def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path):
     assert not lock.exists()
     # another host's lock cannot be checked from here; ranks other than 0 take none
     lock.write_text(f"{gone.pid} elsewhere")
-    with pytest.raises(ConfigError, match=f"by pid {gone.pid} on elsewhere"):
+    with pytest.raises(DataError, match=f"by pid {gone.pid} on elsewhere"):
         with bookkeeping.cell_lock(str(cell), True):
             pass
     with bookkeeping.cell_lock(str(cell), False):
         assert lock.read_text() == f"{gone.pid} elsewhere"
     # train.py stops at a cell that a live process trains
     lock.write_text(f"{os.getppid()} {host}")
-    with pytest.raises(ConfigError, match=f"attnres.seed0 is being trained by pid {os.getppid()}"):
+    with pytest.raises(DataError, match=f"attnres.seed0 is being trained by pid {os.getppid()}"):
         train.main(tiny(shards, tmp_path / "o", "--arms=attnres"))
     assert not os.path.exists(cell / "config.json")
 
