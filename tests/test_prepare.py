@@ -728,3 +728,33 @@ def test_an_out_dir_among_the_inputs_is_refused(tmp_path, where):
     with pytest.raises(P.DataError, match=rf"--input .* matches .*, inside --out_dir {out}; choose an --out_dir outside"):
         P.prepare(str(out), input=str(pattern), val_tokens=1000, **BYTES)
     assert not list(out.glob("*.bin")) and not (out / "lock").exists()
+
+
+def test_a_shard_cut_at_the_end_of_a_tokenizer_task_records_the_next_document(tmp_path, monkeypatch):
+    # 100-character documents, two per tokenizer task (202 byte tokens), two files; every shard ends
+    # where a task ends, so the next shard starts at the next task's first document, file boundary included
+    monkeypatch.setattr(P, "TASK_CHARS", 200)
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = [f"{i:03d}" + "x" * 97 for i in range(12)]
+    for name, part in (("a.jsonl", docs[:6]), ("b.jsonl", docs[6:])):
+        (src / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    args = dict(input=str(src / "*.jsonl"), val_tokens=202, shard_tokens=404, **BYTES)
+    out = tmp_path / "out"
+    P.prepare(str(out), **args)
+    manifest, stream = stream_of(out)
+    assert (stream == byte_stream(docs)).all()
+    # (file, one past its last row) is the next file's first row: the same place in the stream
+    starts = [(f + 1, 0, 0) if (f, r) == (0, 6) else (f, r, o) for f, r, o in (s["start"] for s in manifest["shards"])]
+    # the direct count: shard k starts at document 2 k (val) and 2 + 4 (k - 1) (train): (file, row, offset 0)
+    expected = [(0, 0, 0)] + [divmod(2 + 4 * (k - 1), 6) + (0,) for k in range(1, len(starts))]
+    assert starts == expected and len(starts) == 4
+    whole = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+    for name in whole:  # each shard rebuilt alone from its recorded start
+        (out / name).unlink()
+        P.prepare(str(out), **args)
+        assert (out / name).read_bytes() == whole[name], name
+    again = tmp_path / "again"
+    prepare_dying(monkeypatch, again, args, 3)  # and a resume from the start recorded at a task's end
+    P.prepare(str(again), **args)
+    assert_same_shards(out, again, at_least=4)
