@@ -575,6 +575,37 @@ def resume(cell_dir, recorded, change, model, optimizer, ctx):
 
 
 # -----------------------------------------------------------------------------
+# the cell's log, and its wandb run
+
+class CellLog:
+    """log.jsonl of a cell (rank 0 writes it), each record also logged to the cell's wandb run when
+    wandb_log: one run per cell with its record as config, continued when the cell resumes, and
+    its result (pairing record included) as the run's summary."""
+
+    def __init__(self, path, append, cell, config, wandb_id):
+        self.file, self.run = open(path, "a" if append else "w"), None
+        if cell["wandb_log"]:
+            import wandb
+            group = cell["wandb_run_name"] or os.path.basename(os.path.abspath(cell["out_dir"]))
+            self.run = wandb.init(project=cell["wandb_project"], group=group,
+                                  name=f"{group}/{cell['arm']}/seed{cell['seed']}", config=config,
+                                  **(dict(id=wandb_id, resume="allow") if wandb_id else {}))
+        self.wandb_id = self.run.id if self.run else None
+
+    def write(self, entry, **file_only):
+        self.file.write(json.dumps(dict(entry, **file_only)) + "\n")
+        self.file.flush()
+        if self.run:
+            self.run.log(entry, step=entry["step"])
+
+    def close(self, result):
+        self.file.close()
+        if self.run:
+            self.run.summary.update({k: v for k, v in result.items() if k != "config"})
+            self.run.finish()
+
+
+# -----------------------------------------------------------------------------
 # results
 
 def rounded(value):

@@ -19,7 +19,6 @@ records); this file is the loop. The grid ends with the paired report (report.py
 
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import sys
@@ -293,19 +292,13 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
     compiled = torch.compile(model, dynamic=False) if cell["compile"] else model
     train_model = DDP(compiled, device_ids=[ctx["local_rank"]] if ctx["device"].startswith("cuda") else None) \
         if world > 1 and not ctx["fsdp"] else compiled
-    run = None  # the cell's wandb run (rank 0), continued when the cell resumes
-    if master and cell["wandb_log"]:
-        import wandb
-        group = cell["wandb_run_name"] or os.path.basename(os.path.abspath(cell["out_dir"]))
-        run = wandb.init(project=cell["wandb_project"], group=group, name=f"{group}/{arm}/seed{seed}",
-                         config=dict(record, init_hash=init_hash), **(dict(id=wandb_id, resume="allow") if wandb_id else {}))
 
     step_sequences = cell["gradient_accumulation_steps"] * cell["batch_size"]  # all ranks together
     mine = step_sequences // world
     sizes = micro_batches(mine, cell["batch_size"])
     tokens_per_step = step_sequences * T
     flops_per_step = model.flops_per_token(T) * tokens_per_step
-    log = open(log_path, "a" if step > 0 else "w") if master else None
+    log = bookkeeping.CellLog(log_path, step > 0, cell, dict(record, init_hash=init_hash), wandb_id) if master else None
     if master and step == 0:
         print(f"{prefix} {model.num_params() / 1e6:.2f}M non-embedding parameters, "
               f"{tokens_per_step:,} tokens/step, {max_iters} steps")
@@ -323,12 +316,8 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
             routing = routing_summary(model, val, cell, ctx)  # on every rank: an FSDP forward is collective
             if master:
                 print(f"{prefix} step {step}: val_loss {val_loss:.4f}")
-                entry = dict(step=step, tokens=step * tokens_per_step, val_loss=val_loss,
-                             eval_s=round(time.time() - t_eval, 3))
-                log.write(json.dumps(dict(entry, routing=routing)) + "\n")
-                log.flush()
-                if run:
-                    run.log(entry, step=step)
+                log.write(dict(step=step, tokens=step * tokens_per_step, val_loss=val_loss,
+                               eval_s=round(time.time() - t_eval, 3)), routing=routing)
             rng = bookkeeping.gather_rng(ctx)
             if world > 1:  # the interval's loss so far, on rank 0 alone: a resume restores it exactly
                 dist.all_reduce(loss_sum)
@@ -341,7 +330,7 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
                                                  step=step, rng=rng, data_hash=data_hash, config=record,
                                                  loss_sum=loss_sum.item(), step_last=step_last,
                                                  wall_time_s=wall_before + time.time() - t_start,
-                                                 wandb_id=run.id if run else None), ckpt_path)
+                                                 wandb_id=log.wandb_id), ckpt_path)
             time_left.evaluated(time.time() - t_eval)
             t_last += time.time() - t_eval  # evaluation time is not training time
         if step == max_iters:
@@ -374,28 +363,20 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
                       f"{dt * 1000:.1f} ms/step | {tokens_per_step / dt:,.0f} tok/s"
                       + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
                       + f" | left: cell {bookkeeping.duration(eta_cell)}, grid {bookkeeping.duration(eta_grid)}")
-                entry = dict(step=step, tokens=step * tokens_per_step, loss=loss_avg, lr=lr, ms_per_step=dt * 1000,
-                             tokens_per_s=tokens_per_step / dt, mfu=mfu, eta_cell_s=round(eta_cell, 1),
-                             eta_grid_s=round(eta_grid, 1))
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-                if run:
-                    run.log(entry, step=step)
+                log.write(dict(step=step, tokens=step * tokens_per_step, loss=loss_avg, lr=lr, ms_per_step=dt * 1000,
+                               tokens_per_s=tokens_per_step / dt, mfu=mfu, eta_cell_s=round(eta_cell, 1),
+                               eta_grid_s=round(eta_grid, 1)))
             loss_sum.zero_()
             t_last, step_last = time.time(), step
     if master:
-        log.close()
         if diverged:
             print(f"{prefix} diverged: {diverged}; the cell stops here, the grid goes on")
         grid["record"]()
-        result = bookkeeping.write_result(
+        log.close(bookkeeping.write_result(
             result_path, cell, record, model, code, steps=step, tokens=step * tokens_per_step, val_loss=val_loss,
             diverged=diverged, routing=routing, init_hash=init_hash, data_hash=data_hash,
             eval_tokens=(cell["eval_tokens"] - 1) // T * T, changes=changes,
-            wall_time_s=wall_before + time.time() - t_start)
-        if run:  # the run's summary: how the cell ended and its pairing record (its config is the run's config)
-            run.summary.update({k: v for k, v in result.items() if k != "config"})
-            run.finish()
+            wall_time_s=wall_before + time.time() - t_start))
 
 
 # -----------------------------------------------------------------------------
