@@ -10,8 +10,10 @@ the time ratio to `standard` measured in alternating rounds (standard, variant, 
 only interleaved ratios survive a machine whose speed drifts); bytes saved for backward by one
 training step (unique storages seen by torch.autograd.graph.saved_tensors_hooks, in eager mode:
 the same on any device) and their ratio to `standard`; peak memory (CUDA max_memory_allocated,
-or the peak RSS of a fresh subprocess on CPU - noisy); MFU on GPUs with a known peak. Takes
-train.py's --key=value overrides (model shape, batch_size, block_size, device, dtype, compile).
+or the peak RSS of a fresh subprocess on CPU - noisy); MFU on GPUs with a known peak; on CUDA,
+the bytes an eager forward leaves allocated for backward without and with activation
+checkpointing (fwd, ckpt). Takes train.py's --key=value overrides (model shape, batch_size,
+block_size, device, dtype, compile).
 compile_s is the time to build, compile and warm up (3 steps) a variant: with a warm inductor
 cache it is mostly the warm-up; --compile_only=True stops there.
 """
@@ -106,6 +108,25 @@ def saved_bytes(model, batch, autocast):
     return sum(storages.values())
 
 
+def forward_memory(model, batch, autocast, device, checkpointing):
+    """CUDA bytes an eager training forward leaves allocated for its backward, with or without
+    activation checkpointing; None off CUDA (no allocator statistics there, and saved_tensors_hooks
+    cannot see into checkpointed regions)."""
+    if not device.startswith("cuda"):
+        return None
+    model.activation_checkpointing = checkpointing
+    sync(device)
+    before = torch.cuda.memory_allocated()
+    with autocast:
+        _, loss = model(*batch)
+    sync(device)
+    held = torch.cuda.memory_allocated() - before
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    model.activation_checkpointing = False
+    return held
+
+
 def peak_memory(name, cfg, argv, device, step):
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -165,17 +186,21 @@ def bench_models(cfg, argv):
         records.append(dict(variant=name, compile_s=ready_s[name], ms_per_step=ms, tokens_per_s=tokens / ms * 1000,
                             time_ratio=statistics.median(ratios[name]) if ratios[name] else 1.0,
                             saved_bytes=saved_bytes(model, batch, autocast),
+                            forward_bytes=forward_memory(model, batch, autocast, device, False),
+                            forward_bytes_checkpointed=forward_memory(model, batch, autocast, device, True),
                             peak_mem_bytes=peak_memory(name, cfg, argv, device, step),
                             mfu=model.flops_per_token(cfg["block_size"]) * tokens / (ms / 1000) / ctx["peak_flops"]
                             if ctx["peak_flops"] else None))
     for r in records:
         r["mem_ratio"] = r["saved_bytes"] / records[0]["saved_bytes"]
-    print(f"{'variant':<15}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}{'saved x':>9}{'peak MiB':>10}{'MFU':>7}")
+    print(f"{'variant':<15}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}{'saved x':>9}{'peak MiB':>10}"
+          f"{'MFU':>7}{'fwd MiB':>9}{'ckpt MiB':>10}")
+    mib = lambda b: f"{b / 2**20:.0f}" if b else "-"
     for r in records:
-        peak = f"{r['peak_mem_bytes'] / 2**20:.0f}" if r["peak_mem_bytes"] else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
         print(f"{r['variant']:<15}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10,.0f}{r['time_ratio']:>9.3f}"
-              f"{r['saved_bytes'] / 2**20:>11.1f}{r['mem_ratio']:>9.3f}{peak:>10}{mfu:>7}")
+              f"{r['saved_bytes'] / 2**20:>11.1f}{r['mem_ratio']:>9.3f}{mib(r['peak_mem_bytes']):>10}{mfu:>7}"
+              f"{mib(r['forward_bytes']):>9}{mib(r['forward_bytes_checkpointed']):>10}")
     return records
 
 

@@ -3,9 +3,11 @@ import os
 from contextlib import nullcontext
 
 import pytest
+import torch
 
 import bench
 from configurator import ConfigError, configure
+from model import GPT, GPTConfig
 
 # eager, tiny and on the CPU: a benchmark of two variants takes a fraction of a second
 TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--dtype=float32",
@@ -84,3 +86,10 @@ def test_an_input_that_is_not_parquet_is_one_line(tmp_path):
     with pytest.raises(bench.DataError, match=r"part0.parquet: not a parquet file with a text column \(.*\); give"):
         bench.main(["--mode=prepare", f"--input={tmp_path}/*.parquet", f"--out={tmp_path / 'bench.json'}"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["part0.parquet"]
+
+
+def test_forward_memory_is_cuda_only():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=64))
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    assert bench.forward_memory(model, batch, nullcontext(), "cpu", True) is None
+    assert model.activation_checkpointing is False
