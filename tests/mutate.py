@@ -119,6 +119,9 @@ MUTANTS = [
      "delta curve's interval with the population std"),
     ("report.py", "return x if math.isfinite(x) else None", "return x", "tests/test_report.py",
      "paired.json holds NaN for a one-seed arm"),
+    # analyze.py
+    ("analyze.py", "delta=nll - base,", "delta=base - nll,", "tests/test_analyze.py",
+     "intervention deltas with the wrong sign"),
 ]
 
 
