@@ -110,7 +110,6 @@ class GPT2(Tokenizer):
 TOKENIZERS = {"bytes": Bytes, "gpt2": GPT2}
 # the bundled corpus, prepared on demand: one output directory per tokenizer
 BUNDLED = {os.path.join(HERE, f"shakespeare_{name}"): name for name in TOKENIZERS}
-BUNDLED_OUT = os.path.join(HERE, "shakespeare_gpt2")  # train.py's bundled data_dir until it reads BUNDLED
 
 
 def get_tokenizer(name):

@@ -546,21 +546,26 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
     assert abs(eager - records(tmp_path / "a", "attnres", key="val_loss")[-1]) < 1e-5
 
 
+def killed_at_step(kill, monkeypatch, argv):
+    """train.main(argv) interrupted as a kill would, when it reaches step `kill` (after its checkpoints)."""
+    real = train.learning_rate_at
+
+    def dying(step, cfg):
+        if step == kill:
+            raise KeyboardInterrupt
+        return real(step, cfg)
+    monkeypatch.setattr(train, "learning_rate_at", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(argv)
+    monkeypatch.setattr(train, "learning_rate_at", real)
+
+
 def test_resume_equals_uninterrupted_line_for_line(shards, tmp_path, monkeypatch):
     # eval_interval (checkpoints) not a multiple of log_interval: a resumed interval holds steps from
     # before the interruption; and dropout, whose RNG state the checkpoint carries
     args = ["--max_iters=14", "--eval_interval=5", "--log_interval=3", "--dropout=0.1", "--arms=rd_attnres"]
     train.main(tiny(shards, tmp_path / "whole", *args))
-    real = train.learning_rate_at
-
-    def killed_at_step_12(step, cfg):
-        if step == 12:
-            raise KeyboardInterrupt
-        return real(step, cfg)
-    monkeypatch.setattr(train, "learning_rate_at", killed_at_step_12)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(tiny(shards, tmp_path / "killed", *args))
-    monkeypatch.setattr(train, "learning_rate_at", real)
+    killed_at_step(12, monkeypatch, tiny(shards, tmp_path / "killed", *args))
     assert not os.path.exists(tmp_path / "killed" / "rd_attnres" / "seed0" / "result.json")
     train.main(tiny(shards, tmp_path / "killed", *args))
     whole, resumed = (log_records(tmp_path / d, "rd_attnres") for d in ("whole", "killed"))
@@ -770,16 +775,7 @@ def test_muon_trains_and_resumes_exactly(shards, tmp_path, monkeypatch):
     state = torch.load(tmp_path / "whole" / "dar" / "seed0" / "ckpt.pt", weights_only=False)["optimizer"]["state"]
     assert all("momentum_buffer" in s for name, s in state.items() if name.endswith(".mlp.c_fc.weight"))
     assert "exp_avg" in state["transformer.wte.weight"]
-    real = train.learning_rate_at
-
-    def killed_at_step_7(step, cfg):
-        if step == 7:
-            raise KeyboardInterrupt
-        return real(step, cfg)
-    monkeypatch.setattr(train, "learning_rate_at", killed_at_step_7)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(tiny(shards, tmp_path / "killed", *args))
-    monkeypatch.setattr(train, "learning_rate_at", real)
+    killed_at_step(7, monkeypatch, tiny(shards, tmp_path / "killed", *args))
     train.main(tiny(shards, tmp_path / "killed", *args))
     whole, resumed = (log_records(tmp_path / d, "dar") for d in ("whole", "killed"))
     assert without_timings(resumed) == without_timings(whole)
