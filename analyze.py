@@ -291,13 +291,19 @@ def main(argv):
     capped = eval_tokens < cfg["eval_tokens"]
     recorded = None if capped else recorded_val_loss(args.cell)  # on other tokens it would not compare
     check_writable(args.cell)  # every input is checked: now minutes of evaluation, then the writes
+    code = bookkeeping.code_record()  # the analysis is of this code's model: recorded, and said when it is not the cell's
+    trained = cfg.get("code") if isinstance(cfg.get("code"), dict) else {}
+    if trained.get("fingerprint") != code["fingerprint"]:
+        print(f"note: the code differs from the one {args.cell} was trained with "
+              f"({', '.join(bookkeeping.changed_files(trained, code))}); these numbers are of the current code")
     model.to(ctx["device"])
     ecfg = dict(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
     base, rows = interventions(model, val, ecfg, ctx)
     tokens = (eval_tokens - 1) // T * T
     a = dict(cell=os.path.abspath(args.cell), arm=cfg["arm"], seed=cfg["seed"], residual=model.config.residual,
              step=step, device=ctx["device"], tokens=tokens, cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
-             capped=capped, base_nll=base, recorded_val_loss=recorded,
+             capped=capped, base_nll=base, recorded_val_loss=recorded, code=code,
+             trained_code=trained.get("fingerprint"),
              interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
              representations=bookkeeping.rounded(representations(model, val, ecfg, ctx)) if rows else None)
     if model.config.residual == "dar":

@@ -289,9 +289,13 @@ def check_rerun(path, new, allow):
         short = lambda v: repr(v) if len(repr(v)) <= 40 else "..."
         named = ", ".join(f"code changed ({', '.join(changed_files(old.get('code') or {}, new['code']))})"
                           if k == "code" else f"{k} ({short(a)} -> {short(b)})" for k, (a, b) in diff.items())
-        raise ConfigError(f"{path} was made with other settings: {named}; rerun with the recorded ones, use a new "
-                          f"--out_dir for the new ones, or add --allow_changes=True to go on here (the change is "
-                          f"recorded in each cell it changes, whose seed is then not paired)")
+        recorded = old.get("code") if isinstance(old.get("code"), dict) else {}
+        at = f" (the code of git commit {recorded['git_commit'][:12]}{', plus uncommitted edits' if recorded.get('git_dirty') else ''})" \
+            if "code" in diff and recorded.get("git_commit") else ""
+        raise ConfigError(f"{path} was made with other settings: {named}; rerun with the recorded ones{at}, use a new "
+                          f"--out_dir for the new ones, or add --allow_changes=True to go on here (recorded in every "
+                          f"cell it touches; the report pairs a seed only where its arms' records agree, and names "
+                          f"seeds trained under other versions)")
     return old, diff
 
 

@@ -52,7 +52,9 @@ def coerce(key, value, default, entries=None):
         known = (entries or {}) | default
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ConfigError(f"{key} has no entries {', '.join(map(str, unknown))}; known: {', '.join(known)}")
+            close = difflib.get_close_matches(str(unknown[0]), list(known), n=1)
+            raise ConfigError(f"{key} has no entry {', '.join(map(str, unknown))}"
+                              + (f" (did you mean {close[0]}?)" if close else "") + f"; known: {', '.join(known)}")
         return {n: known[n] for n in names}
     if isinstance(default, str) and not isinstance(value, str):
         return str(value)  # --out_dir=123 means the string

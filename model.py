@@ -318,7 +318,8 @@ class ResidualScheme(nn.Module):
         raise NotImplementedError
 
     def read(self, state, k):
-        """The input (B, T, d) of MLP sublayer k, or of the output when k == n_sublayers."""
+        """The input (B, T, d) of sublayer k (of attention too, unless read_attention says otherwise), or of
+        the output when k == n_sublayers."""
         raise NotImplementedError
 
     def read_attention(self, state, k):

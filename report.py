@@ -313,6 +313,27 @@ def unpaired_reason(arms, seed, results, unusable):
     return None
 
 
+def mixed_versions(results, arms, seeds):
+    """What differs between the seeds of a comparison, beyond the seed itself (init and data hashes):
+    each seed is paired fairly, but a mean over seeds trained under other code or settings
+    (--allow_changes) mixes versions. ["key: seeds 0, 1: value; seed 2: value", ...]."""
+    def values(pairing):
+        v = {k: pairing.get(k) for k in ("code", "eval_tokens", "val_hash", "init_from", "changes")}
+        settings = pairing.get("settings") if isinstance(pairing.get("settings"), dict) else {}
+        return v | {f"settings.{k}": x for k, x in settings.items()}
+    per_seed = {s: {arm: values(results[arm, s]["pairing"]) for arm in arms} for s in seeds}
+    notes = []
+    for key in sorted({k for s in seeds for arm in arms for k in per_seed[s][arm]}):
+        groups = {}
+        for s in seeds:
+            groups.setdefault(json.dumps([per_seed[s][arm].get(key) for arm in arms], sort_keys=True), []).append(s)
+        if len(groups) > 1:
+            brief = lambda v: " / ".join(dict.fromkeys(json.dumps(x)[:18] for x in json.loads(v)))  # reference / arm
+            notes.append(f"{key}: " + "; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {brief(v)}"
+                                                 for v, g in groups.items()))
+    return notes
+
+
 def paired_statistics(deltas):
     """Statistics of per-seed deltas (arm - reference; negative = the arm is better)."""
     d = np.asarray(deltas, dtype=np.float64)
@@ -535,21 +556,27 @@ def main(argv):
         lines.append(f"| {arm} | " + " | ".join("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
                                                  else fmt(r["val_loss"], ".4f") for s in seeds) + " |")
     lines.append("")
-    paired, curves = {}, {}
+    paired, curves, mixed = {}, {}, {}
     table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm in others:
         seeds_of = paired_seeds[arm]
         st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
         curves[arm] = delta_curve(logs, arm, reference, seeds_of)
+        mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
         paired[arm] = dict(st, seeds=seeds_of, left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
-                           delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()})
+                           mixed_versions=mixed[arm], delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()})
         table.append(f"| {arm} | {st['n']} | {st['wins']}/{st['n']} | {fmt(st['mean'])} | {fmt(st['std'], '.4f')} | "
                      f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}] | {fmt(st['p_ttest'], '.3g')} | "
                      f"{fmt(st['p_sign'], '.3g')} | {fmt(100 * st['ppl_change'], '+.2f')}% |")
         lines.append(f"Per-seed deltas, {arm}: "
                      + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(seeds_of, st["deltas"])) or "none"))
     lines += ["", *table, ""]
+    if any(mixed.values()):
+        lines += ["**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
+                  "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
+                  "the grid in a new out_dir:", "",
+                  *(f"- {arm}: {note}" for arm in others for note in mixed[arm]), ""]
     if diverged:
         lines += ["**Diverged cells** (never in the statistics):", "",
                   "| arm | seed | step | reason |", "|---|---|---|---|",

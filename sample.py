@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+import bookkeeping
 from data.prepare import DataError, get_tokenizer, tokenizer_of
 from model import GPT, GPTConfig
 
@@ -73,6 +74,10 @@ def main(argv):
         parser.error(f"--device={args.device}: {str(e).splitlines()[0]}")
 
     model, record = load_cell(args.cell, device)
+    trained, code = record.get("code") if isinstance(record.get("code"), dict) else {}, bookkeeping.code_record()
+    if trained.get("fingerprint") != code["fingerprint"]:  # the weights are the cell's, the model code is today's
+        print(f"note: the code differs from the one the cell was trained with "
+              f"({', '.join(bookkeeping.changed_files(trained, code))})", file=sys.stderr)
     try:
         tokenizer = get_tokenizer(tokenizer_of(record["data_dir"]))
     except DataError as e:

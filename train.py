@@ -48,9 +48,9 @@ data_dir = "data/shakespeare_bytes"  # relative: from the working directory if t
 # directory (recorded absolute); the bundled corpus (shakespeare_bytes, shakespeare_gpt2) is prepared on demand
 verify_shards = False  # at start, also check each shard's sha256 against manifest.json (file names and sizes always)
 init_from = ""  # warm start: every cell from this standard checkpoint's weights (docs/protocol.md); "" = the seed's init
-eval_interval = 25
+eval_interval = 25  # evaluate, and checkpoint, every N steps
 log_interval = 10
-eval_tokens = 8192  # the fixed validation set: the first N tokens of the validation shard
+eval_tokens = 8192  # the fixed validation set: the whole sequences within the first N tokens of the validation shard
 eval_batch_size = 8  # sequences per evaluation forward; does not change the result
 allow_changes = False  # go on with cells recorded under other settings or code; the change is recorded in them
 # the paired grid: each arm is a named set of model settings; every arm runs with every seed

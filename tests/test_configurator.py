@@ -33,7 +33,8 @@ def test_configurator_config_file_then_override(tmp_path):
     (["--max_iters=1.5"], "max_iters must be a int"),
     (["--compile=1"], "compile must be True or False"),
     (["--seeds"], "--key=value"),
-    (["--arms=c"], "arms has no entries c"),
+    (["--arms=c"], "arms has no entry c; known: a, b"),
+    (["--arms=aa"], r"arms has no entry aa \(did you mean a\?\)"),
     (["missing.py"], "config file missing.py not found"),
 ])
 def test_configurator_errors(argv, message):

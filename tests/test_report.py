@@ -524,3 +524,16 @@ def test_hostile_files_and_folders_are_skipped_with_a_note(tmp_path, monkeypatch
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="is not a directory; give the out_dir of a train.py grid"):
         report.main([str(tmp_path / "file")])
+
+
+def test_seeds_trained_under_other_code_are_named_as_mixed(tmp_path, no_matplotlib):
+    # each seed paired fairly (both arms under the same code), but seed 2 under other code: said so
+    out = make_grid(tmp_path, {(a, s): 3.0 - 0.1 * (a == "rd") + 0.01 * s for a in ("parent", "rd") for s in (0, 1, 2)})
+    paired, text = run(out)
+    assert "Mixed versions" not in text and paired["arms"]["rd"]["mixed_versions"] == []
+    for arm in ("parent", "rd"):
+        edit(out, arm, 2, lambda r: r["pairing"].update(code="b" * 64))
+    paired, text = run(out)
+    assert paired["arms"]["rd"]["n"] == 3  # every seed is paired
+    assert paired["arms"]["rd"]["mixed_versions"] == ['code: seeds 0, 1: "c0dec0dec0dec0dec; seed 2: "bbbbbbbbbbbbbbbbb']
+    assert "**Mixed versions**" in text and '- rd: code: seeds 0, 1: "c0dec0dec0dec0dec; seed 2: "bbbbbbbbbbbbbbbbb' in text
