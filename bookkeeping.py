@@ -78,6 +78,9 @@ def check_config(cfg, world, command_line=()):
     for key, value in cfg.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} must be a finite number")
+    if not cfg["out_dir"] or not cfg["data_dir"]:
+        raise ConfigError(f"{'out_dir' if not cfg['out_dir'] else 'data_dir'} is empty; give a folder, e.g. "
+                          f"--out_dir=out or --data_dir=data/shakespeare_bytes")
     for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "log_interval",
                 "eval_batch_size"):
         if cfg[key] < 1:
@@ -262,7 +265,7 @@ def differences(old, new):
 
 def changed_files(old, new):
     """The code files whose fingerprint differs between two code records (all, for an older record)."""
-    before, now = old.get("files") or {}, new.get("files") or {}
+    before, now = (r.get("files") if isinstance(r, dict) and isinstance(r.get("files"), dict) else {} for r in (old, new))
     return [name for name in now if before.get(name) != now[name]] or list(now)
 
 
@@ -306,8 +309,11 @@ def check_cell(cfg, arm, seed, code, val):
     if not any(os.path.exists(os.path.join(cell_dir, f)) for f in ("ckpt.pt", "result.json")):
         return None, {}  # nothing trained yet: the cell starts from scratch
     if os.path.exists(os.path.join(cell_dir, "result.json")):
-        check_result(read_record(os.path.join(cell_dir, "result.json"), RESULT_REMEDY),
-                     os.path.join(cell_dir, "result.json"))
+        r = check_result(read_record(os.path.join(cell_dir, "result.json"), RESULT_REMEDY),
+                         os.path.join(cell_dir, "result.json"))
+        if (r.get("arm"), r["seed"]) != (arm, seed):
+            raise ConfigError(f"{cell_dir}/result.json is the result of arm {r.get('arm')!r} seed {r['seed']} (a copied "
+                              f"file?); delete {cell_dir} to train this cell")
     cell = cell_config(cfg, arm, seed)
     new = dict(cell, code=code, val_hash=validation_hash(val, cell["eval_tokens"], cell["block_size"]))
     recorded, diff = check_rerun(os.path.join(cell_dir, "config.json"), new, cfg["allow_changes"])
@@ -407,28 +413,32 @@ ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")
 
 def load_init_from(cfg):
     """
-    The weights every cell starts from when init_from is set, and the sha256 of their file: a
+    The weights every cell starts from when init_from is set, the sha256 of their file and the
+    tokenizer of the data they were trained on (None for a plain state_dict, which cannot say): a
     train.py ckpt.pt of a residual='standard' arm, or a file holding a state_dict of one. Checked
     against every arm before anything runs; each cell then copies them by name over its seed's
     init, leaving its routing parameters (residual.*) at their init, which is the standard residual.
     """
     path = cfg["init_from"]
     if not path:
-        return None, None
+        return None, None, None
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
         ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only
-    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    except (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
+        why = "not a checkpoint torch can read safely" if isinstance(e, pickle.UnpicklingError) else \
+            str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"init_from={path} is missing or unreadable ({why}); give a train.py ckpt.pt of a "
                           f"residual='standard' arm") from None
     weights = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
-    if not isinstance(weights, dict) or not weights or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+    if (not isinstance(weights, dict) or not weights or not all(isinstance(v, torch.Tensor) for v in weights.values())
+            or not all(isinstance(k, str) for k in weights)):
         raise ConfigError(f"init_from={path} holds neither a train.py ckpt.pt nor a state_dict")
-    source = ckpt.get("config", {}).get("model", {})  # a train.py checkpoint says what model it is
+    record = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}  # a train.py checkpoint says what it is
+    source = record.get("model") if isinstance(record.get("model"), dict) else {}
     routing = [k for k in weights if k.startswith("residual.")]
     if routing:
         raise ConfigError(f"init_from={path} is not a standard checkpoint (residual={source.get('residual', '?')!r}, "
@@ -447,7 +457,7 @@ def load_init_from(cfg):
             if have != want:
                 raise ConfigError(f"init_from={path} does not fit arm {arm!r}: {name} is {have} there, {want} in "
                                   f"the arm (n_layer, n_embd, vocab_size must be the checkpoint's)")
-    return weights, h.hexdigest()
+    return weights, h.hexdigest(), record.get("tokenizer")
 
 
 # -----------------------------------------------------------------------------
@@ -474,15 +484,25 @@ CHECKPOINT_KEYS = ("model", "optimizer", "step", "rng", "data_hash", "config", "
 
 
 def load_checkpoint(path, device):
+    """A ckpt.pt as train.py writes it (tensors and plain data only: weights_only), or one line."""
+    remedy = "delete it to train the cell from scratch"
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=False)
-    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
-        raise ConfigError(f"{path} is unreadable, truncated or empty ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                          f"delete it to train the cell from scratch") from None
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
+        why = "not a checkpoint torch can read safely" if isinstance(e, pickle.UnpicklingError) else \
+            str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{path} is unreadable, truncated or empty ({why}); {remedy}") from None
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ConfigError(f"{path} was written by an older train.py (no {', '.join(missing)}); delete it to train "
-                          f"the cell from scratch")
+        raise ConfigError(f"{path} was written by an older train.py (no {', '.join(missing)}); {remedy}")
+    kinds = dict(step=int, step_last=int, data_hash=str, loss_sum=(int, float), wall_time_s=(int, float), config=dict,
+                 rng=list, model=dict, optimizer=dict)
+    wrong = [k for k, kind in kinds.items() if not isinstance(ckpt[k], kind) or isinstance(ckpt[k], bool)]
+    if "rng" not in wrong and not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) for r in ckpt["rng"]):
+        wrong.append("rng")
+    if wrong or ckpt["step"] < 0 or not 0 <= ckpt["step_last"] <= ckpt["step"]:
+        raise ConfigError(f"{path} is not a checkpoint train.py wrote ({', '.join(wrong) or 'step'} of the wrong "
+                          f"type or value); {remedy}")
     return ckpt
 
 
@@ -492,8 +512,11 @@ def log_until(log_path, step):
     if not os.path.isfile(log_path):
         raise ConfigError(f"{log_path} is missing beside its ckpt.pt; restore it, or delete ckpt.pt to train the cell "
                           f"from scratch")
-    with open(log_path) as f:
-        lines = f.read().splitlines()
+    try:
+        with open(log_path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{log_path} is not text; restore it, or delete ckpt.pt to train the cell from scratch") from None
     kept = []
     for i, line in enumerate(lines):
         try:
@@ -561,19 +584,41 @@ def load_training_state(path, ckpt, model, optimizer, ctx):
                           f"older train.py; delete it to train the cell from scratch") from None
 
 
-def resume(cell_dir, recorded, change, model, optimizer, ctx):
+def resume(cell_dir, record, allow, model, optimizer, ctx):
     """Load the cell's checkpoint into model and optimizer, cut its log back to it, restore its RNG;
-    returns (step, data_hash, loss_sum, step_last, wall_time_s, changes, wandb_id)."""
-    if recorded is None:
+    returns (step, data_hash, loss_sum, step_last, wall_time_s, changes, wandb_id). The checkpoint
+    is checked against the cell's new record as config.json is (check_cell): it must be this cell's,
+    within max_iters, and made with the same settings and code unless allow (then recorded in changes)."""
+    path = os.path.join(cell_dir, "ckpt.pt")
+    if not os.path.exists(os.path.join(cell_dir, "config.json")):
         raise ConfigError(f"{cell_dir} has ckpt.pt but no config.json to check it against; restore config.json, "
                           f"or delete ckpt.pt to train the cell from scratch")
-    ckpt = load_checkpoint(os.path.join(cell_dir, "ckpt.pt"), ctx["device"])
+    ckpt = load_checkpoint(path, ctx["device"])
+    saved = ckpt["config"]
+    if (saved.get("arm"), saved.get("seed")) != (record["arm"], record["seed"]):
+        raise ConfigError(f"{path} is the checkpoint of arm {saved.get('arm')!r} seed {saved.get('seed')!r} (a copied "
+                          f"file?); delete it to train this cell from scratch")
+    if ckpt["step"] > record["max_iters"]:
+        raise ConfigError(f"{path} is at step {ckpt['step']}, past max_iters={record['max_iters']}; set "
+                          f"--max_iters={saved.get('max_iters', ckpt['step'])} to finish it, or delete it to retrain")
+    change = differences(saved, record)
+    if change and not allow:
+        raise ConfigError(f"{path} was saved with other settings: {', '.join(change)}; rerun with those, delete it to "
+                          f"train the cell from scratch, or add --allow_changes=True (recorded)")
+    if saved.get("optimizer", "adamw") != record["optimizer"]:
+        raise ConfigError(f"{path} was trained with optimizer={saved.get('optimizer', 'adamw')!r}, whose state "
+                          f"{record['optimizer']!r} cannot take over; delete it to train the cell from scratch")
     kept_log = log_until(os.path.join(cell_dir, "log.jsonl"), ckpt["step"])
-    load_training_state(os.path.join(cell_dir, "ckpt.pt"), ckpt, model, optimizer, ctx)
+    try:
+        load_training_state(path, ckpt, model, optimizer, ctx)
+    except RuntimeError as e:  # a state_dict of another model
+        raise ConfigError(f"{path} does not fit this cell's model ({str(e).splitlines()[0]}); delete it to train the "
+                          f"cell from scratch") from None
     restore_rng(ckpt["rng"], ctx)
     if ctx["rank"] == 0:
         save_atomically(kept_log, os.path.join(cell_dir, "log.jsonl"), write_text)
-    changes = (recorded.get("changes") or []) + ([dict(step=ckpt["step"], changed=change)] if change else [])
+    before = saved.get("changes") if isinstance(saved.get("changes"), list) else []
+    changes = before + ([dict(step=ckpt["step"], changed=change)] if change else [])
     return (ckpt["step"], ckpt["data_hash"], ckpt["loss_sum"] if ctx["rank"] == 0 else 0.0, ckpt["step_last"],
             ckpt["wall_time_s"], changes, ckpt.get("wandb_id"))
 

@@ -49,6 +49,8 @@ def coerce(key, value, default, entries=None):
         return list(value) if isinstance(value, tuple) else value.split(",") if isinstance(value, str) else [value]
     if isinstance(default, dict) and isinstance(value, (str, tuple)):
         names = value.split(",") if isinstance(value, str) else list(value)
+        if "" in names or len(set(names)) != len(names):
+            raise ConfigError(f"{key}={value!r}: give distinct names, e.g. --{key}={','.join(list(default)[:2])}")
         known = (entries or {}) | default
         unknown = [n for n in names if n not in known]
         if unknown:

@@ -35,9 +35,10 @@ def load_cell(path, device):
         raise DataError(f"{ckpt_path} does not exist; {give}")
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # tensors and plain data only
-    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
-        raise DataError(f"{ckpt_path} cannot be read as a checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                        f"{give}") from None
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        why = "not a checkpoint torch can read safely" if isinstance(e, pickle.UnpicklingError) else \
+            str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{ckpt_path} cannot be read as a checkpoint ({why}); {give}") from None
     record = ckpt.get("config") if isinstance(ckpt, dict) else None
     if not (isinstance(record, dict) and isinstance(ckpt.get("model"), dict) and isinstance(record.get("model"), dict)
             and isinstance(record.get("data_dir"), str)):
@@ -67,6 +68,8 @@ def main(argv):
                      ("top_k", args.top_k is None or args.top_k >= 1)):
         if not ok:
             parser.error(f"--{name}={getattr(args, name)} must be {'> 0' if name == 'temperature' else '>= 1'}")
+    if not 0 <= args.seed < 2 ** 63:
+        parser.error(f"--seed={args.seed} must be in [0, 2^63)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
         torch.empty(0, device=device)
@@ -79,7 +82,8 @@ def main(argv):
         print(f"note: the code differs from the one the cell was trained with "
               f"({', '.join(bookkeeping.changed_files(trained, code))})", file=sys.stderr)
     try:
-        tokenizer = get_tokenizer(tokenizer_of(record["data_dir"]))
+        # the cell records its data's tokenizer; older cells are asked of their data_dir
+        tokenizer = get_tokenizer(record.get("tokenizer") or tokenizer_of(record["data_dir"]))
     except DataError as e:
         raise DataError(f"the tokenizer of {args.cell}'s data_dir is unknown: {e}") from None
     start = args.start

@@ -250,7 +250,7 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
     cell_dir = os.path.join(cfg["out_dir"], arm, f"seed{seed}")
     ckpt_path, log_path, result_path = (os.path.join(cell_dir, f) for f in ("ckpt.pt", "log.jsonl", "result.json"))
     prefix = f"[{arm} seed{seed}]"
-    recorded, change = grid["records"][arm, seed]
+    change = grid["records"][arm, seed][1]  # how the cell's config.json differs from this run (check_cell)
     if os.path.exists(result_path):
         if master:
             print(f"{prefix} done already: {bookkeeping.describe_done(result_path, change)}")
@@ -280,7 +280,7 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
     step, data_hash, loss_sum, step_last, wall_before, changes, wandb_id = 0, "", 0.0, 0, 0.0, [], None
     if os.path.exists(ckpt_path):
         step, data_hash, loss_sum, step_last, wall_before, changes, wandb_id = bookkeeping.resume(
-            cell_dir, recorded, change, model, optimizer, ctx)
+            cell_dir, record, cell["allow_changes"], model, optimizer, ctx)
         if master:
             print(f"{prefix} resuming from step {step}" + (f" with changes: {', '.join(change)}" if change else ""))
     if changes:
@@ -417,6 +417,10 @@ def main(argv):
     ctx = setup(cfg)
     bookkeeping.check_config(cfg, ctx["world"], [a[2:].partition("=")[0] for a in argv if a.startswith("--")])
     master = ctx["rank"] == 0
+    sizes = {arm: bookkeeping.model_config(cfg, settings).block_size for arm, settings in cfg["arms"].items()}
+    if master and len(set(sizes.values())) > 1:  # allowed (a sweep over context), but never paired
+        print(f"note: the arms' block_size differ ({', '.join(f'{a} {n}' for a, n in sizes.items())}): their batches "
+              f"differ, so the report pairs none of them with another")
     code = bookkeeping.code_record()
     # recorded as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the
     # same); the world size changes a step's rounding, so it is a setting too
@@ -424,7 +428,7 @@ def main(argv):
     cfg.update(device=ctx["device"].split(":")[0], dtype=ctx["dtype"], torch_version=str(torch.__version__),
                world_size=ctx["world"], compile=bookkeeping.resolve_compile(cfg["compile"], ctx["device"]))
     # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
-    init_weights, cfg["init_from_sha256"] = bookkeeping.load_init_from(cfg)
+    init_weights, cfg["init_from_sha256"], init_tokenizer = bookkeeping.load_init_from(cfg)
     cfg["data_dir"] = data_dir = resolve_data_dir(cfg["data_dir"])
     if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
         if master:
@@ -436,6 +440,9 @@ def main(argv):
     val_path, train_paths = find_shards(data_dir)
     vocab_size = min(bookkeeping.model_config(cfg, settings).vocab_size for settings in cfg["arms"].values())
     cfg["tokenizer"] = tokenizer = tokenizer_of(data_dir)  # recorded: byte and GPT-2 cells never pair
+    if init_tokenizer not in (None, tokenizer):  # the same ids would be other tokens
+        raise ConfigError(f"init_from={cfg['init_from']} was trained on {init_tokenizer} tokens, data_dir {data_dir} "
+                          f"holds {tokenizer} tokens; warm-start on data of the checkpoint's tokenizer")
     needed = TOKENIZERS[tokenizer].vocab_size
     if os.path.exists(os.path.join(data_dir, "manifest.json")) and vocab_size < needed:
         raise ConfigError(f"vocab_size={vocab_size} is less than the {needed} ids of {data_dir}'s {tokenizer} tokens; "
@@ -480,3 +487,5 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except (ConfigError, DataError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted: run the same command again to resume each unfinished cell from its last checkpoint")

@@ -682,7 +682,8 @@ def pid_lock(path, busy):
         with open(mine, "w") as f:
             f.write(f"{os.getpid()} {host}")
     except OSError as e:
-        raise DataError(f"cannot write {mine} ({e.strerror}); check the permissions of {os.path.dirname(path) or '.'}") from None
+        raise DataError(f"cannot write {mine} ({e.strerror}); free disk space or check the permissions of "
+                        f"{os.path.dirname(path) or '.'}") from None
     try:
         while True:
             try:
@@ -843,8 +844,13 @@ def prepare_bundled(out_dir, tokenizer=None, quiet=False):
                    shard_tokens=100_000_000, workers=1, quiet=quiet)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other error of the project
+        sys.exit(f"error: {message}; see python data/prepare.py --help")
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("preset", nargs="?", choices=["shakespeare"], help="prepare the bundled corpus")
     parser.add_argument("--input", help="glob of local .parquet/.jsonl/.txt files (default: FineWeb-Edu from the hub)")
     parser.add_argument("--tokenizer", default="gpt2", choices=list(TOKENIZERS), help="gpt2 (50,257 ids) or bytes (257)")

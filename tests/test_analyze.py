@@ -305,7 +305,7 @@ BAD_CELLS = {  # what is wrong with a copy of a good cell -> the one line that s
                                "n_layer='2' must be a positive integer"),
     "no ckpt.pt": (lambda c: os.remove(os.path.join(c, "ckpt.pt")), "ckpt.pt is missing"),
     "truncated ckpt.pt": (lambda c: write(c, "ckpt.pt", "PK\x03\x04 not a checkpoint"), "unreadable, truncated or empty"),
-    "ckpt.pt without weights": (lambda c: edit_ckpt(c, lambda k: k.update(model=[1, 2])), "holds no model weights"),
+    "ckpt.pt without weights": (lambda c: edit_ckpt(c, lambda k: k.update(model=[1, 2])), "is not a checkpoint train.py wrote (model of the wrong type"),
     "ckpt.pt of another model": (lambda c: edit_ckpt(c, lambda k: k["model"].pop("residual.query")), "does not fit the model"),
     "ckpt.pt diverged": (lambda c: edit_ckpt(c, lambda k: k["model"]["residual.query"].fill_(float("nan"))),
                          "non-finite weights"),

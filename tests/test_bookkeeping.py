@@ -297,3 +297,31 @@ def test_optimizer_fsdp_and_wandb_settings_are_one_line(override, world, message
     assert message in str(e.value) and "\n" not in str(e.value)
     bookkeeping.check_config(dict(train.DEFAULTS, fsdp=True, batch_size=8), 2)  # what does run
     bookkeeping.check_config(dict(train.DEFAULTS, optimizer="muon"), 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arms=standard,standard"], "arms='standard,standard': give distinct names"),
+    (["--arms="], "arms='': give distinct names"),
+    (["--arms=standard,,attnres"], "give distinct names"),
+    (["--out_dir="], "out_dir is empty; give a folder"),
+])
+def test_arm_lists_and_empty_folders_are_one_line(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        checked(argv)
+
+
+def test_foreign_and_damaged_checkpoints_are_one_line(tmp_path):
+    (tmp_path / "text.pt").write_bytes(b"hello world" * 10)
+    torch.save({"config": [1], "model": {1: torch.zeros(1)}}, tmp_path / "intkeys.pt")
+    for name, message in (("text.pt", "is missing or unreadable"), ("intkeys.pt", "holds neither a train.py ckpt.pt")):
+        with pytest.raises(ConfigError, match=message):
+            bookkeeping.load_init_from(dict(train.DEFAULTS, init_from=str(tmp_path / name)))
+    good = dict(model={}, optimizer={}, step=4, rng=[dict(torch=torch.get_rng_state(), cuda=None)], data_hash="h",
+                config={}, loss_sum=0.0, step_last=4, wall_time_s=1.0)
+    for change in (dict(step="4"), dict(step=-1), dict(rng=None), dict(rng=[None]), dict(step_last=5)):
+        torch.save(dict(good, **change), tmp_path / "ckpt.pt")
+        with pytest.raises(ConfigError, match="is not a checkpoint train.py wrote"):
+            bookkeeping.load_checkpoint(str(tmp_path / "ckpt.pt"), "cpu")
+    (tmp_path / "log.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
+    with pytest.raises(ConfigError, match="log.jsonl is not text"):
+        bookkeeping.log_until(str(tmp_path / "log.jsonl"), 4)

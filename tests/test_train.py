@@ -689,10 +689,29 @@ def test_a_copied_cell_folder_is_not_a_new_seed(shards, tmp_path, monkeypatch):
     monkeypatch.setattr(report, "main", lambda argv: None)
     args = tiny(shards, tmp_path / "o", "--max_iters=2", "--eval_interval=2", "--arms=attnres")
     train.main(args)
-    shutil.copytree(tmp_path / "o" / "attnres" / "seed0", tmp_path / "o" / "attnres" / "seed7")
+    train.main(args + ["--seeds=1"])
+    cells = tmp_path / "o" / "attnres"
+    shutil.copytree(cells / "seed0", cells / "seed7")
+    with pytest.raises(ConfigError, match=r"seed7/result.json is the result of arm 'attnres' seed 0 \(a copied"):
+        train.main(args + ["--seeds=0,7"])
+    os.remove(cells / "seed7" / "result.json")
     with pytest.raises(ConfigError, match=r"attnres/seed7 holds the record of arm 'attnres' seed 0 \(a copied"):
         train.main(args + ["--seeds=0,7"])
-    (tmp_path / "o" / "attnres" / "seed0" / "config.json").write_text("[]")
+    # a checkpoint copied from another cell, or made with other settings, is not resumed
+    os.remove(cells / "seed1" / "result.json")
+    shutil.copy(cells / "seed0" / "ckpt.pt", cells / "seed1" / "ckpt.pt")
+    with pytest.raises(ConfigError, match=r"seed1/ckpt.pt is the checkpoint of arm 'attnres' seed 0 \(a copied"):
+        train.main(args + ["--seeds=1"])
+    train.main(tiny(shards, tmp_path / "other", "--max_iters=2", "--eval_interval=2", "--arms=attnres", "--seeds=1",
+                    "--learning_rate=2e-2"))
+    shutil.copy(tmp_path / "other" / "attnres" / "seed1" / "ckpt.pt", cells / "seed1" / "ckpt.pt")
+    with pytest.raises(ConfigError, match=r"seed1/ckpt.pt was saved with other settings: learning_rate; rerun"):
+        train.main(args + ["--seeds=1"])
+    # a checkpoint past a lowered max_iters is not trained on forever
+    shutil.copy(tmp_path / "other" / "attnres" / "seed1" / "config.json", cells / "seed1" / "config.json")
+    with pytest.raises(ConfigError, match=r"ckpt.pt is at step 2, past max_iters=1; set --max_iters=2 to finish it"):
+        train.main(args + ["--seeds=1", "--max_iters=1", "--allow_changes=True"])
+    (cells / "seed0" / "config.json").write_text("[]")
     with pytest.raises(ConfigError, match="seed0/config.json holds list, not a train.py record"):
         train.main(args)
 
@@ -781,7 +800,7 @@ def test_muon_trains_and_resumes_exactly(shards, tmp_path, monkeypatch):
     assert without_timings(resumed) == without_timings(whole)
     # another optimizer cannot take over the checkpoint: one line
     os.remove(tmp_path / "killed" / "dar" / "seed0" / "result.json")
-    with pytest.raises(ConfigError, match="ckpt.pt holds an optimizer state that does not fit this optimizer"):
+    with pytest.raises(ConfigError, match="ckpt.pt was trained with optimizer='muon', whose state 'adamw' cannot take over"):
         train.main(tiny(shards, tmp_path / "killed", *args[:-2], "--allow_changes=True"))
 
 
@@ -827,3 +846,17 @@ def test_wandb_logs_one_run_per_cell(shards, tmp_path, monkeypatch):
     train.main(tiny(shards, tmp_path / "on", *args, "--wandb_log=True", "--wandb_project=p", "--wandb_run_name=g",
                     "--arms=attnres"))
     assert fake.runs[-1].kwargs["id"] == "run0" and fake.runs[-1].kwargs["resume"] == "allow"
+
+
+def test_a_warm_start_on_another_tokenizer_is_refused(shards, tmp_path, monkeypatch):
+    import report
+    from data.prepare import prepare
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    prepare(str(tmp_path / "bytes"), input=str(tmp_path / "*.txt"), tokenizer="bytes", val_tokens=2000,
+            shard_tokens=100_000, workers=1, quiet=True)
+    train.main(tiny(shards, tmp_path / "std", "--arms=standard", "--max_iters=2", "--eval_interval=2", "--vocab_size=320"))
+    ckpt = tmp_path / "std" / "standard" / "seed0" / "ckpt.pt"  # trained on shards made elsewhere: GPT-2 ids
+    with pytest.raises(ConfigError, match=r"was trained on gpt2 tokens, data_dir .*bytes holds bytes tokens"):
+        train.main(tiny(str(tmp_path / "bytes"), tmp_path / "warm", "--arms=attnres", "--vocab_size=320",
+                        f"--init_from={ckpt}"))
