@@ -25,7 +25,6 @@ Every input is checked before the evaluation (bad input: one line, nothing writt
 """
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import fields
@@ -278,7 +277,7 @@ def main(argv):
     parser.add_argument("--dtype", default="", help="auto, bfloat16 or float32 (default: the cell's)")
     args = parser.parse_args(argv)
     cfg, model, step = load_cell(args.cell)
-    ctx = train.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
+    ctx = bookkeeping.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
     data_dir = bookkeeping.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = model.config.block_size

@@ -143,7 +143,7 @@ def peak_memory(name, cfg, argv, device, step):
 
 
 def bench_models(cfg, argv):
-    ctx = train.setup(dict(cfg, dtype=cfg["dtype"]))
+    ctx = bookkeeping.setup(dict(cfg, dtype=cfg["dtype"]))
     device, autocast = ctx["device"], ctx["autocast"]
     if cfg["one_variant"]:  # the peak-RSS subprocess
         _, step, _ = setup_variant(cfg["one_variant"], cfg, device, autocast)

@@ -16,7 +16,7 @@ import pickle
 import re
 import shutil
 import subprocess
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from configurator import ConfigError, coerce
-from data.prepare import DataError, pid_lock, write_atomic, write_json
+from data.prepare import (BUNDLED, TOKENIZERS, find_shards, open_shard, pid_lock, prepare_bundled,
+                          shard_tokenizer, verify_manifest, write_atomic, write_json)
 from model import GPT, RESIDUALS, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -192,12 +193,79 @@ def resolve_device(requested, world, local_rank, cuda_count, mps_available):
     return f"cuda:{gpu}"
 
 
+# dense bf16 peak FLOP/s per GPU, for MFU (matched against torch.cuda.get_device_name)
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
+              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12, "RTX 4090": 165e12,
+              "RTX 3090": 71e12}
+
+
+def setup(cfg):
+    """Device, dtype, distributed context: returns ctx."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(cfg["device"], world, local_rank, torch.cuda.device_count(),
+                            torch.backends.mps.is_available())
+    dtype = cfg["dtype"]
+    if dtype not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"dtype={dtype!r}: choose auto, bfloat16 or float32")
+    if device == "cpu":
+        # compiled CPU kernels are otherwise not run-to-run repeatable on several threads (the
+        # default 2-seed run moved by up to 0.1 nats); the deterministic ones cost nothing measurable
+        torch.use_deterministic_algorithms(True)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if world > 1:
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    peak = None
+    if device.startswith("cuda") and dtype == "bfloat16":
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return dict(world=world, rank=rank, local_rank=local_rank, device=device, dtype=dtype, autocast=autocast,
+                peak_flops=peak, fsdp=cfg["fsdp"])
+
+
 def resolve_data_dir(path):
     """data_dir as an absolute path: a relative one is taken from the working directory when it is
     there, else from the project directory (so the bundled default works from anywhere)."""
     if os.path.isabs(path) or os.path.exists(path):
         return os.path.abspath(path)
     return os.path.abspath(os.path.join(HERE, path))
+
+
+def open_data(cfg, vocab_size, init_tokenizer, ctx):
+    """The validation shard and the train shards, every one checked before anything trains (the
+    bundled corpus prepared on first use). Records in cfg what the data is: the absolute data_dir,
+    its tokenizer (byte and GPT-2 cells never pair) and train_data_sha256 (other train data is a
+    change, like other weights; other validation tokens show in each cell's val_hash)."""
+    master = ctx["rank"] == 0
+    cfg["data_dir"] = data_dir = resolve_data_dir(cfg["data_dir"])
+    if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
+        if master:
+            prepare_bundled(data_dir)
+        if ctx["world"] > 1:
+            dist.barrier()
+    manifest = verify_manifest(data_dir, full=cfg["verify_shards"] and master)  # the sha256s once, on rank 0
+    val_path, train_paths = find_shards(data_dir)
+    cfg["tokenizer"] = tokenizer = manifest["tokenizer"] if manifest else shard_tokenizer(val_path)
+    if init_tokenizer not in (None, tokenizer):  # the same ids would be other tokens
+        raise ConfigError(f"init_from={cfg['init_from']} was trained on {init_tokenizer} tokens, data_dir {data_dir} "
+                          f"holds {tokenizer} tokens; warm-start on data of the checkpoint's tokenizer")
+    needed = TOKENIZERS[tokenizer].vocab_size
+    if manifest and vocab_size < needed:
+        raise ConfigError(f"vocab_size={vocab_size} is less than the {needed} ids of {data_dir}'s {tokenizer} tokens; "
+                          f"set --vocab_size={-(-needed // 64) * 64} (padded to a multiple of 64)")
+    val = open_shard(val_path, vocab_size)
+    if cfg["eval_tokens"] > len(val):
+        raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "
+                          f"({len(val):,} tokens); lower eval_tokens")
+    train_shards = [open_shard(path, vocab_size) for path in train_paths]
+    cfg["train_data_sha256"] = train_data_fingerprint(train_paths, manifest)
+    return val, train_shards
 
 
 def check_writable(out_dir):
@@ -334,18 +402,11 @@ def check_result(r, path):
     return r
 
 
-def train_data_fingerprint(data_dir, train_paths):
-    """sha256 over the train shards, cheap enough for every start: each shard's sha256 from
-    manifest.json where data/prepare.py wrote one (verify_shards=True checks those), else its name,
-    size and first and last 64 KiB. The content itself is in data_hash, which only training computes."""
-    listed = {}
-    if os.path.exists(os.path.join(data_dir, "manifest.json")):
-        try:
-            with open(os.path.join(data_dir, "manifest.json")) as f:
-                listed = {s["name"]: s["sha256"] for s in json.load(f)["shards"]}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{data_dir}/manifest.json is damaged ({type(e).__name__}: {e}); rerun data/prepare.py "
-                            f"with the same arguments to repair it") from None
+def train_data_fingerprint(train_paths, manifest):
+    """sha256 over the train shards, cheap enough for every start: each shard's sha256 from the
+    (verified) manifest where data/prepare.py wrote one (verify_shards=True checks those), else its
+    name, size and first and last 64 KiB. The content itself is in data_hash, which only training computes."""
+    listed = {s["name"]: s["sha256"] for s in manifest["shards"]} if manifest else {}
     h = hashlib.sha256()
     for path in train_paths:
         name, size = os.path.basename(path), os.path.getsize(path)
@@ -373,16 +434,26 @@ def shared_init_hash(model):
     return h.hexdigest()
 
 
-def record_grid(cfg, code, recorded, change):
+class GridRecord:
     """out_dir/config.json: the grid's settings, every arm and seed run so far, accepted changes.
-    Written when the first cell starts training, so a run that trains nothing changes nothing."""
-    recorded = recorded or {}
-    seeds = recorded.get("seeds") if isinstance(recorded.get("seeds"), list) else []
-    arms = recorded.get("arms") if isinstance(recorded.get("arms"), dict) else {}
-    changes = recorded.get("changes") if isinstance(recorded.get("changes"), list) else []
-    write_json(os.path.join(cfg["out_dir"], "config.json"),
-               dict(cfg, arms=arms | cfg["arms"], seeds=seeds + [s for s in cfg["seeds"] if s not in seeds],
-                    code=code, changes=changes + ([change] if change else [])))
+    Checked against the run when made (check_rerun); written once, when the run first trains a
+    cell, so a run that trains nothing changes nothing."""
+
+    def __init__(self, cfg, code):
+        self.path, self.cfg, self.code = os.path.join(cfg["out_dir"], "config.json"), cfg, code
+        self.recorded, self.change = check_rerun(self.path, dict(cfg, code=code), cfg["allow_changes"])
+        self.written = False
+
+    def write_once(self):
+        if self.written:
+            return
+        recorded, cfg = self.recorded or {}, self.cfg
+        seeds = recorded.get("seeds") if isinstance(recorded.get("seeds"), list) else []
+        arms = recorded.get("arms") if isinstance(recorded.get("arms"), dict) else {}
+        changes = recorded.get("changes") if isinstance(recorded.get("changes"), list) else []
+        write_json(self.path, dict(cfg, arms=arms | cfg["arms"], seeds=seeds + [s for s in cfg["seeds"] if s not in seeds],
+                                   code=self.code, changes=changes + ([self.change] if self.change else [])))
+        self.written = True
 
 
 # -----------------------------------------------------------------------------

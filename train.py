@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -33,10 +32,9 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bookkeeping
-from bookkeeping import MODEL_DEFAULTS, MODEL_KEYS, resolve_data_dir, rounded
+from bookkeeping import MODEL_DEFAULTS, MODEL_KEYS, rounded
 from configurator import ConfigError, configure
-from data.prepare import (BUNDLED, TOKENIZERS, DataError, find_shards, open_shard, prepare_bundled, tokenizer_of,
-                          verify_manifest, write_json)
+from data.prepare import DataError, write_json
 from model import GPT, RESIDUALS, GPTConfig
 
 _before_config = set(globals())
@@ -93,10 +91,6 @@ wandb_run_name = ""  # the runs' group, each run named <group>/<arm>/seed<k>; ""
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if k not in _before_config and k != "_before_config"}
 DEFAULTS = MODEL_DEFAULTS | DEFAULTS  # every GPTConfig field is a key; the globals above override its defaults
-# dense bf16 peak FLOP/s per GPU, for MFU (matched against torch.cuda.get_device_name)
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
-              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12}
 # --arms=NAME,... may name a scheme of model.py: the arm of that name trains it at the run's settings
 SCHEME_ARMS = {name: {"residual": name} for name in RESIDUALS}
 
@@ -382,45 +376,15 @@ def train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx):
 # -----------------------------------------------------------------------------
 # the grid
 
-def setup(cfg):
-    """Device, dtype, distributed context: returns ctx."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    device = bookkeeping.resolve_device(cfg["device"], world, local_rank, torch.cuda.device_count(),
-                                        torch.backends.mps.is_available())
-    dtype = cfg["dtype"]
-    if dtype not in ("auto", "bfloat16", "float32"):
-        raise ConfigError(f"dtype={dtype!r}: choose auto, bfloat16 or float32")
-    if device == "cpu":
-        # compiled CPU kernels are otherwise not run-to-run repeatable on several threads (the
-        # default 2-seed run moved by up to 0.1 nats); the deterministic ones cost nothing measurable
-        torch.use_deterministic_algorithms(True)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if world > 1:
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    peak = None
-    if device.startswith("cuda") and dtype == "bfloat16":
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return dict(world=world, rank=rank, local_rank=local_rank, device=device, dtype=dtype, autocast=autocast,
-                peak_flops=peak, fsdp=cfg["fsdp"])
-
-
 def main(argv):
     cfg = configure(DEFAULTS, argv, entries=dict(arms=SCHEME_ARMS))
-    ctx = setup(cfg)
+    ctx = bookkeeping.setup(cfg)
     bookkeeping.check_config(cfg, ctx["world"], [a[2:].partition("=")[0] for a in argv if a.startswith("--")])
     master = ctx["rank"] == 0
-    sizes = {arm: bookkeeping.model_config(cfg, settings).block_size for arm, settings in cfg["arms"].items()}
-    if master and len(set(sizes.values())) > 1:  # allowed (a sweep over context), but never paired
-        print(f"note: the arms' block_size differ ({', '.join(f'{a} {n}' for a, n in sizes.items())}): their batches "
-              f"differ, so the report pairs none of them with another")
+    models = {arm: bookkeeping.model_config(cfg, settings) for arm, settings in cfg["arms"].items()}
+    if master and len({m.block_size for m in models.values()}) > 1:  # allowed (a sweep over context), never paired
+        print(f"note: the arms' block_size differ ({', '.join(f'{a} {m.block_size}' for a, m in models.items())}): "
+              f"their batches differ, so the report pairs none of them with another")
     code = bookkeeping.code_record()
     # recorded as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the
     # same); the world size changes a step's rounding, so it is a setting too
@@ -429,48 +393,17 @@ def main(argv):
                world_size=ctx["world"], compile=bookkeeping.resolve_compile(cfg["compile"], ctx["device"]))
     # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
     init_weights, cfg["init_from_sha256"], init_tokenizer = bookkeeping.load_init_from(cfg)
-    cfg["data_dir"] = data_dir = resolve_data_dir(cfg["data_dir"])
-    if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
-        if master:
-            prepare_bundled(data_dir)
-        if ctx["world"] > 1:
-            dist.barrier()
-    if master:
-        verify_manifest(data_dir, full=cfg["verify_shards"])
-    val_path, train_paths = find_shards(data_dir)
-    vocab_size = min(bookkeeping.model_config(cfg, settings).vocab_size for settings in cfg["arms"].values())
-    cfg["tokenizer"] = tokenizer = tokenizer_of(data_dir)  # recorded: byte and GPT-2 cells never pair
-    if init_tokenizer not in (None, tokenizer):  # the same ids would be other tokens
-        raise ConfigError(f"init_from={cfg['init_from']} was trained on {init_tokenizer} tokens, data_dir {data_dir} "
-                          f"holds {tokenizer} tokens; warm-start on data of the checkpoint's tokenizer")
-    needed = TOKENIZERS[tokenizer].vocab_size
-    if os.path.exists(os.path.join(data_dir, "manifest.json")) and vocab_size < needed:
-        raise ConfigError(f"vocab_size={vocab_size} is less than the {needed} ids of {data_dir}'s {tokenizer} tokens; "
-                          f"set --vocab_size={-(-needed // 64) * 64} (padded to a multiple of 64)")
-    val = open_shard(val_path, vocab_size)
-    if cfg["eval_tokens"] > len(val):
-        raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "
-                          f"({len(val):,} tokens); lower eval_tokens")
-    train_shards = [open_shard(path, vocab_size) for path in train_paths]  # every shard checked before training
-    for settings in cfg["arms"].values():  # enough tokens for a sequence of every arm, before anything is written
-        TrainData(train_shards, bookkeeping.model_config(cfg, settings).block_size, 0)
-    # other train data is a change, like other weights; other validation tokens show in each cell's val_hash
-    cfg["train_data_sha256"] = bookkeeping.train_data_fingerprint(data_dir, train_paths)
+    val, train_shards = bookkeeping.open_data(cfg, min(m.vocab_size for m in models.values()), init_tokenizer, ctx)
+    for config in models.values():  # enough tokens for a sequence of every arm, before anything is written
+        TrainData(train_shards, config.block_size, 0)
     # a rerun goes on only with the recorded settings, data and code (or allow_changes=True)
-    recorded, change = bookkeeping.check_rerun(os.path.join(cfg["out_dir"], "config.json"), dict(cfg, code=code),
-                                               cfg["allow_changes"])
+    grid_record = bookkeeping.GridRecord(cfg, code)
     cells = [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
     records = {(arm, seed): bookkeeping.check_cell(cfg, arm, seed, code, val) for arm, seed in cells}
     if master:
         bookkeeping.check_writable(cfg["out_dir"])
     todo = [c for c in cells if not os.path.exists(os.path.join(cfg["out_dir"], c[0], f"seed{c[1]}", "result.json"))]
-    written = []  # the grid's config.json is written once this run trains something
-
-    def record_grid():
-        if not written:
-            bookkeeping.record_grid(cfg, code, recorded, change)
-            written.append(True)
-    grid = dict(records=records, todo=todo, rates={}, init=init_weights, record=record_grid)
+    grid = dict(records=records, todo=todo, rates={}, init=init_weights, record=grid_record.write_once)
     for arm, seed in cells:
         with bookkeeping.cell_lock(os.path.join(cfg["out_dir"], arm, f"seed{seed}"), master):
             train_cell(arm, seed, cfg, code, grid, train_shards, val, ctx)

@@ -4,6 +4,7 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ torch.set_num_threads(1)  # tiny models: threads only contend with each other on
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {"attnres_full": dict(residual="attnres",
                                                                                       attnres_block_size=1)}
-CPU = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
+CPU = dict(rank=0, world=1, device="cpu", autocast=nullcontext())
 EVAL = dict(block_size=16, eval_tokens=400, eval_batch_size=8)
 # at init these equal the unmodified model in exact arithmetic, but sum in another order
 ROUNDED = {("dar", ("one_stream", 0)), ("dar", ("one_stream", 1)), ("mhc", ("identity_mixing",))}
@@ -93,7 +94,6 @@ def grid(tmp_path_factory, stream):
     d = tmp_path_factory.mktemp("analyze")
     write_shard(str(d / "val_000000.bin"), stream[:2000])
     write_shard(str(d / "train_000001.bin"), stream[2000:])
-    arms = ",".join(VARIANTS)
     out = str(d / "out")
     train.main([f"--data_dir={d}", f"--out_dir={out}", "--n_layer=2", "--n_head=2", "--n_embd=32",
                 "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=8", "--eval_interval=8",

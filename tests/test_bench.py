@@ -1,5 +1,4 @@
 import json
-import os
 from contextlib import nullcontext
 
 import pytest

@@ -167,7 +167,7 @@ def test_non_finite_settings_are_refused(key):
     for value in (float("inf"), float("nan")):
         with pytest.raises(ConfigError, match=f"{key}={value} must be a finite number"):
             bookkeeping.check_config(dict(train.DEFAULTS, **{key: value}), 1)
-    with pytest.raises(ConfigError, match=f"arm 'a': norm_eps=inf must be a finite number"):
+    with pytest.raises(ConfigError, match="arm 'a': norm_eps=inf must be a finite number"):
         bookkeeping.check_config(dict(train.DEFAULTS, arms={"a": {"norm_eps": float("inf")}}), 1)
 
 

@@ -2,7 +2,6 @@ import dataclasses
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 

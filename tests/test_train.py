@@ -1,4 +1,3 @@
-import dataclasses
 import hashlib
 import importlib.machinery
 import io
@@ -9,6 +8,7 @@ import socket
 import subprocess
 import sys
 import types
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ import torch
 import bookkeeping
 import train
 from configurator import ConfigError, configure
-from data.prepare import BUNDLED, DataError, write_shard
+from data.prepare import BUNDLED, DataError, open_shard, write_shard
 from model import GPT, RESIDUALS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +96,7 @@ def test_gradients_equal_for_any_split_of_the_step():
             for n in sizes:
                 batches.append((x[start:start + n], y[start:start + n]))
                 start += n
-            loss += train.backward_step(model, batches, 8, dict(world=len(ranks), autocast=train.nullcontext()))
+            loss += train.backward_step(model, batches, 8, dict(world=len(ranks), autocast=nullcontext()))
             for name, p in model.named_parameters():
                 total[name] = total.get(name, 0) + p.grad / len(ranks)
             model.zero_grad(set_to_none=True)
@@ -130,9 +130,9 @@ def shards(tmp_path_factory):
 
 def test_evaluation_is_independent_of_eval_batch_size(shards):
     model = tiny_model()
-    val = train.open_shard(os.path.join(shards, "val_000000.bin"))
+    val = open_shard(os.path.join(shards, "val_000000.bin"))
     cfg = dict(block_size=16, eval_tokens=1000)
-    ctx = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
+    ctx = dict(rank=0, world=1, device="cpu", autocast=nullcontext())
     losses = [train.evaluate(model, val, dict(cfg, eval_batch_size=b), ctx) for b in (1, 7, 62, 100)]
     assert max(losses) - min(losses) < 1e-6
     # the reference: per-token losses of the 62 whole sequences in the first 1000 tokens, one pass
@@ -540,8 +540,8 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
     ckpt = torch.load(tmp_path / "a" / "attnres" / "seed0" / "ckpt.pt", weights_only=False)
     model = GPT(GPTConfig(**ckpt["config"]["model"]))
     model.load_state_dict(ckpt["model"])
-    val = train.open_shard(os.path.join(shards, "val_000000.bin"))
-    ctx = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
+    val = open_shard(os.path.join(shards, "val_000000.bin"))
+    ctx = dict(rank=0, world=1, device="cpu", autocast=nullcontext())
     eager = train.evaluate(model, val, dict(block_size=16, eval_tokens=600, eval_batch_size=8), ctx)
     assert abs(eager - records(tmp_path / "a", "attnres", key="val_loss")[-1]) < 1e-5
 
@@ -588,7 +588,7 @@ class TargetMean(torch.nn.Module):
 def test_evaluation_covers_every_whole_sequence_in_eval_tokens(eval_tokens):
     T = 16
     val = np.arange(1, 3001, dtype=np.uint16)  # token i + 1 at position i: a sum tells which ones were read
-    ctx = dict(rank=0, world=1, device="cpu", autocast=train.nullcontext())
+    ctx = dict(rank=0, world=1, device="cpu", autocast=nullcontext())
     # the direct count: sequence j predicts positions j*T+1 .. j*T+T and needs positions up to j*T+T
     targets = [p for j in range(eval_tokens) for p in range(j * T + 1, j * T + T + 1) if j * T + T < eval_tokens]
     for batch in (1, 3, 64):
