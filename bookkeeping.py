@@ -498,10 +498,9 @@ def load_init_from(cfg):
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only
-    except (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
-        why = "not a checkpoint torch can read safely" if isinstance(e, pickle.UnpicklingError) else \
-            str(e).splitlines()[0] if str(e) else type(e).__name__
+        ckpt = load_tensors(path, "cpu")
+    except (OSError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"init_from={path} is missing or unreadable ({why}); give a train.py ckpt.pt of a "
                           f"residual='standard' arm") from None
     weights = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
@@ -554,15 +553,24 @@ def write_text(text, path):
 CHECKPOINT_KEYS = ("model", "optimizer", "step", "rng", "data_hash", "config", "loss_sum", "step_last", "wall_time_s")
 
 
+def load_tensors(path, device):
+    """torch.load of tensors and plain data only (weights_only: a planted file cannot run code); a
+    file it cannot read is a ValueError whose message is the reason, in one line."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        why = "not a checkpoint torch can read safely" if isinstance(e, pickle.UnpicklingError) else \
+            str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(why) from None
+
+
 def load_checkpoint(path, device):
     """A ckpt.pt as train.py writes it (tensors and plain data only: weights_only), or one line."""
     remedy = "delete it to train the cell from scratch"
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
-        why = "not a checkpoint torch can read safely" if isinstance(e, pickle.UnpicklingError) else \
-            str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"{path} is unreadable, truncated or empty ({why}); {remedy}") from None
+        ckpt = load_tensors(path, device)
+    except ValueError as e:
+        raise ConfigError(f"{path} is unreadable, truncated or empty ({e}); {remedy}") from None
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ConfigError(f"{path} was written by an older train.py (no {', '.join(missing)}); {remedy}")

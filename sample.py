@@ -12,7 +12,6 @@ document (the end-of-text token). Each sample is printed whole, starting with --
 import argparse
 import math
 import os
-import pickle
 import sys
 
 import torch
@@ -34,11 +33,9 @@ def load_cell(path, device):
     if not os.path.isfile(ckpt_path):
         raise DataError(f"{ckpt_path} does not exist; {give}")
     try:
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # tensors and plain data only
-    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
-        why = "not a checkpoint torch can read safely" if isinstance(e, pickle.UnpicklingError) else \
-            str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"{ckpt_path} cannot be read as a checkpoint ({why}); {give}") from None
+        ckpt = bookkeeping.load_tensors(ckpt_path, "cpu")
+    except ValueError as e:
+        raise DataError(f"{ckpt_path} cannot be read as a checkpoint ({e}); {give}") from None
     record = ckpt.get("config") if isinstance(ckpt, dict) else None
     if not (isinstance(record, dict) and isinstance(ckpt.get("model"), dict) and isinstance(record.get("model"), dict)
             and isinstance(record.get("data_dir"), str)):
