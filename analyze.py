@@ -28,14 +28,16 @@ import argparse
 import os
 import sys
 from dataclasses import fields
+from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
 
-import bookkeeping
+import checkpoint
+import records
 import train
-from configurator import ConfigError
-from data.prepare import DataError, find_shards, open_shard, write_json
+from common import ConfigError, UserError, check_writable, write_atomic, write_json, write_text
+from data.shards import find_shards, open_shard
 from model import GPT, GPTConfig
 
 
@@ -58,7 +60,7 @@ def load_cell(cell_dir):
     config_path, ckpt_path = os.path.join(cell_dir, "config.json"), os.path.join(cell_dir, "ckpt.pt")
     if not os.path.isfile(config_path):
         raise ConfigError(f"{cell_dir} is not a cell folder (no config.json); {give}")
-    cfg = bookkeeping.read_record(config_path, "restore it, or rerun train.py for the cell")
+    cfg = records.read_record(config_path, "restore it, or rerun train.py for the cell")
     for key, kind in RECORD_KEYS.items():  # bool is an int to Python, never to a record
         if key not in cfg:
             raise not_a_record(config_path, f"no {key}")
@@ -77,7 +79,7 @@ def load_cell(cell_dir):
     if not os.path.isfile(ckpt_path):
         raise ConfigError(f"{ckpt_path} is missing: the cell saves it at its first evaluation after step 0; "
                           f"train the cell (train.py) first")
-    ckpt = bookkeeping.load_checkpoint(ckpt_path, "cpu")
+    ckpt = checkpoint.load_checkpoint(ckpt_path, "cpu")
     weights = ckpt["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise ConfigError(f"{ckpt_path} holds no model weights; delete it to train the cell from scratch")
@@ -98,23 +100,11 @@ def recorded_val_loss(cell_dir):
     path = os.path.join(cell_dir, "result.json")
     if not os.path.exists(path):
         return None
-    result = bookkeeping.read_record(path, bookkeeping.RESULT_REMEDY)
+    result = records.read_record(path, records.RESULT_REMEDY)
     loss = result.get("val_loss")
     if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
-        raise ConfigError(f"{path} is not a result of train.py (val_loss={loss!r}); {bookkeeping.RESULT_REMEDY}")
+        raise ConfigError(f"{path} is not a result of train.py (val_loss={loss!r}); {records.RESULT_REMEDY}")
     return loss
-
-
-def check_writable(cell_dir):
-    """A probe file in the cell folder: a read-only cell fails here, not after the whole evaluation."""
-    probe = os.path.join(cell_dir, f".analysis_probe.{os.getpid()}.tmp")
-    try:
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"cannot write into {cell_dir} ({e.strerror or e}): analyze.py writes its results there; "
-                          f"make it writable, or copy the cell folder somewhere writable and analyse the copy") from None
 
 
 def accumulate(total, value, weight):
@@ -125,27 +115,28 @@ def accumulate(total, value, weight):
 
 
 @torch.no_grad()
-def representations(model, val, cfg, ctx):
-    """GPT.routing_diagnostics averaged over the tokens of the fixed validation set."""
-    T = cfg["block_size"]
-    n_seq = (cfg["eval_tokens"] - 1) // T
+def representations(model, val, evaluation, runtime):
+    """GPT.routing_diagnostics averaged over the tokens of the fixed validation set (evaluation: its
+    block_size, eval_tokens and eval_batch_size, as train.evaluate takes them)."""
+    T, B = evaluation.block_size, evaluation.eval_batch_size
+    n_seq = (evaluation.eval_tokens - 1) // T
     model.eval()
     total = None
-    for i in tqdm(range(0, n_seq, cfg["eval_batch_size"]), desc="representations", leave=False):
-        x, _ = train.validation_batch(val, range(i, min(i + cfg["eval_batch_size"], n_seq)), T, ctx["device"])
-        with ctx["autocast"]:
+    for i in tqdm(range(0, n_seq, B), desc="representations", leave=False):
+        x, _ = train.validation_batch(val, range(i, min(i + B, n_seq)), T, runtime.device)
+        with runtime.autocast:
             total = accumulate(total, model.routing_diagnostics(x), len(x) / n_seq)  # every batch: T tokens per sequence
     return total
 
 
-def interventions(model, val, cfg, ctx):
+def interventions(model, val, evaluation, runtime):
     """(base NLL, [(change, NLL with the change)]) on the fixed validation set, each through GPT.intervene."""
-    base = train.evaluate(model, val, cfg, ctx)
+    base = train.evaluate(model, val, evaluation, runtime)
     rows = []
     try:
         for change in tqdm(model.interventions(), desc="interventions"):
             model.intervene(change)
-            rows.append((change, train.evaluate(model, val, cfg, ctx)))
+            rows.append((change, train.evaluate(model, val, evaluation, runtime)))
     finally:
         model.intervene()
     return base, rows
@@ -246,8 +237,7 @@ def plots(a, cell_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    save = lambda fig, name: bookkeeping.save_atomically(fig, os.path.join(cell_dir, name),
-                                                   writer=lambda f, p: f.savefig(p, format="png", dpi=120))
+    save = lambda fig, name: write_atomic(os.path.join(cell_dir, name), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     rows = a["interventions"]
     fig, ax = plt.subplots(figsize=(6, 0.25 * len(rows) + 1))
     ax.barh([describe(r["change"]) for r in rows][::-1], [r["delta"] for r in rows][::-1])
@@ -277,11 +267,11 @@ def main(argv):
     parser.add_argument("--dtype", default="", help="auto, bfloat16 or float32 (default: the cell's)")
     args = parser.parse_args(argv)
     cfg, model, step = load_cell(args.cell)
-    ctx = bookkeeping.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
-    data_dir = bookkeeping.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
+    runtime = train.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
+    data_dir = train.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = model.config.block_size
-    if bookkeeping.validation_hash(val, cfg["eval_tokens"], T) != cfg["val_hash"]:  # a shorter shard differs too
+    if records.validation_hash(val, cfg["eval_tokens"], T) != cfg["val_hash"]:  # a shorter shard differs too
         raise ConfigError(f"the first eval_tokens={cfg['eval_tokens']:,} tokens of the validation shard in {data_dir} "
                           f"are not the ones the cell was evaluated on (val_hash differs): restore the cell's data there")
     eval_tokens = min(args.max_tokens or cfg["eval_tokens"], cfg["eval_tokens"])
@@ -289,26 +279,28 @@ def main(argv):
         raise ConfigError(f"--max_tokens={args.max_tokens} is less than one sequence of block_size+1 = {T + 1} tokens")
     capped = eval_tokens < cfg["eval_tokens"]
     recorded = None if capped else recorded_val_loss(args.cell)  # on other tokens it would not compare
-    check_writable(args.cell)  # every input is checked: now minutes of evaluation, then the writes
-    code = bookkeeping.code_record()  # the analysis is of this code's model: recorded, and said when it is not the cell's
+    # every input is checked: now minutes of evaluation, then the writes
+    check_writable(args.cell, "analyze.py writes its results there; make it writable, or copy the cell folder somewhere "
+                              "writable and analyse the copy")
+    code = records.code_record()  # the analysis is of this code's model: recorded, and said when it is not the cell's
     trained = cfg.get("code") if isinstance(cfg.get("code"), dict) else {}
     if trained.get("fingerprint") != code["fingerprint"]:
         print(f"note: the code differs from the one {args.cell} was trained with "
-              f"({', '.join(bookkeeping.changed_files(trained, code))}); these numbers are of the current code")
-    model.to(ctx["device"])
-    ecfg = dict(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
-    base, rows = interventions(model, val, ecfg, ctx)
+              f"({', '.join(records.changed_files(trained, code))}); these numbers are of the current code")
+    model.to(runtime.device)
+    evaluation = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
+    base, rows = interventions(model, val, evaluation, runtime)
     tokens = (eval_tokens - 1) // T * T
     a = dict(cell=os.path.abspath(args.cell), arm=cfg["arm"], seed=cfg["seed"], residual=model.config.residual,
-             step=step, device=ctx["device"], tokens=tokens, cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
+             step=step, device=runtime.device, tokens=tokens, cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
              capped=capped, base_nll=base, recorded_val_loss=recorded, code=code,
              trained_code=trained.get("fingerprint"),
              interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
-             representations=bookkeeping.rounded(representations(model, val, ecfg, ctx)) if rows else None)
+             representations=records.rounded(representations(model, val, evaluation, runtime)) if rows else None)
     if model.config.residual == "dar":
         a["dar"] = dar_summary(a)
     write_json(os.path.join(args.cell, "analysis.json"), a)
-    bookkeeping.save_atomically(markdown(a), os.path.join(args.cell, "analysis.md"), writer=bookkeeping.write_text)
+    write_text(os.path.join(args.cell, "analysis.md"), markdown(a))
     if rows:
         plots(a, args.cell)
     print(markdown(a))
@@ -317,5 +309,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

@@ -5,7 +5,9 @@ $ python bench.py                        # the CPU reference shape: 12 layers, d
 $ python bench.py --n_embd=768 --n_head=12 --block_size=1024 --batch_size=16   # 120m shape on a GPU
 $ python bench.py --mode=prepare [--copies=40]   # data/prepare.py tokens/s against single-core tiktoken x cores
 
-Model mode, per variant: median ms per training step (forward, backward, AdamW step) and tokens/s;
+Model mode, per variant (the `moe` row: standard with 8 experts, top-2, at the dense MLP's active
+FLOPs): parameters, all and active (one token's; MoE: k of E experts), median ms per training step
+(forward, backward, AdamW step, the MoE balancing-bias update) and tokens/s;
 the time ratio to `standard` measured in alternating rounds (standard, variant, standard, ...:
 only interleaved ratios survive a machine whose speed drifts); bytes saved for backward by one
 training step (unique storages seen by torch.autograd.graph.saved_tensors_hooks, in eager mode:
@@ -30,18 +32,19 @@ import time
 
 import torch
 
-import bookkeeping
+import records
 import train
-from configurator import ConfigError, configure
-from data.prepare import DataError, write_json
+from common import ConfigError, DataError, UserError, check_writable, write_json
+from configurator import configure
 from model import GPT, RESIDUALS
 
-VARIANTS = {}  # one row per scheme in model.RESIDUALS at its defaults; AttnRes in its Full and Block forms
+VARIANTS = {}  # one row per scheme in model.RESIDUALS at its defaults; AttnRes in its Full and Block forms; MoE
 for name in RESIDUALS:
     if name == "attnres":
         VARIANTS |= dict(attnres_full=dict(residual=name, attnres_block_size=1), attnres_block=dict(residual=name))
     else:
         VARIANTS[name] = dict(residual=name)
+VARIANTS["moe"] = dict(n_experts=8, moe_top_k=2)  # standard under a sparse MoE MLP at the dense MLP's active FLOPs
 # every train.py key, so every GPTConfig field, is a bench key
 BENCH_DEFAULTS = dict(
     train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4, vocab_size=50304, compile=True,
@@ -53,7 +56,7 @@ BENCH_DEFAULTS = dict(
 def variant_config(cfg, name):
     """A row's GPTConfig: the run's model keys, a scheme's own options (--hc_streams=2) for its rows only."""
     try:
-        return bookkeeping.model_config(cfg, VARIANTS[name])
+        return records.model_config(cfg, VARIANTS[name])
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
 
@@ -73,6 +76,7 @@ def setup_variant(name, cfg, device, autocast):
             _, loss = forward(x, y)
         loss.backward()
         optimizer.step()
+        model.update_expert_bias()  # MoE: as train.py steps it
         optimizer.zero_grad(set_to_none=True)
 
     return model, step, (x, y)
@@ -143,8 +147,8 @@ def peak_memory(name, cfg, argv, device, step):
 
 
 def bench_models(cfg, argv):
-    ctx = bookkeeping.setup(dict(cfg, dtype=cfg["dtype"]))
-    device, autocast = ctx["device"], ctx["autocast"]
+    runtime = train.setup(cfg)
+    device, autocast = runtime.device, runtime.autocast
     if cfg["one_variant"]:  # the peak-RSS subprocess
         _, step, _ = setup_variant(cfg["one_variant"], cfg, device, autocast)
         for _ in range(3):
@@ -179,29 +183,31 @@ def bench_models(cfg, argv):
             times[name].append(t_var)
             ratios[name].append(t_var / t_std)
     tokens = cfg["batch_size"] * cfg["block_size"]
-    records = []
+    rows = []
     for name in names:
         model, step, batch = setups[name]
         ms = 1000 * statistics.median(times[name])
-        records.append(dict(variant=name, compile_s=ready_s[name], ms_per_step=ms, tokens_per_s=tokens / ms * 1000,
-                            time_ratio=statistics.median(ratios[name]) if ratios[name] else 1.0,
-                            saved_bytes=saved_bytes(model, batch, autocast),
-                            forward_bytes=forward_memory(model, batch, autocast, device, False),
-                            forward_bytes_checkpointed=forward_memory(model, batch, autocast, device, True),
-                            peak_mem_bytes=peak_memory(name, cfg, argv, device, step),
-                            mfu=model.flops_per_token(cfg["block_size"]) * tokens / (ms / 1000) / ctx["peak_flops"]
-                            if ctx["peak_flops"] else None))
-    for r in records:
-        r["mem_ratio"] = r["saved_bytes"] / records[0]["saved_bytes"]
-    print(f"{'variant':<15}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}{'saved x':>9}{'peak MiB':>10}"
-          f"{'MFU':>7}{'fwd MiB':>9}{'ckpt MiB':>10}")
+        rows.append(dict(variant=name, params=model.num_params(non_embedding=False),
+                         active_params=model.num_params(non_embedding=False, active=True),
+                         compile_s=ready_s[name], ms_per_step=ms, tokens_per_s=tokens / ms * 1000,
+                         time_ratio=statistics.median(ratios[name]) if ratios[name] else 1.0,
+                         saved_bytes=saved_bytes(model, batch, autocast),
+                         forward_bytes=forward_memory(model, batch, autocast, device, False),
+                         forward_bytes_checkpointed=forward_memory(model, batch, autocast, device, True),
+                         peak_mem_bytes=peak_memory(name, cfg, argv, device, step),
+                         mfu=model.flops_per_token(cfg["block_size"]) * tokens / (ms / 1000) / runtime.peak_flops
+                         if runtime.peak_flops else None))
+    for r in rows:
+        r["mem_ratio"] = r["saved_bytes"] / rows[0]["saved_bytes"]
+    print(f"{'variant':<15}{'params M':>10}{'active M':>10}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}"
+          f"{'saved x':>9}{'peak MiB':>10}{'MFU':>7}{'fwd MiB':>9}{'ckpt MiB':>10}")
     mib = lambda b: f"{b / 2**20:.0f}" if b else "-"
-    for r in records:
+    for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-        print(f"{r['variant']:<15}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10,.0f}{r['time_ratio']:>9.3f}"
+        print(f"{r['variant']:<15}{r['params'] / 1e6:>10.2f}{r['active_params'] / 1e6:>10.2f}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10,.0f}{r['time_ratio']:>9.3f}"
               f"{r['saved_bytes'] / 2**20:>11.1f}{r['mem_ratio']:>9.3f}{mib(r['peak_mem_bytes']):>10}{mfu:>7}"
               f"{mib(r['forward_bytes']):>9}{mib(r['forward_bytes_checkpointed']):>10}")
-    return records
+    return rows
 
 
 def bench_prepare(cfg):
@@ -209,7 +215,7 @@ def bench_prepare(cfg):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data import prepare as P
+    from data import prepare as P, shards as S
     with tempfile.TemporaryDirectory() as tmp:
         pattern = cfg["input"]
         if not pattern:  # the bundled corpus cut into ~4,000-character documents (about FineWeb-Edu's
@@ -226,7 +232,7 @@ def bench_prepare(cfg):
             except (pa.ArrowException, OSError) as e:
                 raise DataError(f"{path}: not a parquet file with a text column ({str(e).splitlines()[0]}); "
                                 f"give --input a glob of such files") from None
-        enc = P.gpt2_tokenizer()
+        enc = S.gpt2_tokenizer()
 
         def single_core_rate():
             t0 = time.perf_counter()
@@ -276,31 +282,26 @@ def check_bench(cfg):
         variant_config(cfg, name)
 
 
-def check_writable(path):
+def check_out(path):
     """An --out that cannot be written fails before the benchmark, not after it."""
     if os.path.isdir(path):
         raise ConfigError(f"out={path} is a folder; give a file name, e.g. --out={os.path.join(path, 'bench.json')}")
-    probe = f"{path}.{os.getpid()}.tmp"
-    try:
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"out={path}: cannot write there ({e.strerror or e}); give a path in a writable folder") from None
+    check_writable(os.path.dirname(os.path.abspath(path)), f"give --out={path} a path in a writable folder")
 
 
 def main(argv):
     cfg = configure(BENCH_DEFAULTS, argv)
     check_bench(cfg)
     if not cfg["one_variant"]:  # the peak-RSS subprocess prints its number and writes nothing
-        check_writable(cfg["out"])
-    records = bench_prepare(cfg) if cfg["mode"] == "prepare" else bench_models(cfg, argv)
-    if records is not None:
-        write_json(cfg["out"], records)
+        check_out(cfg["out"])
+    rows = bench_prepare(cfg) if cfg["mode"] == "prepare" else bench_models(cfg, argv)
+    if rows is not None:
+        write_json(cfg["out"], rows)
         print(f"wrote {cfg['out']}")
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

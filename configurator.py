@@ -23,11 +23,9 @@ import ast
 import difflib
 import os
 
+from common import ConfigError
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class ConfigError(Exception):
-    """Bad configuration: the message is the one line the user sees."""
 
 
 def coerce(key, value, default, entries=None):

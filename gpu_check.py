@@ -11,7 +11,8 @@ own process, all at once (cold compiles are single-threaded, so this fills the m
 and fills the inductor cache; each variant's cold compile time is recorded); (3) bench.py at the
 120m shape for standard, attnres_block, rd_attnres and dar, interleaved, on the warm cache;
 (4) a 40-step single-GPU training smoke of config/rd_120m.py on the bundled corpus: ms/step, MFU
-and evaluation seconds. After (3) the log shows the GPU speed table of the README, targets beside.
+and evaluation seconds; (5) the MoE expert paths (moe_paths): the grouped path against the loop.
+After (3) the log shows the GPU speed table of the README, targets beside.
 """
 
 import json
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from data.prepare import write_json
+from common import write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ["standard", "attnres_block", "rd_attnres", "dar"]
@@ -65,6 +66,82 @@ def speed_table(records, cold_compile_s):
         lines.append(f"| {name} | {r['ms_per_step']:.1f} | {time_x} | {r['mem_ratio']:.3f} | {mfu} | "
                      f"{'-' if compile_s is None else f'{compile_s:.0f} s'} | {target.get(name, '')} |")
     return lines
+
+
+def moe_paths(device="cuda", d=768, hidden=1536, experts=8, top_k=2, tokens=32 * 1024, steps=10):
+    """
+    One MoE layer at the 120m width (8 experts of width 1536, top-2: the dense MLP's active FLOPs),
+    32 x 1024 tokens, bf16 autocast: the grouped path (grouped_mm; compiled fullgraph, so a graph
+    break fails loudly) against the per-expert loop - output and gradients (of the input and of every
+    expert weight), relative errors - and ms per forward + backward of each; then the whole layer as
+    training runs it (compiled: routing, the path forward() chooses) beside the dense MLP (compiled).
+    """
+    import torch
+    from model import MLP, GPTConfig, MoE
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+
+    def ms_per_call(fn):
+        for _ in range(3):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        return round((time.perf_counter() - t0) / steps * 1000, 3)
+
+    torch.manual_seed(0)
+    layer = MoE(GPTConfig(n_embd=d, n_head=d // 64, n_experts=experts, moe_top_k=top_k, moe_expert_hidden=hidden)).to(device)
+    dense = MLP(GPTConfig(n_embd=d, n_head=d // 64)).to(device)  # width 4d = top_k * hidden at the defaults
+    x = torch.randn(tokens, d, device=device, requires_grad=True)
+    chosen, _, _ = layer.route(x)
+    load = torch.zeros(experts, dtype=torch.long, device=device).scatter_add_(0, chosen.flatten(), torch.ones_like(chosen.flatten()))
+    upstream = torch.randn(tokens, top_k, d, device=device)
+    inputs = [x] + [p for e in layer.experts for p in e.parameters()]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        result = dict(grouped_chosen=layer.grouped(x))  # what MoE.forward runs here
+    runs = {}
+    for name, path in (("loop", layer.experts_loop),
+                       ("grouped", torch.compile(layer.experts_grouped, fullgraph=True, dynamic=False))):
+        def step():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                y = path(x, chosen, load).float()
+            return y, torch.autograd.grad((y * upstream).sum(), inputs)
+        try:
+            runs[name] = step()
+        except RuntimeError as e:  # a CPU (--dry_run) whose torch has no grouped_mm kernel there
+            if device == "cuda" or name == "loop":
+                raise
+            result["grouped_skipped"] = str(e).splitlines()[0]
+            break
+        result[f"{name}_ms"] = ms_per_call(step)
+    for name, module in (("moe_layer", layer), ("dense_mlp", dense)):
+        compiled = torch.compile(module)
+
+        def step():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                y = compiled(x).float()
+            torch.autograd.grad((y * upstream[:, 0]).sum(), [x, *module.parameters()])
+        result[f"{name}_ms"] = ms_per_call(step)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    if "grouped" in runs:
+        (y_g, g_g), (y_l, g_l) = runs["grouped"], runs["loop"]
+        result["output_rel_err"] = rel(y_g, y_l)
+        result["grad_rel_err"] = dict(x=rel(g_g[0], g_l[0]),
+                                      experts=rel(torch.cat([g.flatten() for g in g_g[1:]]), torch.cat([g.flatten() for g in g_l[1:]])))
+    # both bf16 with fp32 accumulation: they differ by rounding only (a wrong sort is off by O(1))
+    close = "grouped" not in runs or (result["output_rel_err"] < 1e-2 and max(result["grad_rel_err"].values()) < 2e-2)
+    result["ok"] = close and (result["grouped_chosen"] or device != "cuda")
+    return result
+
+
+def moe_step(path, dry):
+    """Step (5) in a process of its own: moe_paths on the GPU (--dry_run: a tiny layer on the CPU) into path."""
+    small = dict(device="cpu", d=64, hidden=128, tokens=512, steps=2) if dry else {}
+    result = moe_paths(**small)
+    write_json(path, result)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
 
 
 def main(argv):
@@ -143,6 +220,16 @@ def main(argv):
             val_loss=[round(r["val_loss"], 4) for r in evals],
             eval_s=[r.get("eval_s") for r in evals])
         log(f"train smoke: {summary['train_smoke']}")
+
+    # (5) the MoE expert paths: the grouped kernels that MoE training on CUDA runs, against the loop
+    moe_json = os.path.join(out, "moe_paths.json")
+    if os.path.exists(moe_json):  # a rerun of the check measures again: no earlier run's numbers
+        os.remove(moe_json)
+    moe = ["-c", f"import sys, gpu_check; sys.exit(gpu_check.moe_step({moe_json!r}, {dry!r}))"]
+    finish("moe_paths", start("moe_paths", moe, out), cap(180), summary, log)
+    if os.path.exists(moe_json):
+        summary["moe_paths"] = json.load(open(moe_json))
+        log(f"moe paths: {summary['moe_paths']}")
     summary["total_s"] = round(time.perf_counter() - t_start, 1)
     summary["ok"] = all(s["ok"] for s in summary["steps"].values())
     write_json(os.path.join(out, "gpu_check.json"), summary)

@@ -3,6 +3,8 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
 `GPTConfig.residual` (the `RESIDUALS` registry; docs/variants.md writes out the math of each).
 
 - standard:    x <- x + f_k(x), the pre-norm baseline.
+- scaled_residual: x <- lambda_k x + mu_k h_0 + f_k(x), learned scalars on the stream and an
+               embedding skip (the modded-nanogpt / nanochat dense baseline).
 - attnres:     Attention Residuals (Kimi Team, arXiv 2603.15031). Each sublayer reads a softmax
                mix of earlier block outputs; attnres_block_size=1 is Full AttnRes, >1 Block.
 - rd_attnres:  Role-Decoupled AttnRes (arXiv 2608.01075; design inferred from the abstract): the
@@ -14,22 +16,26 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
 - denseformer: DenseFormer (arXiv 2402.02622): after each layer, a learned static weighted
                average of the embedding and every layer output so far.
 
-The transformer branch (attention, MLP) never learns which scheme feeds it: attention takes one
-input for Q/K and one for V (plus RD's optional value gain), the MLP takes one input. A scheme is
-a small module with the methods ResidualScheme declares, and GPT.hidden is one loop over the 2L
-sublayers.
+The transformer branch (attention, MLP) never learns which scheme feeds it: attention takes a
+query, a key and a value input (plus RD's optional value gain; one input feeds all three by
+default, through one fused projection), the MLP takes one input. A scheme is a small module with
+the methods ResidualScheme declares, and GPT.hidden is one loop over the 2L sublayers. Under any
+scheme the MLP may be a sparse mixture of experts (n_experts > 1: class MoE).
 
 Adding a scheme:
-  1. subclass ResidualScheme: start, read, write (read_attention if attention reads differently),
-     extra_params (its parameter count, as a formula), check (its config errors), `options` (the
-     GPTConfig fields only it reads; add them to GPTConfig with a default);
+  1. subclass ResidualScheme and write its REQUIRED surface: start, read, write, extra_params (its
+     parameter count, as a formula), check (its config errors) and `options` (the GPTConfig fields
+     only it reads; add them to GPTConfig with a default). Decode sublayer indices with layer_of,
+     is_attention and is_output, never by hand;
   2. make it exactly `standard` at init (tests/test_model.py checks it); random init is allowed:
      GPT builds the scheme under its own RNG, after the shared weights, so just call nn.init.*;
-  3. optionally list analysis switches (`interventions`, changes(), self.intervention) and record
-     diagnostics (self.record);
+  3. optionally: read_attention (separate query, key and value inputs), interventions() with
+     `intervention_kinds` (analysis switches, read from self.intervention), diagnostics through
+     self.note(name, compute) (free when off), dead_rows() (rows that get no gradient by construction);
   4. add one line to RESIDUALS and run `pytest tests/test_model.py -k NAME`: every generic test
-     (zero init, shared init, gradients from init, causality, compile, counts) is parametrized
-     over the registry; add a reference test of your formulas beside the others.
+     (zero init, shared init, gradients from init, causality, compile, counts, diagnostics,
+     interventions) is parametrized over the registry and reads what the scheme declares; its
+     failure message says what to fix. Add a reference test of your formulas beside the others.
 """
 
 import hashlib
@@ -38,6 +44,7 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -82,15 +89,21 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("rotary_cos", cos, persistent=False)
         self.register_buffer("rotary_sin", sin, persistent=False)
 
-    def forward(self, h_qk, h_v):
-        """h_qk feeds queries and keys, h_v feeds values (both already normalised)."""
-        B, T, C = h_qk.size()
-        if h_v is h_qk:  # one fused projection when all three read the same input
-            q, k, v = self.c_attn(h_qk).split(C, dim=2)
-        else:
-            q, k = F.linear(h_qk, self.c_attn.weight[: 2 * C]).split(C, dim=2)
-            v = F.linear(h_v, self.c_attn.weight[2 * C:])
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in (q, k, v))
+    def project(self, h_q, h_k, h_v):
+        """Q, K, V (B, T, C) from their inputs; an input that is None is h_q, and shares its matmul."""
+        C = h_q.size(-1)
+        if h_k is None and h_v is None:  # the fast path: one fused projection
+            return self.c_attn(h_q).split(C, dim=2)
+        W = self.c_attn.weight
+        if h_k is None:
+            q, k = F.linear(h_q, W[: 2 * C]).split(C, dim=2)
+            return q, k, F.linear(h_v, W[2 * C:])
+        return tuple(F.linear(h, W[i * C:(i + 1) * C]) for i, h in enumerate((h_q, h_k, h_q if h_v is None else h_v)))
+
+    def forward(self, h_q, h_k=None, h_v=None):
+        """h_q feeds the queries, h_k the keys, h_v the values (all already normalised; None: h_q)."""
+        B, T, C = h_q.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.project(h_q, h_k, h_v))
         cos, sin = self.rotary_cos[:T, None], self.rotary_sin[:T, None]
         q, k, v = (t.transpose(1, 2) for t in (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
@@ -101,14 +114,119 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, hidden=None):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        hidden = hidden or 4 * config.n_embd  # MoE experts: their own width
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))  # exact (erf) GELU
+
+
+# grouped matmul (CUDA bf16 kernels): torch.nn.functional.grouped_mm, or torch._grouped_mm before it was public
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUP_ALIGN = 8  # rows per expert group padded to a multiple of 16 bytes in bf16 (the backward's jagged dimension)
+
+
+def expert_hidden(config):
+    """An expert's hidden width: moe_expert_hidden, or when 0 the width at which the k routed and the
+    shared experts a token reaches cost what the dense MLP does, 4d / (k + shared), rounded to the
+    nearest multiple of 64 (halves up), at least 64."""
+    if config.moe_expert_hidden:
+        return config.moe_expert_hidden
+    return 64 * max(1, math.floor(config.n_embd / (16 * (config.moe_top_k + config.moe_shared_experts)) + 0.5))
+
+
+class MoE(nn.Module):
+    """
+    A sparse mixture-of-experts MLP (n_experts > 1): out = sum_j g_j E_j(x) + S(x) over a token's
+    moe_top_k experts j, plus moe_shared_experts experts every token reaches (S: one MLP of their
+    summed width). Token choice, dropless: every token reaches its k experts, no capacity.
+    Router (DeepSeek-V3): fp32 scores s = sigmoid(W_r x); the experts are the top k of s + b, b the
+    balancing bias, which steers selection only; the gates g are the chosen s normalised to sum to 1.
+    Balancing without an auxiliary loss: training forwards count each expert's routed tokens in
+    expert_load; after each optimizer step GPT.update_expert_bias sums them over ranks and moves
+    b_e by moe_bias_rate * sign(mean load - load_e). Both are buffers, so they are checkpointed.
+    Two expert paths, one result: experts_loop (the reference: one matmul pair per expert; CPU, fp32)
+    and experts_grouped (one grouped matmul for all experts: CUDA under bf16 autocast).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(config, expert_hidden(config)) for _ in range(config.n_experts)])
+        self.shared = MLP(config, config.moe_shared_experts * expert_hidden(config)) if config.moe_shared_experts else None
+        self.dropout = nn.Dropout(config.dropout)  # on the routed sum, so that both paths drop alike
+        self.top_k, self.bias_rate = config.moe_top_k, config.moe_bias_rate
+        self.register_buffer("expert_bias", torch.zeros(config.n_experts))
+        # routed (token, expert) pairs since the last bias update; activation checkpointing recomputes
+        # the forward and counts each pair twice, which the sign update (of proportions) does not see
+        self.register_buffer("expert_load", torch.zeros(config.n_experts, dtype=torch.long))
+        self.record = None  # routing_diagnostics: a dict while it runs (an attribute from the start: compile guards)
+
+    def route(self, x):
+        """x (N, d) -> each token's experts (N, k), their gates (N, k) and all scores (N, E), fp32 (fp64 for fp64 x)."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            scores = torch.sigmoid(F.linear(x.to(acc), self.router.weight.to(acc)))
+            experts = torch.topk(scores + self.expert_bias.to(acc), self.top_k, dim=-1).indices
+            chosen = scores.gather(-1, experts)
+        return experts, chosen / chosen.sum(-1, keepdim=True), scores
+
+    def grouped(self, x):
+        """Whether experts_grouped runs: its kernels are CUDA bf16 (sm80+), its strides multiples of 16 bytes."""
+        widths = (x.size(-1), self.experts[0].c_fc.out_features)
+        return (GROUPED_MM is not None and x.is_cuda and torch.is_autocast_enabled(x.device.type)
+                and torch.get_autocast_dtype(x.device.type) == torch.bfloat16 and all(w % 8 == 0 for w in widths))
+
+    def experts_loop(self, x, experts, load):
+        """(N, k, d): each token's k expert outputs, one expert at a time over the tokens that chose it
+        (sizes known only at run time: a graph break under torch.compile, unless dynamo is told to
+        capture dynamic-shape operators, capture_dynamic_output_shape_ops)."""
+        ys = x.new_zeros(*experts.shape, x.size(-1))
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(experts == e)
+            ys[token, slot] = expert.c_proj(F.gelu(expert.c_fc(x[token]))).to(ys.dtype)
+        return ys
+
+    def experts_grouped(self, x, experts, load):
+        """(N, k, d) as experts_loop, by two grouped matmuls over all experts: the (token, slot) pairs
+        sorted by expert into a buffer of static size N k + E * GROUP_ALIGN rows, each expert's group
+        padded to a multiple of GROUP_ALIGN (no host sync, no dynamic shape: compiles as one graph)."""
+        N, k = experts.shape
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # pairs grouped by expert, in token order within a group
+        padded = (load + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+        ends = padded.cumsum(0)
+        start, padded_start = load.cumsum(0) - load, ends - padded
+        sorted_e = flat[order]
+        rows = torch.empty_like(order).index_put_(  # the buffer row of each pair, in (token, slot) order
+            (order,), padded_start[sorted_e] + torch.arange(N * k, device=x.device) - start[sorted_e])
+        xs = x.new_zeros(N * k + len(self.experts) * GROUP_ALIGN, x.size(-1), dtype=torch.bfloat16)
+        xs = xs.index_put((rows,), x.to(torch.bfloat16).repeat_interleave(k, dim=0))
+        w_fc = torch.stack([e.c_fc.weight for e in self.experts]).to(torch.bfloat16)  # (E, h, d)
+        w_proj = torch.stack([e.c_proj.weight for e in self.experts]).to(torch.bfloat16)  # (E, d, h)
+        offs = ends.to(torch.int32)
+        h = F.gelu(GROUPED_MM(xs, w_fc.transpose(1, 2), offs=offs))
+        return GROUPED_MM(h, w_proj.transpose(1, 2), offs=offs)[rows].view(N, k, -1)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        experts, gates, scores = self.route(x)
+        load = torch.zeros_like(self.expert_load).scatter_add_(0, experts.flatten(), torch.ones_like(experts.flatten()))
+        if self.training and torch.is_grad_enabled():  # a training forward (not evaluation, not diagnostics)
+            self.expert_load += load
+        if self.record is not None:
+            p = scores / scores.sum(-1, keepdim=True)
+            self.record.update(load=load.float() / x.size(0), entropy=-torch.special.xlogy(p, p).sum(-1).mean())
+        ys = (self.experts_grouped if self.grouped(x) else self.experts_loop)(x, experts, load)
+        out = self.dropout((ys * gates.unsqueeze(-1)).sum(1))  # gates in fp32: the sum too
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(*shape[:-1], -1)
 
 
 class Block(nn.Module):
@@ -119,15 +237,19 @@ class Block(nn.Module):
         self.ln_1 = RMSNorm(config.n_embd, config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if config.n_experts == 1 else MoE(config)
 
-    def attention(self, x_qk, x_v, value_gain=None):
+    def attention(self, x_q, x_k, x_v, value_gain=None):
+        """Attention over the query, key and value inputs; an input that is an earlier one is normalised once."""
         # value_gain: RD's 'param' control, a per-channel gain after the norm (before it, the norm would undo part of it)
-        h_qk = self.ln_1(x_qk)
-        h_v = h_qk if x_v is x_qk else self.ln_1(x_v)
+        h_q = self.ln_1(x_q)
+        h_k = h_q if x_k is x_q else self.ln_1(x_k)
+        h_v = h_q if x_v is x_q else h_k if x_v is x_k else self.ln_1(x_v)
         if value_gain is not None:
             h_v = h_v * (1 + value_gain)
-        return self.attn(h_qk, h_v)
+        # None, not h_q: FSDP2 hands its module new tensor objects in forward but not in checkpoint's
+        # recomputation, so a test of identity inside attn would pick another path there
+        return self.attn(h_q, None if h_k is h_q else h_k, None if h_v is h_q else h_v)
 
     def feedforward(self, x):
         return self.mlp(self.ln_2(x))
@@ -140,16 +262,18 @@ class Block(nn.Module):
 # softmax attention over depth at every token, each source its own key:
 #     l_i = <u, s_i> / rms(s_i),   alpha = softmax(l),   out = sum_i alpha_i s_i.
 # Within a block the sealed sources do not change, so (the AttnRes paper's two-phase form) all
-# the reads of a block are done over them when the block opens (read_sealed: compiled, each
-# sealed source is read once for all of them), and each read later adds the block's running partial sum p by
-# one online-softmax step (depth_merge), which is exactly the read over s_1 .. s_n, p:
+# the reads of a block are done over them when the block opens (depth_read_sealed: compiled, each
+# sealed source is read once for all of them), and each read later adds the block's running partial
+# sum p by one online-softmax step (depth_read_extend), which is exactly the read over s_1 .. s_n, p:
 #     out = (1 - beta) a + beta p,   beta = sigmoid(l_p - logsumexp_{i <= n} l_i).
 # 12 layers in blocks of 4: the norms and logits, and the mix, each read 46 sources per forward
-# instead of 109. DAR takes phase 1's weights only and mixes at read time (DualAttnRes).
+# instead of 109. DAR takes the weights only (depth_weights_sealed, depth_weights_extend) and
+# mixes at read time (DualAttnRes).
 
-class Read(NamedTuple):
-    """R reads over the same n sources: R outputs (B, T, d) (None where only the weights were
-    wanted), the weights (B, T, R, n) and their logits' logsumexp (B, T, R)."""
+class DepthSoftmax(NamedTuple):
+    """R softmax reads over the same n sources: the R mixes (B, T, d) - None from the depth_weights_*
+    functions, which compute the weights only - the weights (B, T, R, n) and their logits'
+    logsumexp (B, T, R), which extending to one more source needs."""
     outputs: list | None
     weights: torch.Tensor
     lse: torch.Tensor
@@ -195,12 +319,12 @@ def depth_read(keys, values, directions, eps):
     """
     R reads (directions (R, d)) over n sources, each source read once for all. keys, values: lists
     of n tensors (B, T, d) in the residual stream's dtype, oldest first (the same list, unless a
-    scheme addresses its sources by other keys). Returns a Read.
+    scheme addresses its sources by other keys). Returns a DepthSoftmax.
     """
     weights, lse = depth_weights(keys, directions, eps)
     if len(values) == 1:  # a read over one source is that source
-        return Read([values[0]] * directions.size(0), torch.ones_like(weights), lse)
-    return Read(depth_mix(values, weights), weights, lse)
+        return DepthSoftmax([values[0]] * directions.size(0), torch.ones_like(weights), lse)
+    return DepthSoftmax(depth_mix(values, weights), weights, lse)
 
 
 class OnlineSoftmaxStep(torch.autograd.Function):
@@ -223,34 +347,46 @@ class OnlineSoftmaxStep(torch.autograd.Function):
         return grad * (1 - beta), grad * beta, beta * (grad * (v - out)).sum(-1, keepdim=True)
 
 
-def depth_merge(read, key, value, directions, eps):
-    """Phase 2: a Read over n sources extended by one more, (key, value) (B, T, d), with the same R
-    directions: the Read over n + 1 sources. Without outputs (read.outputs None) only the weights."""
+def depth_weights_extend(read, key, directions, eps):
+    """Phase 2, weights only: the weights and logsumexp of a DepthSoftmax over n sources extended by
+    one more source, addressed by key (B, T, d), with the same R directions (outputs None)."""
+    logit = depth_logits([key], directions, eps)[..., 0]
+    beta = torch.sigmoid(logit - read.lse).unsqueeze(-1)
+    return DepthSoftmax(None, torch.cat([read.weights * (1 - beta), beta], dim=-1), torch.logaddexp(read.lse, logit))
+
+
+def depth_read_extend(read, key, value, directions, eps):
+    """Phase 2: a DepthSoftmax over n sources extended by one more, (key, value) (B, T, d), with the
+    same R directions: the DepthSoftmax over n + 1 sources, mixes included."""
     logit = depth_logits([key], directions, eps)[..., 0]
     gap = logit - read.lse
-    outputs = None
-    if read.outputs is not None:
-        with torch.autocast(value.device.type, enabled=False):
-            outputs = [OnlineSoftmaxStep.apply(a.to(gap.dtype), value.to(gap.dtype), gap[..., r, None]).to(a.dtype)
-                       for r, a in enumerate(read.outputs)]
+    with torch.autocast(value.device.type, enabled=False):
+        outputs = [OnlineSoftmaxStep.apply(a.to(gap.dtype), value.to(gap.dtype), gap[..., r, None]).to(a.dtype)
+                   for r, a in enumerate(read.outputs)]
     beta = torch.sigmoid(gap).unsqueeze(-1)
-    return Read(outputs, torch.cat([read.weights * (1 - beta), beta], dim=-1), torch.logaddexp(read.lse, logit))
+    return DepthSoftmax(outputs, torch.cat([read.weights * (1 - beta), beta], dim=-1), torch.logaddexp(read.lse, logit))
 
 
-def read_sealed(keys, values, directions, eps):
-    """
-    Phase 1, when a block opens: directions {read k: (R_k, d)} of the block's reads -> {read k:
-    Read} over the sealed sources, each read once for all of them. values=None: the weights only
-    (Read.outputs None), for a scheme that mixes at read time.
-    """
-    every = torch.cat(list(directions.values()))
-    read = Read(None, *depth_weights(keys, every, eps)) if values is None else depth_read(keys, values, every, eps)
+def split_by_read(result, directions):
+    """{read k: its rows of one DepthSoftmax} for the reads whose directions were concatenated."""
     reads, r = {}, 0
     for k, u in directions.items():
         routes = slice(r, r + u.size(0))
-        reads[k] = Read(None if read.outputs is None else read.outputs[routes], read.weights[..., routes, :], read.lse[..., routes])
+        outputs = None if result.outputs is None else result.outputs[routes]
+        reads[k] = DepthSoftmax(outputs, result.weights[..., routes, :], result.lse[..., routes])
         r += u.size(0)
     return reads
+
+
+def depth_read_sealed(keys, values, directions, eps):
+    """Phase 1, when a block opens: directions {read k: (R_k, d)} of the block's reads -> {read k:
+    DepthSoftmax} over the sealed sources, each source read once for all of them."""
+    return split_by_read(depth_read(keys, values, torch.cat(list(directions.values())), eps), directions)
+
+
+def depth_weights_sealed(keys, directions, eps):
+    """Phase 1, weights only (outputs None), for a scheme that mixes at read time."""
+    return split_by_read(DepthSoftmax(None, *depth_weights(keys, torch.cat(list(directions.values())), eps)), directions)
 
 
 def cosine_matrix(sources):
@@ -269,17 +405,31 @@ def js_divergence(p, q):
 
 # -----------------------------------------------------------------------------
 # Residual schemes. State flows functionally: write() returns the new state.
+#
+# Sublayers are numbered k = 0 .. 2L - 1: even k is layer k // 2's attention, odd k its MLP; the
+# output read (into ln_f and the head) is k = 2L, a scheme's `output_read`.
+
+def layer_of(k):
+    """The layer that sublayer k belongs to."""
+    return k // 2
+
+
+def is_attention(k):
+    """Whether sublayer k < output_read is its layer's attention (else its MLP); test is_output first."""
+    return k % 2 == 0
+
 
 class ResidualScheme(nn.Module):
     """
-    What GPT.hidden drives. A scheme writes start, read, write and extra_params (and check,
-    read_attention, changes where the defaults do not fit), gets one line in RESIDUALS and is
-    tested by `pytest tests/test_model.py -k NAME`. Sublayers are numbered k = 0 .. n_sublayers - 1
-    (n_sublayers = 2L): even k is layer k // 2's attention, odd k its MLP, and k = n_sublayers is
-    the output read (into ln_f and the head). The state is whatever start() returns; write()
-    returns a new one.
-    `options` are the GPTConfig fields only this scheme reads; another scheme must leave them at
-    their defaults (GPTConfig checks this).
+    What GPT.hidden drives: state = start(x); for each sublayer k, its input is read(state, k)
+    (read_attention for attention), and state = write(state, k, its output); the output read is
+    read(state, output_read). The state is whatever start() returns.
+
+    REQUIRED: start, read, write, extra_params, and where they apply check and `options` (the
+    GPTConfig fields only this scheme reads; another scheme must leave them at their defaults,
+    GPTConfig checks this). OPTIONAL: read_attention (attention reads other than its MLP: separate
+    query, key and value inputs), interventions (analysis switches, with `intervention_kinds`),
+    diagnostics (self.note), dead_rows (parameter rows that get no gradient by construction).
 
     Rules: the model must be exactly `standard` at init (up to the norms' eps), so that an arm
     starts where the baseline does. __init__ may draw random numbers (nn.init.normal_ etc.): GPT
@@ -287,22 +437,27 @@ class ResidualScheme(nn.Module):
     seed and the scheme's name, so the shared weights and the global RNG are the same in every arm.
 
     Diagnostics: while GPT.routing_diagnostics runs, self.record is a dict of per-token tensors
-    (B, T, ...). A key without '/' holds a read's depth weights over its sources (embedding first,
-    summing to 1), named read_name(k) plus the route when a read has several ('attn_v.{l}' for
-    RD's second route, '.s0' / '.s1' for DAR's streams); any other quantity is 'group/read name'.
-    Interventions (optional): an analysis may set self.intervention to a change whose kind is in
-    `interventions`; changes() lists every change this model can make (see GPT.intervene), and
-    each must change the loss once the routing parameters are random (tested).
+    (B, T, ...) that self.note fills (free otherwise). A key without '/' holds a read's depth
+    weights over its sources (embedding first, summing to 1), named name_of(k) plus the route when
+    a read has several ('attn_v.{l}' for a separate value route, '.s0' / '.s1' for DAR's streams);
+    any other quantity is 'group/read name'.
+    Interventions: an analysis may set self.intervention (through GPT.intervene) to an intervention
+    (kind, *where) whose kind is in `intervention_kinds`; interventions() lists every one this
+    scheme's settings accept, and each must change the loss once the routing parameters are random
+    (tested).
     """
-    options = ()
-    interventions = ()
+    options = ()  # required where it applies: the GPTConfig fields only this scheme reads
+    intervention_kinds = ()  # optional: the kinds of intervention this scheme accepts
 
     def __init__(self, config):
         super().__init__()
         self.n_sublayers = 2 * config.n_layer
+        self.output_read = self.n_sublayers  # the index of the read into ln_f and the head
         # instance attributes from the start: setting one later (diagnostics, an analysis) would
         # change what torch.compile guards on and recompile the training graph once
         self.record, self.intervention = None, None
+
+    # --- required ---
 
     @staticmethod
     def check(config):
@@ -319,25 +474,44 @@ class ResidualScheme(nn.Module):
 
     def read(self, state, k):
         """The input (B, T, d) of sublayer k (of attention too, unless read_attention says otherwise), or of
-        the output when k == n_sublayers."""
+        the output when k is output_read."""
         raise NotImplementedError
-
-    def read_attention(self, state, k):
-        """(Q/K input, V input, per-channel V gain or None) of attention sublayer k; one read feeds all by default."""
-        x = self.read(state, k)
-        return x, x, None
 
     def write(self, state, k, out):
         """The state once sublayer k's output `out` (B, T, d) has joined it."""
         raise NotImplementedError
 
-    def changes(self):
-        """Every change GPT.intervene accepts for this scheme's settings, in a fixed order."""
+    # --- optional ---
+
+    def read_attention(self, state, k):
+        """(query input, key input, value input, per-channel value gain or None) of attention sublayer k;
+        one read feeds all three by default (and then one fused projection computes Q, K and V)."""
+        x = self.read(state, k)
+        return x, x, x, None
+
+    def interventions(self):
+        """Every intervention GPT.intervene accepts for this scheme's settings, in a fixed order."""
         return []
 
-    def read_name(self, k):
+    def dead_rows(self):
+        """{parameter name: rows (first axis) that get no gradient by construction}, e.g. the query of
+        a read that sees one source; every other row of every parameter must learn (tested)."""
+        return {}
+
+    # --- helpers ---
+
+    def is_output(self, k):
+        """Whether k is the output read (into ln_f and the head) rather than a sublayer."""
+        return k == self.output_read
+
+    def name_of(self, k):
         """The diagnostics name of read k: attn.{layer}, mlp.{layer}, or out."""
-        return "out" if k == self.n_sublayers else f"attn.{k // 2}" if k % 2 == 0 else f"mlp.{k // 2}"
+        return "out" if self.is_output(k) else f"attn.{layer_of(k)}" if is_attention(k) else f"mlp.{layer_of(k)}"
+
+    def note(self, name, compute):
+        """Record compute() under name while diagnostics run; free otherwise (compute is not called)."""
+        if self.record is not None:
+            self.record[name] = compute()
 
     def uniform(self, query, name):
         """query, or zeros (uniform depth weights) where an analysis made read `name` uniform."""
@@ -361,14 +535,55 @@ class StandardResidual(ResidualScheme):
         return x + out
 
 
+class Skip(NamedTuple):
+    """scaled_residual's state: the stream x and the embedding it skips to every sublayer."""
+    x: torch.Tensor
+    embedding: torch.Tensor
+
+
+class ScaledResidual(ResidualScheme):
+    """
+    x <- lambda_k x + mu_k h_0 + f_k(x): a learned scalar on the stream and one on an embedding skip
+    per sublayer (the dense baseline of modded-nanogpt and nanochat). lambda = 1, mu = 0 at init:
+    exactly `standard` (1 * x and 0 * h_0 are exact), yet both get a gradient from the first step.
+    Intervention ("identity_scales",): every lambda 1 and every mu 0, the standard residual.
+    """
+    intervention_kinds = ("identity_scales",)
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * 2 * config.n_layer  # lambda and mu per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.residual_scale = nn.Parameter(torch.ones(self.n_sublayers))  # lambda_k
+        self.embedding_scale = nn.Parameter(torch.zeros(self.n_sublayers))  # mu_k
+
+    def start(self, x):
+        return Skip(x, x)
+
+    def interventions(self):
+        return [("identity_scales",)]
+
+    def read(self, state, k):
+        return state.x
+
+    def write(self, state, k, out):
+        lam, mu = self.residual_scale[k], self.embedding_scale[k]
+        self.note(f"scales/{self.name_of(k)}", lambda: torch.stack([lam, mu]).expand(*out.shape[:-1], 2))
+        if self.intervention == ("identity_scales",):
+            return state._replace(x=state.x + out)
+        return state._replace(x=lam * state.x + mu * state.embedding + out)
+
+
 class History(NamedTuple):
     """An AttnRes stream: its sealed blocks (the embedding, then one sum of attnres_block_size
     sublayer outputs each), the open block's running sum `partial` (None right after a seal) and
-    `reads`: read k -> phase 1's Read of it, for every read of the open block (DAR: weights only,
-    addressed by the keys of the stream that keys this one)."""
+    `sealed_reads`: read k -> phase 1's DepthSoftmax of it over the sealed blocks, for every read
+    of the open block (DAR: weights only, addressed by the keys of the stream that keys this one)."""
     blocks: list
     partial: torch.Tensor | None
-    reads: dict
+    sealed_reads: dict
 
     def sources(self):
         """Everything a read of the open block looks at, oldest first: the sealed blocks, then the partial."""
@@ -384,10 +599,10 @@ class AttnRes(ResidualScheme):
     """
     Full (block_size=1) and Block AttnRes. Sources are the embedding, every sealed block (a sum
     of block_size sublayer outputs) and the running partial sum of the current block. Sublayer k
-    reads them with its own (query[k], key_gain[k]); row n_sublayers is the output read.
+    reads them with its own (query[k], key_gain[k]); row output_read is the output read.
     Intervention ("uniform", read name): that read's depth weights become uniform (a zero query).
     """
-    interventions = ("uniform",)
+    intervention_kinds = ("uniform",)
 
     @staticmethod
     def check(config):
@@ -412,30 +627,34 @@ class AttnRes(ResidualScheme):
 
     def directions(self, k):
         """(R, d): query times key gain for each route of read k (AttnRes: one)."""
-        return self.uniform(self.query[k:k + 1], self.read_name(k)) * self.key_gain[k]
+        return self.uniform(self.query[k:k + 1], self.name_of(k)) * self.key_gain[k]
 
     def open_block(self, blocks, k):
         reads = reads_in_block(k, self.block_size, self.n_sublayers)
-        return History(blocks, None, read_sealed(blocks, blocks, {j: self.directions(j) for j in reads}, self.eps))
+        return History(blocks, None, depth_read_sealed(blocks, blocks, {j: self.directions(j) for j in reads}, self.eps))
 
     def start(self, x):
         return self.open_block([x], 0)
 
-    def changes(self):
+    def interventions(self):
         # read 0 sees the embedding alone (the identity whatever its weights); every later read sees 2+ sources
-        return [("uniform", self.read_name(k)) for k in range(1, self.n_sublayers + 1)]
+        return [("uniform", self.name_of(k)) for k in range(1, self.output_read + 1)]
+
+    def dead_rows(self):
+        return {"query": {0}, "key_gain": {0}}  # sublayer 0 reads the embedding alone
 
     def full_read(self, state, k):
         """Read k over every source: phase 1's read, extended by the partial sum where there is one."""
-        read = state.reads[k]
-        return read if state.partial is None else depth_merge(read, state.partial, state.partial, self.directions(k), self.eps)
+        read = state.sealed_reads[k]
+        if state.partial is None:
+            return read
+        return depth_read_extend(read, state.partial, state.partial, self.directions(k), self.eps)
 
     def read(self, state, k):
         (out,), weights, _ = self.full_read(state, k)
-        if self.record is not None:
-            self.record[self.read_name(k)] = weights[..., 0, :]
-            if k == self.n_sublayers:  # every source exists here: how alike they are (depth-wise diversity)
-                self.record["source_cosine/out"] = cosine_matrix(state.blocks)
+        self.note(self.name_of(k), lambda: weights[..., 0, :])
+        if self.is_output(k):  # every source exists here: how alike they are (depth-wise diversity)
+            self.note("source_cosine/out", lambda: cosine_matrix(state.blocks))
         return out
 
     def write(self, state, k, out):
@@ -460,7 +679,7 @@ class RDAttnRes(AttnRes):
     or ("tie_value", l): the second route uses the Q/K query (every layer, or layer l): the parent.
     """
     options = ("rd_control",)
-    interventions = ("uniform", "tie_value")
+    intervention_kinds = ("uniform", "tie_value")
     CONTROLS = ("none", "dup", "param", "fixed_v", "mix")
 
     @staticmethod
@@ -476,24 +695,27 @@ class RDAttnRes(AttnRes):
 
     def __init__(self, config):
         super().__init__(config)
-        self.control = config.rd_control
+        self.control, self.n_layer = config.rd_control, config.n_layer
         if self.control in ("none", "mix"):
             self.value_query = nn.Parameter(torch.zeros(config.n_layer, config.n_embd))
         elif self.control == "param":
             self.value_gain = nn.Parameter(torch.zeros(config.n_layer, config.n_embd))
 
-    def changes(self):
+    def interventions(self):
         if self.control not in ("none", "mix"):  # no learned second route: nothing of RD's own to change
-            return super().changes()
-        layers = range(1, self.n_sublayers // 2)  # layer 0's attention reads the embedding alone
-        return (super().changes() + [("uniform", f"attn_v.{l}") for l in layers]
+            return super().interventions()
+        layers = range(1, self.n_layer)  # layer 0's attention reads the embedding alone
+        return (super().interventions() + [("uniform", f"attn_v.{l}") for l in layers]
                 + [("tie_value", l) for l in layers] + [("tie_value",)])
+
+    def dead_rows(self):
+        return super().dead_rows() | ({"value_query": {0}} if self.control in ("none", "mix") else {})
 
     def directions(self, k):
         """An attention read has two routes, Q/K and V (one under the 'param' control)."""
-        if k % 2 == 1 or k == self.n_sublayers or self.control == "param":
+        if not is_attention(k) or self.is_output(k) or self.control == "param":
             return super().directions(k)
-        layer = k // 2
+        layer = layer_of(k)
         query = self.uniform(self.query[k], f"attn.{layer}")
         if self.control == "dup" or self.intervention in (("tie_value",), ("tie_value", layer)):
             value_query = query
@@ -504,17 +726,17 @@ class RDAttnRes(AttnRes):
         return torch.stack([query, value_query]) * self.key_gain[k]
 
     def read_attention(self, state, k):
-        layer = k // 2
+        layer = layer_of(k)
         if self.control == "param":
             x = self.read(state, k)
-            return x, x, self.value_gain[layer]
+            return x, x, x, self.value_gain[layer]
         (x_qk, x_v), weights, _ = self.full_read(state, k)
-        if self.record is not None:
-            self.record[f"attn.{layer}"], self.record[f"attn_v.{layer}"] = weights[..., 0, :], weights[..., 1, :]
+        self.note(f"attn.{layer}", lambda: weights[..., 0, :])
+        self.note(f"attn_v.{layer}", lambda: weights[..., 1, :])
         if self.control == "mix":
             x = (x_qk + x_v) / 2
-            return x, x, None
-        return x_qk, x_v, None
+            return x, x, x, None
+        return x_qk, x_qk, x_v, None
 
 
 class DualAttnRes(ResidualScheme):
@@ -529,43 +751,57 @@ class DualAttnRes(ResidualScheme):
     (elementwise; a block's first write is p_s = beta_s * y). Per channel, not one scalar per
     stream: with scalars and blocks of 1, every source of stream 1 would be a positive multiple of
     stream 0's, which RMS-normalised keys cannot tell apart (reciprocal keys = own keys).
-    While the streams are equal the model is Block AttnRes, so at init it is `standard`; the
-    alternating fusion init (stream 0 on even sublayers, stream 1 on odd) breaks the symmetry.
+    Start (dar_start):
+      distinct  the streams differ from the first write: antisymmetric gates theta[k, 1] = -theta[k, 0],
+                drawn in (-1, 1) per channel, and an even fusion pi = (1/2, 1/2). Then beta0 + beta1 = 2,
+                the mix keeps p0 + p1, so with uniform (zero-query) reads the fused input is the
+                standard stream over the source count: `standard` at init, the streams apart.
+      copy      both streams copies (zero gates), the symmetry broken only by the fusion's
+                alternating init (stream 0 on even sublayers, stream 1 on odd): Block AttnRes at init.
     Interventions: ("uniform", read name) as AttnRes, for both streams' reads; ("own_keys",): each
     stream is addressed by its own keys; ("one_stream", s): every read takes stream s alone.
     """
-    options = ("dar_keys",)
-    interventions = ("uniform", "own_keys", "one_stream")
+    options = ("dar_keys", "dar_start")
+    intervention_kinds = ("uniform", "own_keys", "one_stream")
     KEYS = ("reciprocal", "self")
+    STARTS = ("distinct", "copy")
 
     @staticmethod
     def check(config):
         AttnRes.check(config)
         if config.dar_keys not in DualAttnRes.KEYS:
             raise ValueError(f"unknown dar_keys {config.dar_keys!r}; choose one of {', '.join(DualAttnRes.KEYS)}")
+        if config.dar_start not in DualAttnRes.STARTS:
+            raise ValueError(f"unknown dar_start {config.dar_start!r}; choose one of {', '.join(DualAttnRes.STARTS)}")
 
     @staticmethod
     def extra_params(config):
         n_sublayers, d = 2 * config.n_layer, config.n_embd
-        # per read: 2 queries, a key gain, 2 fusion logits; per sublayer: 2 write gates of d, one rho
-        return (n_sublayers + 1) * (3 * d + 2) + n_sublayers * (2 * d + 1)
+        # per read: 2 queries, a key gain, 2 fusion logits; per sublayer: 2 write gates of d, and one
+        # rho where blocks hold more than one sublayer (blocks of 1 never mix partials)
+        return (n_sublayers + 1) * (3 * d + 2) + n_sublayers * 2 * d + (n_sublayers if config.attnres_block_size > 1 else 0)
 
     def __init__(self, config):
         super().__init__(config)
         n_sublayers, d = self.n_sublayers, config.n_embd
-        self.query = nn.Parameter(torch.zeros(n_sublayers + 1, 2, d))  # row n_sublayers: the output read
+        self.query = nn.Parameter(torch.zeros(n_sublayers + 1, 2, d))  # row output_read: the output read
         self.key_gain = nn.Parameter(torch.ones(n_sublayers + 1, d))  # one key gain for both streams
-        fusion = torch.zeros(n_sublayers + 1, 2)
-        fusion[0:n_sublayers:2] = torch.tensor([3.0, -3.0])
-        fusion[1:n_sublayers:2] = torch.tensor([-3.0, 3.0])
-        self.fusion = nn.Parameter(fusion)  # the output read starts at (0, 0): an even mix
-        self.write_gate = nn.Parameter(torch.zeros(n_sublayers, 2, d))  # beta = 2 sigmoid(0) = 1
-        self.mixing = nn.Parameter(torch.full((n_sublayers,), 3.0))  # rho = sigmoid(3): mostly keep own
+        fusion, write_gate = torch.zeros(n_sublayers + 1, 2), torch.zeros(n_sublayers, 2, d)
+        if config.dar_start == "distinct":  # beta0 + beta1 = 2 sigmoid(t) + 2 sigmoid(-t) = 2 per channel
+            theta = torch.rand(n_sublayers, d) * 2 - 1
+            write_gate = torch.stack([theta, -theta], dim=1)
+        else:  # copy: beta = 2 sigmoid(0) = 1 for both; the output read starts at (0, 0), an even mix
+            fusion[:n_sublayers] = torch.tensor([[3.0, -3.0] if is_attention(k) else [-3.0, 3.0]
+                                                 for k in range(n_sublayers)])
+        self.fusion = nn.Parameter(fusion)
+        self.write_gate = nn.Parameter(write_gate)
         self.block_size, self.eps = config.attnres_block_size, config.norm_eps
+        # rho = sigmoid(3): mostly keep own; none in blocks of 1, where DDP would find it unused
+        self.mixing = nn.Parameter(torch.full((n_sublayers,), 3.0)) if self.block_size > 1 else None
         self.reciprocal = config.dar_keys == "reciprocal"
 
     def directions(self, k, s):
-        return self.uniform(self.query[k, s:s + 1], self.read_name(k)) * self.key_gain[k]
+        return self.uniform(self.query[k, s:s + 1], self.name_of(k)) * self.key_gain[k]
 
     def keyed_by(self, s):
         """The stream whose keys address stream s."""
@@ -576,24 +812,31 @@ class DualAttnRes(ResidualScheme):
         # weights only: one mix of both streams at read time keeps nothing new for backward, where
         # phase-1 reads would cost two (B, T, d) tensors per read (the fusion's gradient needs both)
         reads = reads_in_block(k, self.block_size, self.n_sublayers)
-        return tuple(History(blocks[s], None, read_sealed(blocks[self.keyed_by(s)], None,
-                                                          {j: self.directions(j, s) for j in reads}, self.eps))
+        return tuple(History(blocks[s], None, depth_weights_sealed(blocks[self.keyed_by(s)],
+                                                                   {j: self.directions(j, s) for j in reads}, self.eps))
                      for s in (0, 1))
 
     def start(self, x):
         return self.open_block(([x], [x]), 0)
 
-    def changes(self):
+    def interventions(self):
         own = [("own_keys",)] if self.reciprocal else []  # dar_keys='self' reads by its own keys already
-        return ([("uniform", self.read_name(k)) for k in range(1, self.n_sublayers + 1)] + own
+        return ([("uniform", self.name_of(k)) for k in range(1, self.output_read + 1)] + own
                 + [("one_stream", 0), ("one_stream", 1)])
+
+    def dead_rows(self):
+        # sublayer 0 reads the embedding alone (the same one in both streams); rho is unused where a block starts
+        dead = {"query": {0}, "key_gain": {0}, "fusion": {0}}
+        if self.mixing is not None:
+            dead["mixing"] = set(range(0, self.n_sublayers, self.block_size))
+        return dead
 
     def read(self, state, k):
         weights = []
         for s in (0, 1):
-            read, key = state[s].reads[k], state[self.keyed_by(s)].partial
+            read, key = state[s].sealed_reads[k], state[self.keyed_by(s)].partial
             if key is not None:  # the partial sums join the weights (the mix below reads them)
-                read = depth_merge(read, key, None, self.directions(k, s), self.eps)
+                read = depth_weights_extend(read, key, self.directions(k, s), self.eps)
             weights.append(read.weights)
         pi = self.fusion[k].softmax(-1)
         if self.intervention in (("one_stream", 0), ("one_stream", 1)):
@@ -601,20 +844,23 @@ class DualAttnRes(ResidualScheme):
         sources = [stream.sources() for stream in state]
         # both streams' reads and their fusion in one pass: x = sum_s pi_s sum_i alpha_si h_si
         (x,) = depth_mix(sources[0] + sources[1], torch.cat([pi[0] * weights[0], pi[1] * weights[1]], dim=-1))
-        if self.record is not None:
-            name = self.read_name(k)
-            for s in (0, 1):
-                self.record[f"{name}.s{s}"] = weights[s][..., 0, :]
-            self.record[f"fusion/{name}"] = pi.expand(*x.shape[:-1], 2)
-            if len(sources[0]) > 1:  # the embedding is shared; compare the rest of the histories
-                self.record[f"stream_cosine/{name}"] = torch.stack([F.cosine_similarity(a, b, dim=-1)
-                                                                    for a, b in zip(sources[0][1:], sources[1][1:])]).mean(0)
-            if k == self.n_sublayers:  # every block exists here: each stream's diversity, and the streams' per block
-                for s in (0, 1):
-                    self.record[f"source_cosine/out.s{s}"] = cosine_matrix(sources[s])
-                self.record["block_cosine/out"] = torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1)
-                                                               for a, b in zip(sources[0][1:], sources[1][1:])], -1)
+        self.note_read(k, x, pi, weights, sources)
         return x
+
+    def note_read(self, k, x, pi, weights, sources):
+        """Diagnostics of read k: each stream's depth weights, the fusion, how alike the streams are."""
+        name, own = self.name_of(k), [s[1:] for s in sources]  # the embedding is shared: compare the rest
+        for s in (0, 1):
+            self.note(f"{name}.s{s}", lambda: weights[s][..., 0, :])
+        self.note(f"fusion/{name}", lambda: pi.expand(*x.shape[:-1], 2))
+        if own[0]:
+            self.note(f"stream_cosine/{name}", lambda: torch.stack([F.cosine_similarity(a, b, dim=-1)
+                                                                    for a, b in zip(*own)]).mean(0))
+        if self.is_output(k):  # every block exists here: each stream's diversity, and the streams' per block
+            for s in (0, 1):
+                self.note(f"source_cosine/out.s{s}", lambda: cosine_matrix(sources[s]))
+            self.note("block_cosine/out", lambda: torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1)
+                                                               for a, b in zip(*own)], -1))
 
     def write(self, state, k, out):
         p0, p1 = state[0].partial, state[1].partial
@@ -624,10 +870,8 @@ class DualAttnRes(ResidualScheme):
         else:
             rho = torch.sigmoid(self.mixing[k])
             p0, p1 = rho * p0 + (1 - rho) * p1 + beta[0] * out, (1 - rho) * p0 + rho * p1 + beta[1] * out
-            if self.record is not None:
-                self.record[f"mixing/{self.read_name(k)}"] = rho.expand(out.shape[:-1])
-        if self.record is not None:  # each stream's gate averaged over channels
-            self.record[f"write_gate/{self.read_name(k)}"] = beta.mean(-1).expand(*out.shape[:-1], 2)
+            self.note(f"mixing/{self.name_of(k)}", lambda: rho.expand(out.shape[:-1]))
+        self.note(f"write_gate/{self.name_of(k)}", lambda: beta.mean(-1).expand(*out.shape[:-1], 2))  # per stream
         if (k + 1) % self.block_size == 0:  # both blocks are sealed
             return self.open_block((state[0].blocks + [p0], state[1].blocks + [p1]), k + 1)
         return state[0]._replace(partial=p0), state[1]._replace(partial=p1)
@@ -646,7 +890,7 @@ class MultiStream(ResidualScheme):
     of the streams. Subclasses say how (pre, mix, post) follow from the features of H.
     Intervention ("identity_mixing",): every stream is kept as it is (mix = I)."""
     options = ("hc_streams",)
-    interventions = ("identity_mixing",)
+    intervention_kinds = ("identity_mixing",)
 
     @staticmethod
     def check(config):
@@ -674,13 +918,12 @@ class MultiStream(ResidualScheme):
         with torch.autocast(x.device.type, enabled=False):  # stream weights in fp32
             return Streams(H, self.features(H))
 
-    def changes(self):
+    def interventions(self):
         return [("identity_mixing",)]
 
     def read(self, state, k):
-        if k == self.n_sublayers:
-            if self.record is not None:  # are the streams used as different streams?
-                self.record["stream_cosine/out"] = cosine_matrix(state.H.unbind(-2))
+        if self.is_output(k):
+            self.note("stream_cosine/out", lambda: cosine_matrix(state.H.unbind(-2)))  # used as different streams?
             return state.H.sum(-2)
         with torch.autocast(state.H.device.type, enabled=False):
             return (self.read_weights(state, k).unsqueeze(-1) * state.H).sum(-2)
@@ -690,8 +933,7 @@ class MultiStream(ResidualScheme):
             mix, post = self.write_weights(state, k)
             if self.intervention == ("identity_mixing",):
                 mix = torch.eye(self.n_streams, device=mix.device).expand_as(mix)
-            if self.record is not None:
-                self.record[f"stream_mixing/{self.read_name(k)}"] = mix
+            self.note(f"stream_mixing/{self.name_of(k)}", lambda: mix)
             H = torch.einsum("btij,btjd->btid", mix, state.H) + post.unsqueeze(-1) * out.unsqueeze(-2)
             return Streams(H, self.features(H) if k + 1 < self.n_sublayers else None)
 
@@ -767,6 +1009,10 @@ class ManifoldHyperConnections(MultiStream):
         self.bias_post = nn.Parameter(torch.zeros(n_sublayers, n))
         self.bias_res = nn.Parameter(torch.where(torch.eye(n).bool(), 0.0, -4.0).repeat(n_sublayers, 1, 1))
 
+    def dead_rows(self):
+        # a doubly stochastic mix of identical streams (sublayer 0), or of streams that are then summed (the last)
+        return {"phi_res": {0, self.n_sublayers - 1}, "bias_res": {0, self.n_sublayers - 1}}
+
     def features(self, H):
         return F.rms_norm(H.flatten(-2), (H.size(-2) * H.size(-1),), eps=self.eps)  # all streams as one vector
 
@@ -795,7 +1041,7 @@ class DenseFormer(ResidualScheme):
     paper's: the model is `standard`. Intervention ("identity_dwa",) or ("identity_dwa", l): every
     average (or layer l's) becomes the standard residual's alpha = (0, .., 0, 1).
     """
-    interventions = ("identity_dwa",)
+    intervention_kinds = ("identity_dwa",)
 
     @staticmethod
     def extra_params(config):
@@ -809,7 +1055,7 @@ class DenseFormer(ResidualScheme):
     def start(self, x):
         return Dense(x, [x])
 
-    def changes(self):
+    def interventions(self):
         return [("identity_dwa", l) for l in range(len(self.dwa))] + [("identity_dwa",)]
 
     def read(self, state, k):
@@ -817,21 +1063,27 @@ class DenseFormer(ResidualScheme):
 
     def write(self, state, k, out):
         x = state.x + out
-        if k % 2 == 0:  # after attention the layer is not done yet
+        if is_attention(k):  # after attention the layer is not done yet
             return Dense(x, state.outputs)
-        outputs, alpha = state.outputs + [x], self.dwa[k // 2]
-        if self.record is not None:
-            self.record[f"dwa/{self.read_name(k)}"] = alpha.expand(*x.shape[:-1], len(outputs))
-            if k == self.n_sublayers - 1:  # every layer output exists here: how alike they are
-                self.record["source_cosine/out"] = cosine_matrix(outputs)
-        if self.intervention in (("identity_dwa",), ("identity_dwa", k // 2)):
+        layer = layer_of(k)
+        outputs, alpha = state.outputs + [x], self.dwa[layer]
+        self.note(f"dwa/{self.name_of(k)}", lambda: alpha.expand(*x.shape[:-1], len(outputs)))
+        if k + 1 == self.output_read:  # every layer output exists here: how alike they are
+            self.note("source_cosine/out", lambda: cosine_matrix(outputs))
+        if self.intervention in (("identity_dwa",), ("identity_dwa", layer)):
             return Dense(x, outputs)  # the standard residual: alpha = (0, .., 0, 1) exactly
         return Dense(sum(alpha[j] * y for j, y in enumerate(outputs)), outputs)
 
 
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
 RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
-                 hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer)
+                 hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
+                 scaled_residual=ScaledResidual)
+
+
+def option_owners(key):
+    """The schemes whose own option key is (empty: a setting of every scheme)."""
+    return [name for name, scheme in RESIDUALS.items() if key in scheme.options]
 
 
 class MuonAdamW:
@@ -854,6 +1106,10 @@ class MuonAdamW:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
+MOE_OPTIONS = ("moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate", "moe_router_lr_scale")
+MOE_COUNTS_FROM_ZERO = ("moe_shared_experts", "moe_expert_hidden")  # 0: none, and the automatic width
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -867,14 +1123,22 @@ class GPTConfig:
     attnres_block_size: int = 4  # attnres, rd_attnres, dar: sublayers per block; 1 = Full AttnRes
     rd_control: str = "none"  # rd_attnres only
     dar_keys: str = "reciprocal"  # dar only: address a stream by the other's keys, or its own ('self')
+    dar_start: str = "distinct"  # dar only: the streams apart from the first write, or copies ('copy')
     hc_streams: int = 4  # hc and mhc only
     routing_lr_scale: float = 1.0  # the routing parameters' learning rate, as a multiple of the shared weights'
+    # sparse mixture-of-experts MLP (class MoE), in every layer of every scheme; 1 = the dense MLP
+    n_experts: int = 1
+    moe_top_k: int = 2  # routed experts per token (at least 2: a lone gate is normalised to exactly 1)
+    moe_shared_experts: int = 0  # experts every token reaches, beside its top k
+    moe_expert_hidden: int = 0  # an expert's hidden width; 0 = the dense MLP's active FLOPs (expert_hidden)
+    moe_bias_rate: float = 1e-3  # the balancing bias's step per optimizer step (DeepSeek-V3's gamma); 0 = off
+    moe_router_lr_scale: float = 1.0  # the routers' learning rate, as a multiple of the shared weights'
 
     def __post_init__(self):
         for field in fields(self):  # a size of 0 would fail later, as a ZeroDivisionError or an empty model
-            value = getattr(self, field.name)
-            if field.type is int and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{field.name}={value!r} must be a positive integer")
+            value, least = getattr(self, field.name), 0 if field.name in MOE_COUNTS_FROM_ZERO else 1
+            if field.type is int and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ValueError(f"{field.name}={value!r} must be {'a non-negative' if least == 0 else 'a positive'} integer")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         if not self.norm_eps > 0:
@@ -887,12 +1151,29 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even "
                              f"size (rotary embeddings rotate channel pairs)")
         for field in fields(self):  # a scheme's own option set under another scheme is a mistake
-            owners = [name for name, scheme in RESIDUALS.items() if field.name in scheme.options]
+            owners = option_owners(field.name)
             value = getattr(self, field.name)
             if owners and self.residual not in owners and value != field.default:
                 raise ValueError(f"{field.name}={value!r} needs residual={' or '.join(map(repr, owners))} "
                                  f"(got {self.residual!r}); use {field.name}={field.default!r} for other residuals")
         RESIDUALS[self.residual].check(self)
+        self.check_moe()
+
+    def check_moe(self):
+        defaults = {field.name: field.default for field in fields(self)}
+        if self.n_experts == 1:  # the dense MLP: an MoE setting here would be silently unused
+            for name in MOE_OPTIONS:
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs n_experts > 1 (n_experts=1 is the dense MLP); "
+                                     f"set n_experts, or {name}={defaults[name]!r}")
+            return
+        if not 2 <= self.moe_top_k <= self.n_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k} must be in [2, n_experts={self.n_experts}] (top-1 gates are "
+                             f"normalised to exactly 1, so the router would get no gradient)")
+        if not (math.isfinite(self.moe_bias_rate) and self.moe_bias_rate >= 0):
+            raise ValueError(f"moe_bias_rate={self.moe_bias_rate!r} must be a finite number >= 0")
+        if not (math.isfinite(self.moe_router_lr_scale) and self.moe_router_lr_scale > 0):
+            raise ValueError(f"moe_router_lr_scale={self.moe_router_lr_scale!r} must be a finite number > 0")
 
 
 def scheme_seed(name):
@@ -928,10 +1209,34 @@ class GPT(nn.Module):
             self.residual = RESIDUALS[config.residual](config)
         self.activation_checkpointing = False  # train.py's key: recompute each sublayer in backward (hidden)
 
-    def num_params(self, non_embedding=True):
-        """Parameter count; the tied embedding counts once, and not at all with non_embedding."""
+    def num_params(self, non_embedding=True, active=False):
+        """Parameter count; the tied embedding counts once, and not at all with non_embedding. active:
+        the parameters one token uses (of each MoE layer's experts its k routed ones, with the shared ones and the router)."""
         n = sum(p.numel() for p in self.parameters())
+        if active:
+            n -= sum((len(moe.experts) - moe.top_k) * sum(p.numel() for p in moe.experts[0].parameters())
+                     for moe in self.moes().values())
         return n - self.transformer.wte.weight.numel() if non_embedding else n
+
+    def moes(self):
+        """{'mlp.{layer}': its MoE} (empty for the dense MLP)."""
+        return {f"mlp.{layer}": block.mlp for layer, block in enumerate(self.transformer.h) if isinstance(block.mlp, MoE)}
+
+    @torch.no_grad()
+    def update_expert_bias(self):
+        """Call after each optimizer.step(), on every rank: each MoE layer's balancing bias moves by
+        moe_bias_rate * sign(mean load - load) over the step's routed tokens (all micro-batches, summed
+        over ranks when torch.distributed is initialized, so the ranks' biases stay equal); the counts
+        restart at zero. Nothing for a dense model."""
+        moes = list(self.moes().values())
+        if not moes:
+            return
+        loads = torch.stack([moe.expert_load for moe in moes])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(loads)
+        for moe, load in zip(moes, loads.to(moes[0].expert_bias.dtype)):
+            moe.expert_bias += moe.bias_rate * torch.sign(load.mean() - load)
+            moe.expert_load.zero_()
 
     def hidden(self, idx):
         """Final normalised hidden states (B, T, d)."""
@@ -942,15 +1247,15 @@ class GPT(nn.Module):
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         run = (lambda f, *a: checkpoint(f, *a, use_reentrant=False)) if recompute else (lambda f, *a: f(*a))
         for k in range(self.residual.n_sublayers):
-            block = self.transformer.h[k // 2]
-            if k % 2 == 0:
+            block = self.transformer.h[layer_of(k)]
+            if is_attention(k):
                 out = run(block.attention, *self.residual.read_attention(state, k))
             else:
                 out = run(block.feedforward, self.residual.read(state, k))
             # sublayer outputs join the stream in its own dtype (fp32 under autocast) in every
             # scheme, so all arms sum their residuals at the same precision
             state = self.residual.write(state, k, out.to(x.dtype))
-        return self.transformer.ln_f(self.residual.read(state, self.residual.n_sublayers))
+        return self.transformer.ln_f(self.residual.read(state, self.residual.output_read))
 
     def forward(self, idx, targets=None, reduction="mean"):
         """
@@ -984,13 +1289,23 @@ class GPT(nn.Module):
         after the shared embedding, the two streams' cosine) and source_cosine (S x S at the output,
         per stream: out.s0, out.s1); AttnRes's and DenseFormer's source_cosine; HC/mHC's
         stream_mixing (M[i, j], H_i <- sum_j M[i, j] H_j) and stream_cosine; DenseFormer's dwa (per
-        layer, named by its MLP sublayer). DAR's depth weights are per stream: attn.{l}.s0, ....
+        layer, named by its MLP sublayer); scaled_residual's scales (lambda_k, mu_k per sublayer). DAR's
+        depth weights are per stream: attn.{l}.s0, ....
+        MoE models (n_experts > 1) add, per layer mlp.{l}: expert_load (the fraction of tokens that reach
+        each expert: k/E each when balanced, summing to k) and router_entropy (of the scores normalised
+        over the experts, averaged over tokens, in nats: log E when uniform).
         """
         record = self.residual.record = {}  # the schemes fill it during this one pass
+        moes = self.moes()
+        for moe in moes.values():
+            moe.record = {}
         try:
             self.hidden(idx)
         finally:
             self.residual.record = None
+            moe_records = {name: moe.record for name, moe in moes.items()}
+            for moe in moes.values():
+                moe.record = None
         weights = {name: w for name, w in record.items() if "/" not in name}
         entropy = {name: -torch.special.xlogy(w, w).sum(-1) for name, w in weights.items()}
         result = dict(weights={name: w.mean(dim=(0, 1)).cpu() for name, w in weights.items()},
@@ -1004,23 +1319,27 @@ class GPT(nn.Module):
             if "/" in key:
                 group, name = key.split("/")
                 result.setdefault(group, {})[name] = value.float().mean(dim=(0, 1)).cpu()
+        if moes:
+            result["expert_load"] = {name: r["load"].cpu() for name, r in moe_records.items()}
+            result["router_entropy"] = {name: r["entropy"].item() for name, r in moe_records.items()}
         return result
 
-    def intervene(self, change=None):
+    def intervene(self, intervention=None):
         """
         Analysis only, off by default (then free): replace one piece of the learned routing until the
-        next call; intervene() turns it off. change is a tuple (kind, *where), one of interventions();
-        each scheme's docstring says what its kinds do (e.g. ("uniform", "mlp.3"): that read's depth
-        weights become uniform).
+        next call; intervene() turns it off. An intervention is a tuple (kind, *where), one of
+        interventions(); each scheme's docstring says what its kinds do (e.g. ("uniform", "mlp.3"):
+        that read's depth weights become uniform).
         """
-        if change is not None and change[0] not in self.residual.interventions:
-            raise ValueError(f"residual={self.config.residual!r} has no intervention {change[0]!r}; "
-                             f"it has: {', '.join(self.residual.interventions) or 'none'}")
-        self.residual.intervention = change
+        kinds = self.residual.intervention_kinds
+        if intervention is not None and intervention[0] not in kinds:
+            raise ValueError(f"residual={self.config.residual!r} has no intervention {intervention[0]!r}; "
+                             f"it has: {', '.join(kinds) or 'none'}")
+        self.residual.intervention = intervention
 
     def interventions(self):
-        """Every change intervene() accepts for this model, in a fixed order (none for standard)."""
-        return self.residual.changes()
+        """Every intervention intervene() accepts for this model, in a fixed order (none for standard)."""
+        return self.residual.interventions()
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw",
                              muon_learning_rate=0.02):
@@ -1032,16 +1351,23 @@ class GPT(nn.Module):
         torch.optim.Muon group (lr_scale = muon_learning_rate / learning_rate), decayed by the same
         fraction per step as AdamW decays (torch's Muon multiplies its weight decay by its own lr);
         the tied embedding, the norms and every routing parameter stay in AdamW. One object either way.
+        MoE models add an AdamW group before the routing one: the routers (never decayed, lr_scale moe_router_lr_scale);
+        under Muon each expert's two matrices are orthogonalised on their own, as any hidden matrix.
         """
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer={optimizer!r}: choose adamw or muon")
-        shared = list(self.transformer.parameters())  # lm_head's weight is the tied embedding
-        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2] if optimizer == "muon" else []
+        routers = [moe.router.weight for moe in self.moes().values()]
+        not_router = lambda p: all(p is not r for r in routers)
+        shared = [p for p in self.transformer.parameters() if not_router(p)]  # lm_head's weight is the tied embedding
+        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2 and not_router(p)] if optimizer == "muon" else []
         matrices = [p for p in shared if p.dim() >= 2 and all(p is not q for q in hidden)]
         groups = [{"params": matrices, "weight_decay": weight_decay, "lr_scale": 1.0},
                   {"params": [p for p in shared if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
                   {"params": list(self.residual.parameters()), "weight_decay": 0.0,
                    "lr_scale": self.config.routing_lr_scale}]
+        if routers:  # never decayed (decay pulls every score to 1/2); before the routing group, which may be
+            # empty: torch.distributed.checkpoint restores an empty group's settings only as the last group
+            groups.insert(2, {"params": routers, "weight_decay": 0.0, "lr_scale": self.config.moe_router_lr_scale})
         for group in groups:
             group["lr"] = learning_rate * group["lr_scale"]
         fused = device_type == "cuda"  # fused AdamW kernels exist for CUDA tensors
@@ -1054,9 +1380,10 @@ class GPT(nn.Module):
         return MuonAdamW(adamw, muon)
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs per token (PaLM appendix B): 6N for the matmuls + 12 L d T for attention."""
+        """Training FLOPs per token (PaLM appendix B): 6N for the matmuls + 12 L d T for attention; N the
+        active parameters (an MoE layer's k routed experts of E, its shared experts and its router)."""
         c = self.config
-        return 6 * self.num_params(non_embedding=False) + 12 * c.n_layer * c.n_embd * seq_len
+        return 6 * self.num_params(non_embedding=False, active=True) + 12 * c.n_layer * c.n_embd * seq_len
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -2,7 +2,7 @@
 Paired-seed statistics and routing diagnostics for a grid written by train.py.
 
 $ python report.py out                         # every arm against the first arm
-$ python report.py out --reference=attnres --cell=rd_attnres/seed0
+$ python report.py out --reference=attnres --cell=rd_attnres/seed0 --effect=0.02
 
 Reads out/<arm>/seed<k>/{result.json,log.jsonl} and writes out/report.md and out/paired.json,
 plus PNG plots when matplotlib is installed (the tables never need it): validation loss (with the
@@ -17,28 +17,49 @@ left out of its n; diverged cells are listed apart. Per arm against the referenc
 seeds: delta_s = NLL_arm - NLL_reference, wins (delta < 0), mean, sample std, 95%
 CI (t), paired t-test and exact sign-test p-values (two-sided), the perplexity change
 exp(mean delta) - 1, and the mean delta with its 95% CI at every evaluation during training.
+Its power, from the s.d. of those deltas: the smallest mean delta the t-test detects at its n
+(alpha 0.05, power 0.8), the seeds it needs for a delta of --effect nats, and whether the sign
+test can reach p < 0.05 at all (from 6 seeds).
+
+Each arm's learning rate (its own where it sets one, else the grid's) is a column of the final-loss
+table; an arm whose seeds trained at different rates is named under mixed versions. A grid of the
+tuned protocol (train.py's tune_learning_rates, tune.py) gets a tuning section from
+out/tune/choice.json: the mean tuning-seed loss per arm and rate with the chosen rate marked, the
+tuning seeds and budget, choices at the edge of the rates tried, arms that did not train at their
+choice; the choice.json is checked (the choice must be its table's lowest mean), else one line says why.
+
+Cells that hold a downstream.json (downstream.py) get a downstream section: CORE and each task's
+accuracy, arm - reference, with the same statistics, over the seeds paired above whose two
+downstream results are of the cells' final step and of one task bundle, max_per_task and task set.
 
 A cell is the arm and seed its result.json records: a copied, moved or linked cell folder, or two
 cells of one arm with the same init and data hashes, is listed under "Skipped" and never counted.
 Every file is written to a temporary name of this process and renamed (two reports on one grid
-never share one); paired.json is strict JSON, null for a number that is not finite.
+never share one); paired.json is strict JSON, null for a number that is not finite. Text from
+files and folder names is escaped in report.md, and plot names of long arm names are shortened
+with a hash.
 """
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
 import os
 import re
 import sys
+import unicodedata
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 
-from data.prepare import DataError, write_atomic
+from common import DataError, write_atomic, write_text
 
 MISSING = object()  # a pairing key one cell does not record
 CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
+ALPHA, POWER = 0.05, 0.8  # the paired tests' two-sided level, and the power a grid is sized for
+MAX_SEEDS = 2 ** 30  # the seeds needed to detect an effect are searched no further
+TUNE_DIR = "tune"  # the tuned protocol's tuning grid inside out_dir, with its choice.json (tune.py)
 
 
 def is_number(x):
@@ -148,8 +169,9 @@ def result_problem(result):
                                   ("val_loss", is_number, "a number"),
                                   ("wall_time_s", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
                                   ("pairing", lambda v: isinstance(v, dict), "a dict")))
-    if problem is None and not isinstance((result.get("pairing") or {}).get("settings", {}), dict):
-        return "pairing.settings is not a dict"
+    for key in ("settings", "arm_settings"):
+        if problem is None and not isinstance((result.get("pairing") or {}).get(key, {}), dict):
+            return f"pairing.{key} is not a dict"
     return problem
 
 
@@ -160,6 +182,12 @@ def subfolders(path):
     except OSError as e:
         return [], (e.strerror or str(e)).lower()
     return sorted(n for n in names if os.path.isdir(os.path.join(path, n))), None
+
+
+def is_tuning_grid(out_dir, folder):
+    """Whether a folder of out_dir is the tuned protocol's tuning grid (train.py's tune_learning_rates): tune/,
+    holding arms rather than seed<k> cells. Its choice is the report's tuning section, not an arm."""
+    return folder == TUNE_DIR and not any(CELL_NAME.fullmatch(c) for c in subfolders(os.path.join(out_dir, folder))[0])
 
 
 def training_of(result):
@@ -199,7 +227,7 @@ def load_grid(out_dir):
         raise DataError(f"cannot list {out_dir} ({why}); check its permissions")
     results, unusable, logs, copies = {}, {}, {}, []
     real = {os.path.realpath(os.path.join(out_dir, f)): f for f in folders if not os.path.islink(os.path.join(out_dir, f))}
-    for arm in arms + [f for f in folders if f not in arms]:
+    for arm in arms + [f for f in folders if f not in arms and not is_tuning_grid(out_dir, f)]:
         arm_dir = os.path.join(out_dir, arm)
         if os.path.islink(arm_dir) and os.path.realpath(arm_dir) in real:  # one arm under two names
             notes.append(f"folder {arm}/: a link to {real[os.path.realpath(arm_dir)]}/, not counted; delete the link")
@@ -293,7 +321,7 @@ def shorten(x, y):
 def pairing_difference(p, q):
     """The first key on which two pairing records differ, with both values; None when they agree."""
     ps, qs = p.get("settings", {}), q.get("settings", {})
-    keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - {"settings"})]
+    keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - {"settings", "arm_settings"})]
     keys += [(f"settings.{k}", ps[k], qs[k]) for k in sorted(set(ps) & set(qs))]  # one-sided: an arm's own
     for key, x, y in keys:
         if x != y:
@@ -319,8 +347,9 @@ def mixed_versions(results, arms, seeds):
     (--allow_changes) mixes versions. ["key: seeds 0, 1: value; seed 2: value", ...]."""
     def values(pairing):
         v = {k: pairing.get(k) for k in ("code", "eval_tokens", "val_hash", "init_from", "changes")}
-        settings = pairing.get("settings") if isinstance(pairing.get("settings"), dict) else {}
-        return v | {f"settings.{k}": x for k, x in settings.items()}
+        for group in ("settings", "arm_settings"):  # the arm's own settings (its learning rate) may not differ either
+            v |= {f"{group}.{k}": x for k, x in (pairing.get(group) or {}).items()}
+        return v
     per_seed = {s: {arm: values(results[arm, s]["pairing"]) for arm in arms} for s in seeds}
     notes = []
     for key in sorted({k for s in seeds for arm in arms for k in per_seed[s][arm]}):
@@ -334,28 +363,225 @@ def mixed_versions(results, arms, seeds):
     return notes
 
 
-def paired_statistics(deltas):
-    """Statistics of per-seed deltas (arm - reference; negative = the arm is better)."""
+def paired_statistics(deltas, higher_is_better=False):
+    """Statistics of per-seed deltas (arm - reference): a win is a delta below 0 (a loss), or above 0 when
+    higher_is_better (an accuracy). Computed on the deltas scaled by a power of two (exact), so a diverging arm's
+    deltas near the float limit give finite statistics wherever the true value is a float."""
     d = np.asarray(deltas, dtype=np.float64)
     n = len(d)
-    mean = float(d.mean()) if n else float("nan")
-    std = float(d.std(ddof=1)) if n > 1 else float("nan")
-    if n > 1:
-        half = stats.t.ppf(0.975, n - 1) * std / math.sqrt(n)
-        ci95 = [mean - half, mean + half]
-        if np.all(d == d[0]):  # no spread: the t statistic is infinite (or 0/0 for all-zero deltas)
-            p_ttest = 0.0 if mean != 0 else 1.0
+    exponent = math.frexp(float(np.abs(d).max()))[1] if n and np.isfinite(d).all() else 0
+    u = np.ldexp(d, -exponent)  # |u| < 1: no sum of n of them overflows
+    with np.errstate(over="ignore", invalid="ignore"):  # an infinite delta (a float's limit passed) gives inf or nan
+        mean = float(np.ldexp(u.mean(), exponent)) if n else float("nan")
+        std = float(np.ldexp(u.std(ddof=1), exponent)) if n > 1 else float("nan")
+        if n > 1:
+            half = stats.t.ppf(0.975, n - 1) * u.std(ddof=1) / math.sqrt(n)
+            ci95 = [float(np.ldexp(u.mean() - half, exponent)), float(np.ldexp(u.mean() + half, exponent))]
+            if np.all(d == d[0]):  # no spread: the t statistic is infinite (or 0/0 for all-zero deltas)
+                p_ttest = 0.0 if mean != 0 else 1.0
+            else:
+                p_ttest = float(stats.ttest_1samp(u, 0.0).pvalue)  # t is the same for any scale
         else:
-            p_ttest = float(stats.ttest_1samp(d, 0.0).pvalue)
-    else:
-        ci95, p_ttest = [float("nan")] * 2, float("nan")
-    wins, losses = int((d < 0).sum()), int((d > 0).sum())
+            ci95, p_ttest = [float("nan")] * 2, float("nan")
+    wins, losses = int((d > 0).sum()), int((d < 0).sum())
+    if not higher_is_better:
+        wins, losses = losses, wins
     if wins + losses:  # ties dropped
         p_sign = float(stats.binomtest(wins, wins + losses, 0.5).pvalue)
     else:  # all ties: no evidence either way; no seeds: nothing to test
         p_sign = 1.0 if n else float("nan")
-    return dict(deltas=d.tolist(), n=n, wins=wins, mean=mean, std=std, ci95=ci95, p_ttest=p_ttest,
-                p_sign=p_sign, ppl_change=math.exp(mean) - 1 if n else float("nan"))
+    return dict(deltas=d.tolist(), n=n, wins=wins, mean=mean, std=std, ci95=ci95, p_ttest=p_ttest, p_sign=p_sign)
+
+
+def perplexity_change(mean):
+    """exp(mean delta) - 1, or inf where that is past a float (a mean delta above ~709 nats: a diverging arm)."""
+    return math.expm1(mean) if not mean > math.log(sys.float_info.max) else math.inf
+
+
+def t_test_power(effect_in_sd, n):
+    """Power of the two-sided paired t-test (level ALPHA) over n seeds when the true mean delta is effect_in_sd
+    standard deviations of the deltas: P(|T| > critical t) for T noncentral t with n - 1 degrees of freedom."""
+    df, critical = n - 1, stats.t.ppf(1 - ALPHA / 2, n - 1)
+    noncentrality = min(effect_in_sd * math.sqrt(n), 1e3)  # power is 1.0 past it; scipy's nct turns nan far out
+    # the lower tail by symmetry: nct.cdf(-critical) turns nan where it is below 1e-18
+    return float(stats.nct.sf(critical, df, noncentrality) + stats.nct.sf(critical, df, -noncentrality))
+
+
+def detectable_effect_in_sd(n):
+    """The smallest true mean delta, in s.d. of the deltas, that the paired t-test over n seeds detects with power
+    POWER."""
+    high = 1.0
+    while t_test_power(high, n) < POWER:
+        high *= 2
+    return optimize.brentq(lambda e: t_test_power(e, n) - POWER, 0.0, high)
+
+
+def seeds_needed(effect_in_sd):
+    """The fewest seeds with which the paired t-test detects a true mean delta of effect_in_sd s.d. with power
+    POWER, or None past MAX_SEEDS."""
+    if t_test_power(effect_in_sd, MAX_SEEDS) < POWER:
+        return None
+    low, high = 1, MAX_SEEDS  # power grows with n: too few at low (no test at one seed), enough at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if t_test_power(effect_in_sd, middle) >= POWER else (middle, high)
+    return high
+
+
+def sign_test_min_p(untied):
+    """The smallest two-sided p the sign test can give with this many untied seeds (all of them wins)."""
+    return min(1.0, 2 * 0.5 ** untied) if untied else float("nan")
+
+
+SIGN_TEST_SEEDS = next(k for k in itertools.count(1) if sign_test_min_p(k) < ALPHA)  # 6 at ALPHA = 0.05
+
+
+def power_analysis(st, effect):
+    """What a comparison's n can detect, sized from the s.d. of its deltas (itself an estimate from n seeds): the
+    smallest true mean delta the paired t-test detects with power POWER, the seeds it needs to detect a delta of
+    size effect, and the smallest p the sign test can reach; notes say what cannot be computed and why."""
+    n, std = st["n"], st["std"]
+    untied = sum(d != 0 for d in st["deltas"])
+    power = dict(effect=effect, alpha=ALPHA, power=POWER, std=std, detectable_effect=None, seeds_needed=None,
+                 sign_test_min_p=sign_test_min_p(untied), notes=[])
+    if n < 2:
+        power["notes"].append(f"n = {n}: no s.d. of the deltas to size the t-test from")
+    elif std == 0:
+        power["notes"].append("every seed has the same delta (s.d. 0): power cannot be estimated from it")
+    elif not math.isfinite(std):
+        power["notes"].append("the deltas' s.d. is past a float: power cannot be estimated from it")
+    else:
+        power["detectable_effect"] = detectable_effect_in_sd(n) * std
+        power["seeds_needed"] = seeds_needed(effect / std)
+        if power["seeds_needed"] is None:
+            power["notes"].append(f"a delta of {effect:g} nats needs more than {MAX_SEEDS} seeds at this s.d.")
+    if untied and untied < SIGN_TEST_SEEDS:
+        power["notes"].append(f"the sign test cannot reach p < {ALPHA:g} at {untied} seed{'s' * (untied > 1)}"
+                              f"{' (ties left out)' if untied < n else ''}: its smallest p is "
+                              f"{power['sign_test_min_p']:.3g}; it needs {SIGN_TEST_SEEDS}")
+    return power
+
+
+def is_finite(x):
+    return is_number(x) and math.isfinite(x)
+
+
+def missing_or_wrong(record, checks, prefix=""):
+    """The first key of checks = (key, test, kind) that a dict lacks or holds of the wrong kind, as a line, or None."""
+    missing = [key for key, _, _ in checks if key not in record]
+    return f"no {prefix}{missing[0]}" if missing else wrong_type(record, checks, prefix, optional=False)
+
+
+def close(x, y):  # two computations of one number in double precision
+    return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
+
+
+TASK_CHECKS = (("icl_task_type", lambda t: isinstance(t, str), "a string"),
+               ("items", lambda i: is_seed(i) and i > 0, "a positive integer"),
+               ("correct", is_seed, "a non-negative integer"), ("accuracy", is_finite, "a finite number"),
+               ("random_baseline", lambda b: is_finite(b) and 0 <= b < 1, "a fraction in [0, 1)"),
+               ("centered", is_finite, "a finite number"))
+DOWNSTREAM_CHECKS = (("bundle_sha256", lambda h: isinstance(h, str) and h != "", "a hash"),
+                     ("max_per_task", lambda m: m is None or is_seed(m) and m > 0, "null or a positive integer"),
+                     ("step", is_seed, "a step"), ("core", is_finite, "a finite number"),
+                     ("tasks", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of tasks"))
+
+
+def task_problem(task, prefix):
+    """Why one task's result in a downstream.json cannot be used (a field missing or of the wrong type, numbers that
+    do not follow from each other), or None."""
+    if not isinstance(task, dict):
+        return f"{prefix[:-1]} is {described(task)}, not a dict"
+    if problem := missing_or_wrong(task, TASK_CHECKS, prefix):
+        return problem
+    items, correct, accuracy, baseline = (task[k] for k in ("items", "correct", "accuracy", "random_baseline"))
+    if correct > items:
+        return f"{prefix}correct is {correct}, more than its {items} items"
+    if not close(accuracy, correct / items):
+        return f"{prefix}accuracy is {accuracy!r}, not correct / items ({correct / items!r})"
+    if not close(task["centered"], (accuracy - baseline) / (1 - baseline)):
+        return f"{prefix}centered is {task['centered']!r}, not (accuracy - random_baseline) / (1 - random_baseline)"
+    return None
+
+
+def downstream_problem(record):
+    """Why a downstream.json cannot be used (a field missing or of the wrong type, numbers that do not follow from
+    each other), or None."""
+    problem = missing_or_wrong(record, DOWNSTREAM_CHECKS) or next(
+        (p for label, task in record["tasks"].items() if (p := task_problem(task, f"tasks.{label}."))), None)
+    if problem:
+        return problem
+    centered = [task["centered"] for task in record["tasks"].values()]
+    if not close(record["core"], math.fsum(centered) / len(centered)):
+        return f"core is {record['core']!r}, not the mean of its tasks' centered accuracies"
+    return None
+
+
+def load_downstream(out_dir, results):
+    """({(arm, seed): downstream.json}, {(arm, seed): why it is not used}, notes) of the cells counted in results."""
+    records, problems, notes = {}, {}, []
+    for arm, seed in results:
+        path = os.path.join(out_dir, arm, f"seed{seed}", "downstream.json")
+        if not os.path.lexists(path):
+            continue
+        record, why = read_json(path)
+        if why := why or downstream_problem(record):
+            problems[arm, seed] = "unreadable downstream.json"
+            notes.append(f"{arm}/seed{seed}/downstream.json: unreadable ({why})")
+        else:
+            records[arm, seed] = record
+    return records, problems, notes
+
+
+def evaluation(record):
+    """What a downstream result was measured on: two results pair only when this agrees key by key."""
+    return dict(bundle_sha256=record["bundle_sha256"], max_per_task=record["max_per_task"],
+                **{f"tasks.{label}.items": task["items"] for label, task in record["tasks"].items()})
+
+
+def downstream_unpaired_reason(reference, arm, seed, results, downstream, problems):
+    """Why two cells' downstream results of one seed cannot be paired, or None: each must be of its cell's final
+    step, and both of one evaluation (task bundle, max_per_task, tasks and their items)."""
+    reasons = []
+    for a in (reference, arm):
+        where = f"{a}/seed{seed}"
+        if (a, seed) in problems:
+            reasons.append(f"{where} {problems[a, seed]}")
+        elif (a, seed) not in downstream:
+            reasons.append(f"{where} has no downstream.json")
+        elif downstream[a, seed]["step"] != results[a, seed].get("steps"):
+            reasons.append(f"{where} downstream.json is of step {downstream[a, seed]['step']}, its result.json of "
+                           f"step {described(results[a, seed].get('steps'))}")
+    if reasons:
+        return "; ".join(reasons)
+    difference = pairing_difference(evaluation(downstream[reference, seed]), evaluation(downstream[arm, seed]))
+    return f"{reference} and {arm} differ in {difference}" if difference else None
+
+
+def downstream_comparison(reference, arm, seeds, results, downstream, problems):
+    """An arm's downstream results against the reference's over the seeds paired for the loss: the seeds that pair
+    and why the others do not, CORE and each task's accuracy deltas with their statistics, and the evaluations
+    that differ between seeds (each seed paired fairly, but a mean that mixes them)."""
+    left_out = {s: r for s in seeds
+                if (r := downstream_unpaired_reason(reference, arm, s, results, downstream, problems))}
+    paired = [s for s in seeds if s not in left_out]
+    core = paired_statistics([downstream[arm, s]["core"] - downstream[reference, s]["core"] for s in paired], True)
+    tasks = {}
+    for label in dict.fromkeys(label for s in paired for label in downstream[reference, s]["tasks"]):
+        with_task = [s for s in paired if label in downstream[reference, s]["tasks"]]
+        of = {a: [downstream[a, s]["tasks"][label] for s in with_task] for a in (reference, arm)}
+        st = paired_statistics([t["accuracy"] - r["accuracy"] for t, r in zip(of[arm], of[reference])], True)
+        kinds = dict.fromkeys(t["icl_task_type"] for t in of[reference])
+        tasks[label] = dict(st, seeds=with_task, icl_task_type=" / ".join(kinds), items=sorted({t["items"] for t in of[reference]}))
+    groups = {}
+    for s in paired:
+        record = downstream[reference, s]
+        groups.setdefault(f"bundle {record['bundle_sha256'][:12]}, max_per_task {json.dumps(record['max_per_task'])}",
+                          []).append(s)
+    mixed = ["; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {e}" for e, g in groups.items())] \
+        if len(groups) > 1 else []
+    return dict(seeds=paired, left_out=[dict(seed=s, reason=r) for s, r in left_out.items()], mixed_evaluations=mixed,
+                core=core, tasks=tasks)
 
 
 def val_curve(log):
@@ -376,13 +602,55 @@ def delta_curve(logs, arm, reference, seeds):
     common = np.intersect1d(tokens, ref_tokens)
     d = values[:, np.isin(tokens, common)] - ref_values[:, np.isin(ref_tokens, common)]
     n = len(seeds)
-    mean = d.mean(0) if n else np.full(len(common), np.nan)
-    half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
-    return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
+    with np.errstate(over="ignore", invalid="ignore"):  # a diverging arm's losses past 1e308: inf, null in paired.json
+        mean = d.mean(0) if n else np.full(len(common), np.nan)
+        half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
+        return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
 
 
 def fmt(x, spec="+.4f"):
-    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits)."""
+    if x is None or isinstance(x, float) and math.isnan(x):
+        return "nan"
+    return format(x, spec[:-1] + "e" if spec.endswith("f") and abs(x) >= 1e6 else spec)
+
+
+MARKUP = re.compile(r"[\\`*\[\]<>|#&~$]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")  # an inner_word's _ is no markup
+BLOCK_START = re.compile(r"^([0-9]{0,9})([-+=.)])")  # a list marker ("-", "1.") where text begins a list item
+
+
+def visible(text):
+    """text with line breaks, other control characters and lone surrogates (a folder name that is not UTF-8)
+    written as escapes: one line that any file or font takes."""
+    return "".join(c.encode("unicode_escape").decode() if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp")
+                   else c for c in str(text))
+
+
+def md(text):
+    """Text from a file or a folder name as inert markdown: markup escaped, control characters visible (a reason or
+    a folder name would otherwise forge lines, table cells or links)."""
+    return visible(BLOCK_START.sub(r"\1\\\2", MARKUP.sub(lambda m: "\\" + m[0], str(text))))
+
+
+def plot_text(text):
+    """Text from a file or a folder name for a plot: visible, and its $ literal (matplotlib reads $...$ as math)."""
+    return visible(text).replace("$", r"\$")
+
+
+def file_stem(name):
+    """A file name part for an arm or a cell: the name itself when short and plain, else its plain first characters
+    and a hash of the whole (a 250-character arm name would make a file name past the file system's limit)."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        return name
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name[:40]) + "-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+
+
+def jsd_name(arm):
+    return f"jsd_{file_stem(arm)}.png"
+
+
+def routing_name(cell):
+    return f"routing_{file_stem(f'{cell[0]}_seed{cell[1]}')}.png"
 
 
 def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
@@ -403,7 +671,7 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
         half = max(t[-1] for t, _ in val.values()) / 2
         for ax in axes:
             for arm, (tokens, values) in val.items():
-                line, = ax.plot(tokens, values.mean(0), label=f"{arm} (n={len(values)})")
+                line, = ax.plot(tokens, values.mean(0), label=f"{plot_text(arm)} (n={len(values)})")
                 ax.fill_between(tokens, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
         late = np.concatenate([v[:, t >= half].ravel() for t, v in val.values()])
         late = late[np.isfinite(late)]  # a non-finite evaluation would make the limits NaN
@@ -425,7 +693,8 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
             ax.plot(c["tokens"], c["mean"], marker=".")
             ax.fill_between(c["tokens"], c["ci95_low"], c["ci95_high"], alpha=0.25)
             ax.axhline(0, color="black", linewidth=0.8)
-            ax.set(xlabel="training tokens", ylabel="delta NLL (nats/token)", title=f"{arm} - {reference} (n={c['n']})")
+            ax.set(xlabel="training tokens", ylabel="delta NLL (nats/token)",
+                   title=f"{plot_text(arm)} - {plot_text(reference)} (n={c['n']})")
         figures.append(save(fig, out_dir, "delta_curve.png",
                             f"Paired delta NLL(arm) - NLL({reference}) during training (mean, 95% t-interval)"))
     # QK/V Jensen-Shannon divergence per layer over training, for arms with a value route
@@ -438,10 +707,11 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
         fig, ax = plt.subplots(figsize=(6, 4))
         for layer in records[0]["routing"]["qk_v_jsd"]:  # a layer a later record lacks is a gap, not an error
             ax.plot([r["tokens"] for r in records], [r["routing"]["qk_v_jsd"].get(layer, np.nan) for r in records],
-                    label=f"layer {layer}")
-        ax.set(xlabel="training tokens", ylabel="JSD (nats)", title=f"{jsd_arm} seed{seed}: QK vs V depth routes")
+                    label=f"layer {plot_text(layer)}")
+        ax.set(xlabel="training tokens", ylabel="JSD (nats)",
+               title=f"{plot_text(jsd_arm)} seed{seed}: QK vs V depth routes")
         ax.legend(fontsize=7, ncol=2)
-        figures.append(save(fig, out_dir, f"jsd_{jsd_arm}.png",
+        figures.append(save(fig, out_dir, jsd_name(jsd_arm),
                             f"{jsd_arm}: QK/V Jensen-Shannon divergence per layer over training"))
     # depth-weight heatmaps of one cell's final evaluation, one panel per route (a read's name without its layer)
     final = [r for r in logs.get((arm, seed), []) if (r.get("routing") or {}).get("weights")]
@@ -456,11 +726,11 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
             for i, (_, w) in enumerate(rows):
                 grid[i, :len(w)] = w
             image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
-            ax.set(title=route, xlabel="source (embedding first)", ylabel="read")
-            ax.set_yticks(range(len(rows)), [n for n, _ in rows], fontsize=6)
+            ax.set(title=plot_text(route), xlabel="source (embedding first)", ylabel="read")
+            ax.set_yticks(range(len(rows)), [plot_text(n) for n, _ in rows], fontsize=6)
             ax.set_xticks(range(width))
             fig.colorbar(image, ax=ax)
-        figures.append(save(fig, out_dir, f"routing_{arm}_seed{seed}.png",
+        figures.append(save(fig, out_dir, routing_name(cell),
                             f"Depth weights of {arm} seed{seed} at the end"))
     return figures
 
@@ -475,13 +745,6 @@ def save(fig, out_dir, name, title):
     return title, name
 
 
-def write_text(path, text):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-    write_atomic(path, write)
-
-
 def strict(x):
     """x with every non-finite float as None: paired.json is strict JSON (an arm with one seed has no std)."""
     if isinstance(x, float):
@@ -493,10 +756,198 @@ def strict(x):
     return x
 
 
+def statistics_cells(st):
+    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells."""
+    return [str(st["n"]), f"{st['wins']}/{st['n']}", fmt(st["mean"]), fmt(st["std"], ".4f"),
+            f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]", fmt(st["p_ttest"], ".3g"), fmt(st["p_sign"], ".3g")]
+
+
+def table_row(name, *cells):
+    """A markdown table row: name (an arm, a task: text from files) escaped, cells already markdown."""
+    return "| " + " | ".join([md(name), *cells]) + " |"
+
+
+def power_lines(others, paired, effect):
+    """The report's power table: what each arm's n can detect, and why where it cannot be said."""
+    lines = [f"Power of the paired t-test (two-sided, alpha {ALPHA:g}, power {POWER:g}) at each arm's n, sized from "
+             f"the s.d. of its per-seed deltas (itself an estimate from those seeds):", "",
+             f"| arm | n | s.d. of deltas | smallest detectable mean delta | seeds to detect {effect:g} nats | "
+             f"smallest sign-test p |", "|---|---|---|---|---|---|"]
+    for arm in others:
+        p = paired[arm]["power"]
+        lines.append(table_row(arm, str(paired[arm]["n"]), fmt(p["std"], ".4f"),
+                               "-" if p["detectable_effect"] is None else fmt(p["detectable_effect"], ".4f"),
+                               "-" if p["seeds_needed"] is None else str(p["seeds_needed"]),
+                               fmt(p["sign_test_min_p"], ".3g")))
+    lines.append("")
+    if notes := [f"- {md(arm)}: {note}" for arm in others for note in paired[arm]["power"]["notes"]]:
+        lines += [*notes, ""]
+    return lines
+
+
+def downstream_lines(arms, seeds, reference, downstream, problems, compared):
+    """The report's downstream section: CORE per cell, then each arm's CORE and task accuracy deltas."""
+    lines = ["## Downstream tasks", "",
+             f"delta = arm - {md(reference)} in CORE (the mean over tasks of (accuracy - random baseline) / "
+             f"(1 - random baseline)) and in each task's accuracy; positive = better, a win is a delta above 0. Of the "
+             f"seeds paired above, a seed counts when both cells' downstream.json are of their final step and of one "
+             f"evaluation (task bundle, max_per_task, tasks and items).", "",
+             "CORE per cell:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "|---" * (len(seeds) + 1) + "|"]
+    for arm in arms:
+        lines.append(table_row(arm, *(fmt(downstream[arm, s]["core"], ".4f") if (arm, s) in downstream
+                                      else "unreadable" if (arm, s) in problems else "-" for s in seeds)))
+    lines.append("")
+    if left_out := [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}"
+                    for arm, c in compared.items() for d in c["left_out"]]:
+        lines += ["**Downstream seeds left out** (of this section only):", "", *left_out, ""]
+    lines += ["| arm | n | wins | mean CORE delta | std | 95% CI | p (t-test) | p (sign) |",
+              "|---|---|---|---|---|---|---|---|",
+              *(table_row(arm, *statistics_cells(c["core"])) for arm, c in compared.items()), ""]
+    for arm, c in compared.items():
+        lines.append(f"Per-seed CORE deltas, {md(arm)}: "
+                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(c["seeds"], c["core"]["deltas"])) or "none"))
+    lines.append("")
+    if mixed := [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]]:
+        lines += ["**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
+                  "task bundles or max_per_task, so its means mix them; read the seeds apart:", "", *mixed, ""]
+    for arm, c in compared.items():
+        if c["tasks"]:
+            lines += [f"Task accuracy, {md(arm)} - {md(reference)}:", "",
+                      "| task | type | items | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) |",
+                      "|---|---|---|---|---|---|---|---|---|---|",
+                      *(table_row(label, md(t["icl_task_type"]), ", ".join(map(str, t["items"])), *statistics_cells(t))
+                        for label, t in c["tasks"].items()), ""]
+    return lines
+
+
+def learning_rate_of(result):
+    """The learning rate a cell trained at: its arm's own where the arm sets one, else the grid's; None unrecorded."""
+    pairing = result.get("pairing") or {}
+    rate = (pairing.get("arm_settings") or {}).get("learning_rate", (pairing.get("settings") or {}).get("learning_rate"))
+    return rate if is_finite(rate) else None
+
+
+def arm_learning_rates(results, arm):
+    """The learning rates of an arm's cells as a table cell: one rate, several ('a, b': the seeds differ), or '-'."""
+    rates = {rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None}
+    return ", ".join(f"{rate:g}" for rate in sorted(rates)) or "-"
+
+
+TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 0 and all(map(is_seed, s))
+                  and len(set(s)) == len(s), "a list of distinct seeds"),
+                 ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
+                 ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
+                 ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
+                 ("min_lr_ratio", lambda r: is_finite(r) and 0 <= r <= 1, "a fraction in [0, 1]"),
+                 ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
+                 ("choice", lambda c: isinstance(c, dict), "a dict of arms"))
+TUNING_ROW_CHECKS = (("learning_rate", lambda r: is_finite(r) and r > 0, "a positive number"),
+                     ("val_loss", lambda v: isinstance(v, dict), "a dict of seeds"),
+                     ("mean", lambda m: m is None or is_finite(m), "null or a finite number"))
+
+
+def tuning_row_problem(row, seeds, prefix):
+    """Why one arm-and-rate row of a choice.json cannot be used (a field missing or of the wrong type, other seeds,
+    a mean that is not its seeds'), or None."""
+    if not isinstance(row, dict):
+        return f"{prefix[:-1]} is {described(row)}, not a dict"
+    if problem := missing_or_wrong(row, TUNING_ROW_CHECKS, prefix):
+        return problem
+    losses = row["val_loss"]
+    if sorted(losses) != sorted(seeds):
+        return f"{prefix}val_loss is of seeds {', '.join(sorted(losses)) or 'none'}, not the tuning seeds {', '.join(seeds)}"
+    if problem := wrong_type(losses, [(s, is_finite, "null or a finite number") for s in losses], f"{prefix}val_loss."):
+        return problem
+    finite = None not in losses.values()
+    if (row["mean"] is None) == finite or finite and not close(row["mean"], math.fsum(losses.values()) / len(losses)):
+        return f"{prefix}mean is {described(row['mean'])}, not the mean of its seeds' val_loss (null where one diverged)"
+    return None
+
+
+def tuning_problem(record):
+    """Why a tune/choice.json cannot be used (a field missing or of the wrong type, tuning seeds among the compared
+    ones, numbers that do not follow from each other, a choice that is not the lowest mean), or None."""
+    if problem := missing_or_wrong(record, TUNING_CHECKS):
+        return problem
+    if shared := sorted(set(record["tune_seeds"]) & set(record["seeds"])):
+        return f"tune_seeds and seeds share {', '.join(map(str, shared))}: rates chosen on compared seeds"
+    seeds = [str(s) for s in record["tune_seeds"]]
+    for arm, rows in record["table"].items():
+        if not isinstance(rows, dict) or not rows:
+            return f"table.{arm} is {described(rows)}, not a dict of rates"
+        if problem := next((p for name, row in rows.items() if (p := tuning_row_problem(row, seeds, f"table.{arm}.{name}."))),
+                           None):
+            return problem
+        ranked = sorted((row["mean"], row["learning_rate"]) for row in rows.values() if row["mean"] is not None)
+        if not ranked:
+            return f"table.{arm}: every rate diverged, so nothing was chosen"
+        if record["choice"].get(arm) != ranked[0][1]:
+            return f"choice.{arm} is {described(record['choice'].get(arm))}, not the rate of the lowest mean ({ranked[0][1]:g})"
+    if extra := sorted(set(record["choice"]) - set(record["table"])):
+        return f"choice.{extra[0]} has no row in table"
+    return None
+
+
+def read_tuning(out_dir):
+    """(out_dir/tune/choice.json, None), (None, why it cannot be used), or (None, None) where there is none."""
+    path = os.path.join(out_dir, TUNE_DIR, "choice.json")
+    if not os.path.lexists(path):
+        return None, None
+    record, why = read_json(path)
+    why = why or tuning_problem(record)
+    return (None, why) if why else (record, None)
+
+
+def tuning_lines(record, arms, results):
+    """The report's tuning section: mean tuning-seed loss per arm and rate, the chosen rate in bold; and notes (in
+    the section and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
+    rates = sorted({row["learning_rate"] for rows in record["table"].values() for row in rows.values()})
+    lines = ["## Learning-rate tuning", "",
+             f"Each arm's learning rate was chosen before the compared seeds trained: every arm ran at each rate below "
+             f"on tuning seed{'s' * (len(record['tune_seeds']) > 1)} {', '.join(map(str, record['tune_seeds']))} "
+             f"(never a compared seed) for "
+             f"{record['tune_iters']} of the {record['max_iters']} steps (the whole schedule in them, min_lr "
+             f"{record['min_lr_ratio']:g} x the rate), and the rate with the lowest mean final validation loss over "
+             f"those seeds was chosen (never a rate with a diverged seed; an exact tie goes to the smaller rate). The "
+             f"paired result below compares each arm at its own chosen rate.", "",
+             "Mean final validation loss on the tuning seeds (the chosen rate in bold):", "",
+             "| arm | " + " | ".join(f"lr {r:g}" for r in rates) + " |", "|---" * (len(rates) + 1) + "|"]
+    notes = []
+    for arm, rows in record["table"].items():
+        by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
+        shown = ["-" if r not in by_rate else "diverged" if by_rate[r]["mean"] is None else fmt(by_rate[r]["mean"], ".4f")
+                 for r in rates]
+        lines.append(table_row(arm, *(f"**{text}**" if r == chosen else text for r, text in zip(rates, shown))))
+        if len(by_rate) > 1 and chosen in (min(by_rate), max(by_rate)):
+            notes.append(f"{arm}: the chosen rate {chosen:g} is the {'smallest' if chosen == min(by_rate) else 'largest'} "
+                         f"tried; the best may lie beyond it (widen tune_learning_rates)")
+    for arm in arms:
+        trained = {rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None}
+        if arm not in record["choice"]:
+            notes.append(f"{arm}: not in tune/choice.json (not tuned)")
+        elif trained - {record["choice"][arm]}:
+            notes.append(f"{arm}: trained at {', '.join(f'{r:g}' for r in sorted(trained))}, tune/choice.json chose "
+                         f"{record['choice'][arm]:g}")
+    return lines + [""] + [f"- {md(note)}" for note in notes] + ([""] if notes else []), notes
+
+
+def tuning_summary(record, why, notes):
+    """paired.json's tuning: the choice, its tuning seeds and budget, the mean loss per arm and rate; the problem of
+    an unusable choice.json; or None without one."""
+    if why:
+        return dict(problem=why)
+    if record is None:
+        return None
+    return dict(choice=record["choice"], tune_seeds=record["tune_seeds"], tune_iters=record["tune_iters"],
+                max_iters=record["max_iters"], min_lr_ratio=record["min_lr_ratio"], notes=notes,
+                mean={arm: {f"{row['learning_rate']:g}": row["mean"] for row in rows.values()}
+                      for arm, rows in record["table"].items()})
+
+
 def output_names(arms, cell):
     """Every file report.py may write into out_dir for these arms and this cell."""
-    return ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *(f"jsd_{arm}.png" for arm in arms),
-            f"routing_{cell[0]}_seed{cell[1]}.png"]
+    return ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *map(jsd_name, arms), routing_name(cell)]
 
 
 def parse_cell(text, arms, seeds, results, logs):
@@ -516,7 +967,11 @@ def main(argv):
     parser.add_argument("out_dir")
     parser.add_argument("--reference", help="reference arm (default: the first arm)")
     parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
+    parser.add_argument("--effect", type=float, default=0.03,
+                        help="mean delta (nats) to count the seeds needed for (default 0.03: RD-AttnRes's gain)")
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.effect) and args.effect > 0):
+        sys.exit(f"error: --effect={args.effect}: give a positive number of nats, e.g. --effect=0.03")
     if not os.path.isdir(args.out_dir):
         sys.exit(f"error: {args.out_dir} is not a directory; give the out_dir of a train.py grid")
     if not os.access(args.out_dir, os.W_OK):  # before any work: the report and plots are written there
@@ -542,19 +997,27 @@ def main(argv):
     diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
                      reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
 
-    lines = [f"# Paired report: {args.out_dir}", "",
-             f"Reference arm: `{reference}`. delta = NLL(arm) - NLL(reference) on the fixed validation set "
+    lines = [f"# Paired report: {md(args.out_dir)}", "",
+             f"Reference arm: {md(reference)}. delta = NLL(arm) - NLL(reference) on the fixed validation set "
              f"(nats/token; negative = better). Each arm is paired with the reference seed by seed: a seed counts "
              f"for an arm when both cells finished and their pairing records agree.", ""]
     if any(left_out.values()):
         lines += ["**Seeds left out** (not counted in that arm's n):", "",
-                  *(f"- {arm}, seed {s}: {r}" for arm in others for s, r in left_out[arm].items()), ""]
+                  *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()), ""]
+    tuning, tuning_why = read_tuning(args.out_dir)
+    tuning_notes = []
+    if tuning:
+        section, tuning_notes = tuning_lines(tuning, arms, results)
+        lines += section
+    elif tuning_why:
+        lines += ["## Learning-rate tuning", "", f"{TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
+                  f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.", ""]
     lines += ["Final validation loss:", "",
-              "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-              "|---" * (len(seeds) + 1) + "|"]
+              "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | learning rate |",
+              "|---" * (len(seeds) + 2) + "|"]
     for arm in arms:
-        lines.append(f"| {arm} | " + " | ".join("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
-                                                 else fmt(r["val_loss"], ".4f") for s in seeds) + " |")
+        lines.append(table_row(arm, *("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
+                                      else fmt(r["val_loss"], ".4f") for s in seeds), arm_learning_rates(results, arm)))
     lines.append("")
     paired, curves, mixed = {}, {}, {}
     table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
@@ -562,43 +1025,60 @@ def main(argv):
     for arm in others:
         seeds_of = paired_seeds[arm]
         st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
+        st["ppl_change"] = perplexity_change(st["mean"])
         curves[arm] = delta_curve(logs, arm, reference, seeds_of)
         mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
         paired[arm] = dict(st, seeds=seeds_of, left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
-                           mixed_versions=mixed[arm], delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()})
-        table.append(f"| {arm} | {st['n']} | {st['wins']}/{st['n']} | {fmt(st['mean'])} | {fmt(st['std'], '.4f')} | "
-                     f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}] | {fmt(st['p_ttest'], '.3g')} | "
-                     f"{fmt(st['p_sign'], '.3g')} | {fmt(100 * st['ppl_change'], '+.2f')}% |")
-        lines.append(f"Per-seed deltas, {arm}: "
+                           mixed_versions=mixed[arm], delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
+                           power=power_analysis(st, args.effect))
+        percent = 100 * st["ppl_change"]
+        table.append(table_row(arm, *statistics_cells(st),
+                               "off scale" if math.isinf(percent) else fmt(percent, "+.2f") + "%"))
+        lines.append(f"Per-seed deltas, {md(arm)}: "
                      + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(seeds_of, st["deltas"])) or "none"))
     lines += ["", *table, ""]
+    if any(math.isinf(paired[arm]["ppl_change"]) for arm in others):
+        lines += ["ppl change off scale: exp(mean delta) - 1 is past a float (a mean delta above 709 nats: a diverging "
+                  "arm).", ""]
+    if others:
+        lines += power_lines(others, paired, args.effect)
     if any(mixed.values()):
         lines += ["**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
                   "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
                   "the grid in a new out_dir:", "",
-                  *(f"- {arm}: {note}" for arm in others for note in mixed[arm]), ""]
+                  *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]), ""]
     if diverged:
         lines += ["**Diverged cells** (never in the statistics):", "",
                   "| arm | seed | step | reason |", "|---|---|---|---|",
-                  *(f"| {d['arm']} | {d['seed']} | {d['step']} | {d['reason']} |" for d in diverged), ""]
+                  *(table_row(d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])) for d in diverged), ""]
+    downstream, problems, downstream_notes = load_downstream(args.out_dir, results)
+    notes += downstream_notes
+    compared = None
+    if downstream or problems:
+        compared = {arm: downstream_comparison(reference, arm, paired_seeds[arm], results, downstream, problems)
+                    for arm in others}
+        lines += downstream_lines(arms, seeds, reference, downstream, problems, compared)
     wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
     if any(t is not None for t in wall.values()):
         lines += ["Wall time per cell (s; training and evaluation, compile included):", "",
                   "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | total |", "|---" * (len(seeds) + 2) + "|"]
         for arm in arms:
             times = [wall.get(f"{arm}/seed{s}") for s in seeds]
-            lines.append(f"| {arm} | " + " | ".join("-" if t is None else f"{t:.0f}" for t in times)
+            lines.append(f"| {md(arm)} | " + " | ".join("-" if t is None else f"{t:.0f}" for t in times)
                          + f" | {sum(t for t in times if t is not None):.0f} |")
         lines.append("")
     if notes:
-        lines += ["Skipped:", "", *(f"- {n}" for n in notes), ""]
+        lines += ["Skipped:", "", *(f"- {md(n)}" for n in notes), ""]
     summary = "\n".join(lines)
     for title, name in plots(args.out_dir, arms, reference, paired_seeds, curves, logs, cell):
-        lines += [f"### {title}", "", f"![{title}]({name})", ""]
+        lines += [f"### {md(title)}", "", f"![{md(title)}]({name})", ""]
     write_text(os.path.join(args.out_dir, "report.md"), "\n".join(lines))
     write_text(os.path.join(args.out_dir, "paired.json"), json.dumps(strict(
-        dict(reference=reference, arms=paired, diverged=diverged, wall_time_s=wall, skipped=notes)), indent=1,
-        allow_nan=False))
+        dict(reference=reference, arms=paired, diverged=diverged, downstream=compared and dict(
+            core={f"{a}/seed{s}": r["core"] for (a, s), r in downstream.items()}, arms=compared),
+             tuning=tuning_summary(tuning, tuning_why, tuning_notes), learning_rates={
+                 arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
+                 for arm in arms}, wall_time_s=wall, skipped=notes)), indent=1, allow_nan=False))
     print(summary)
 
 

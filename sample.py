@@ -5,48 +5,28 @@ $ python sample.py out/rd_attnres/seed0 --start="ROMEO:" --num_samples=3 --max_n
 $ python sample.py out/attnres/seed1/ckpt.pt --start=FILE:prompt.txt --temperature=0.8 --top_k=40 --seed=2
 
 The cell is a folder of train.py's out_dir (out/<arm>/seed<k>) or its ckpt.pt; the tokenizer is
-that of the checkpoint's data_dir (data/prepare.py's tokenizer_of). An empty --start begins a new
+that of the checkpoint's data_dir (data/shards.py's tokenizer_of). An empty --start begins a new
 document (the end-of-text token). Each sample is printed whole, starting with --start.
 """
 
 import argparse
 import math
-import os
 import sys
 
 import torch
 
-import bookkeeping
-from data.prepare import DataError, get_tokenizer, tokenizer_of
-from model import GPT, GPTConfig
+import records
+from checkpoint import load_cell
+from common import DataError
+from data.shards import get_tokenizer, tokenizer_of
+
+
+GREEDY_BELOW = 1e-20  # below it, draw the likeliest token (the limit at 0): logits / temperature would overflow
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other error of the project
         sys.exit(f"error: {message}; see python sample.py --help")
-
-
-def load_cell(path, device):
-    """The cell's model (uncompiled, in eval mode) and its record from train.py's ckpt.pt."""
-    ckpt_path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    give = "give a cell folder of train.py's out_dir (out/<arm>/seed<k>) or its ckpt.pt"
-    if not os.path.isfile(ckpt_path):
-        raise DataError(f"{ckpt_path} does not exist; {give}")
-    try:
-        ckpt = bookkeeping.load_tensors(ckpt_path, "cpu")
-    except ValueError as e:
-        raise DataError(f"{ckpt_path} cannot be read as a checkpoint ({e}); {give}") from None
-    record = ckpt.get("config") if isinstance(ckpt, dict) else None
-    if not (isinstance(record, dict) and isinstance(ckpt.get("model"), dict) and isinstance(record.get("model"), dict)
-            and isinstance(record.get("data_dir"), str)):
-        raise DataError(f"{ckpt_path} is not a train.py checkpoint (no model weights with their cell's config); {give}")
-    try:
-        model = GPT(GPTConfig(**record["model"]))
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise DataError(f"{ckpt_path}: its model does not fit this model.py ({str(e).splitlines()[0]}); "
-                        f"sample with the code that trained it") from None
-    return model.to(device).eval(), record
 
 
 def main(argv):
@@ -55,7 +35,8 @@ def main(argv):
     parser.add_argument("--start", default="", help='the prompt, or FILE:path to read it from (default: a new document)')
     parser.add_argument("--num_samples", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more predictable")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help=f"> 0; lower is more predictable; below {GREEDY_BELOW:g}, greedy: the likeliest token")
     parser.add_argument("--top_k", type=int, default=None, help="sample from the k likeliest tokens only (default: all)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="auto", help="auto (cuda if there is one, else cpu), cpu, cuda, cuda:1, mps")
@@ -72,12 +53,14 @@ def main(argv):
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:  # an unknown name, or a device this torch cannot use
         parser.error(f"--device={args.device}: {str(e).splitlines()[0]}")
+    if torch.device(device).type == "meta":  # accepted by torch, but its tensors hold no values to sample from
+        parser.error(f"--device={args.device}: a meta device holds no values; use cpu or cuda")
 
-    model, record = load_cell(args.cell, device)
-    trained, code = record.get("code") if isinstance(record.get("code"), dict) else {}, bookkeeping.code_record()
+    model, record, _ = load_cell(args.cell, device)
+    trained, code = record.get("code") if isinstance(record.get("code"), dict) else {}, records.code_record()
     if trained.get("fingerprint") != code["fingerprint"]:  # the weights are the cell's, the model code is today's
         print(f"note: the code differs from the one the cell was trained with "
-              f"({', '.join(bookkeeping.changed_files(trained, code))})", file=sys.stderr)
+              f"({', '.join(records.changed_files(trained, code))})", file=sys.stderr)
     try:
         # the cell records its data's tokenizer; older cells are asked of their data_dir
         tokenizer = get_tokenizer(record.get("tokenizer") or tokenizer_of(record["data_dir"]))
@@ -98,9 +81,11 @@ def main(argv):
         raise DataError(f"--start encodes to token id {max(ids)}, beyond the model's vocab_size {model.config.vocab_size}")
     torch.manual_seed(args.seed)
     x = torch.tensor([ids], dtype=torch.long, device=device)
+    # the limit of sampling as the temperature goes to 0: top_k=1 keeps the likeliest token (and its ties)
+    temperature, top_k = (1.0, 1) if args.temperature < GREEDY_BELOW else (args.temperature, args.top_k)
     with torch.no_grad():
         for _ in range(args.num_samples):
-            y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
+            y = model.generate(x, args.max_new_tokens, temperature=temperature, top_k=top_k)
             print(start + tokenizer.decode(y[0, len(ids):].tolist()))
             print("---------------")
 

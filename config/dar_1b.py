@@ -1,5 +1,5 @@
-# DAR against standard and Block AttnRes at a 1B proxy of the DAR paper's largest dense size (ours:
-# 18 layers, d=2048, 16 heads of 128, context 1024; 1.009B parameters, 0.906B without the tied
+# DAR against standard, scaled_residual and Block AttnRes at a 1B proxy of the DAR paper's largest
+# dense size (ours: 18 layers, d=2048, 16 heads of 128, context 1024; 1.009B parameters, 0.906B without the tied
 # embedding, counted by model.py on the meta device; the paper's own shape is not known to us), paired
 # as config/rd_120m.py: 2.0B FineWeb-Edu tokens per run at 2^19 tokens/step, so sizes compare at one
 # budget (2 tokens per parameter: a comparison of arms, not a compute-optimal model). 3 seeds for cost.
@@ -14,7 +14,7 @@
 # Cost: 6.51 GFLOP/token (model.flops_per_token) x 2.0B tokens = 1.30e19 FLOP per cell; checkpointing
 # recomputes the sublayers' forward (+1/3 of the matmuls): about 1.74e19. At 40% MFU of an H100
 # (989 TFLOP/s bf16): 12 GPU-hours per cell (9 without checkpointing), 1.5 h on 8 GPUs; the grid
-# (3 arms x 3 seeds) about 110 GPU-hours, before the AttnRes-family arms' own overhead.
+# (4 arms x 3 seeds) about 145 GPU-hours, before the AttnRes-family arms' own overhead.
 # $ python data/prepare.py --max_tokens=2.1e9
 # $ torchrun --standalone --nproc_per_node=8 train.py config/dar_1b.py
 import os
@@ -23,6 +23,7 @@ exec(open(os.path.join(os.path.dirname(__file__), "rd_120m.py")).read())
 out_dir = "out/dar_1b"
 arms = {
     "standard": {"residual": "standard"},
+    "scaled_residual": {"residual": "scaled_residual"},  # the strong baseline: learned residual scalars, embedding skip
     "attnres": {"residual": "attnres"},
     "dar": {"residual": "dar"},
 }

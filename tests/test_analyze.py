@@ -1,3 +1,10 @@
+"""
+analyze.py: interventions and representations of a trained cell, every number recomputed by hand from
+the model, on cells train.py itself trains; bad cells and read-only folders are one line before any work.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_analyze.py -q -p no:cacheprovider
+"""
+
 import json
 import os
 import re
@@ -5,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 import analyze
+import common
 import train
-from configurator import ConfigError
-from data.prepare import write_shard
+from common import ConfigError, DataError
+from data.shards import write_shard
 from model import GPT, RESIDUALS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,8 +31,9 @@ torch.set_num_threads(1)  # tiny models: threads only contend with each other on
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {"attnres_full": dict(residual="attnres",
                                                                                       attnres_block_size=1)}
-CPU = dict(rank=0, world=1, device="cpu", autocast=nullcontext())
-EVAL = dict(block_size=16, eval_tokens=400, eval_batch_size=8)
+CPU = train.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None,
+                    fsdp=False)
+EVAL = SimpleNamespace(block_size=16, eval_tokens=400, eval_batch_size=8)
 # at init these equal the unmodified model in exact arithmetic, but sum in another order
 ROUNDED = {("dar", ("one_stream", 0)), ("dar", ("one_stream", 1)), ("mhc", ("identity_mixing",))}
 
@@ -42,6 +52,9 @@ def make(variant, seed=0):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_interventions_change_nothing_at_init(variant, stream):
     model = make(variant)
+    if model.config.residual == "dar":  # streams that start as copies: reading one alone is then no change
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY, **VARIANTS[variant], dar_start="copy"))
     base, rows = analyze.interventions(model, stream, EVAL, CPU)
     assert len(rows) == len(model.interventions()) and (rows == []) == (variant == "standard")
     for change, nll in rows:
@@ -71,7 +84,7 @@ def test_effective_sources_and_cosine_matrices(stream):
     torch.testing.assert_close(cos, cos.T)
     torch.testing.assert_close(cos.diagonal(), torch.ones(len(cos)))
     assert cos.shape == (2 * TINY["n_layer"] + 1,) * 2 and cos.min() < 0.9
-    x, _ = train.validation_batch(stream, range((EVAL["eval_tokens"] - 1) // 16), 16, "cpu")
+    x, _ = train.validation_batch(stream, range((EVAL.eval_tokens - 1) // 16), 16, "cpu")
     sources = []
     with torch.no_grad():  # the sources of Full AttnRes: the embedding and every sublayer output
         h = model.transformer.wte(x)
@@ -162,7 +175,7 @@ def nll_by_hand(model, x, y, change=None):
 def test_intervention_nll_is_the_cross_entropy_under_the_change(variant, stream):
     model = randomize(make(variant), seed=1)
     base, rows = analyze.interventions(model, stream, EVAL, CPU)
-    x, y = train.validation_batch(stream, range((EVAL["eval_tokens"] - 1) // 16), 16, "cpu")
+    x, y = train.validation_batch(stream, range((EVAL.eval_tokens - 1) // 16), 16, "cpu")
     assert abs(base - nll_by_hand(model, x, y)) < 1e-6
     for change, nll in rows:
         assert abs(nll - nll_by_hand(model, x, y, change)) < 1e-6, change
@@ -207,7 +220,7 @@ def test_analysis_json_recomputed_by_hand(grid, stream, variant, tmp_path):
         shutil.copy(os.path.join(src, f), cell)
     cfg = json.load(open(os.path.join(cell, "config.json")))
     model = GPT(GPTConfig(**cfg["model"]))
-    ckpt = torch.load(os.path.join(src, "ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(src, "ckpt.pt"), weights_only=True)
     model.load_state_dict(ckpt["model"])
     randomize(model, seed=2)
     ckpt["model"] = model.state_dict()
@@ -228,7 +241,7 @@ def test_analysis_json_recomputed_by_hand(grid, stream, variant, tmp_path):
         state = final_state(model, x)
     record, r.record = r.record, None
     weights = {k: w for k, w in record.items() if "/" not in k}
-    assert set(rep["weights"]) == set(weights) and bool(weights) == (variant not in ("hc", "mhc", "denseformer"))
+    assert set(rep["weights"]) == set(weights) and bool(weights) == (variant not in ("hc", "mhc", "denseformer", "scaled_residual"))
     for name, w in weights.items():
         h = -(w * w.clamp_min(1e-30).log()).sum(-1)
         close(rep["weights"][name], w.mean((0, 1)), name)
@@ -268,6 +281,9 @@ def test_analysis_json_recomputed_by_hand(grid, stream, variant, tmp_path):
         assert a["dar"]["sources"] == len(state[0].blocks)
         text = open(os.path.join(cell, "analysis.md")).read()
         assert f"| one_stream delta NLL | {delta[('one_stream', 0)]:+.3g} | {delta[('one_stream', 1)]:+.3g} |" in text
+    elif variant == "scaled_residual":  # no depth sources: its scales, every sublayer's, are token averages above
+        assert rep["scales"] and set(rep["scales"]) == {k.split("/")[1] for k in record if k.startswith("scales/")}
+        assert "source_cosine" not in rep
     else:
         close(rep["source_cosine"]["out"], cosines(state.blocks, state.blocks), "sources")
 
@@ -285,7 +301,7 @@ def edit_json(cell, name, edit):
 
 
 def edit_ckpt(cell, edit):
-    ckpt = torch.load(os.path.join(cell, "ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(cell, "ckpt.pt"), weights_only=True)
     edit(ckpt)
     torch.save(ckpt, os.path.join(cell, "ckpt.pt"))
 
@@ -336,13 +352,15 @@ def test_a_read_only_cell_fails_before_computing(grid, tmp_path, monkeypatch):
     cell = str(tmp_path / "cell")
     shutil.copytree(os.path.join(grid, "attnres", "seed0"), cell)
 
-    def refuse(path, *args, **kwargs):  # what the OS says in a read-only folder (chmod does not stop root)
-        if os.path.dirname(os.path.abspath(path)) == cell and "w" in (args[0] if args else kwargs.get("mode", "r")):
-            raise PermissionError(13, "Permission denied", path)
-        return open(path, *args, **kwargs)
-    monkeypatch.setattr(analyze, "open", refuse, raising=False)
+    real = common.tempfile.TemporaryFile
+
+    def refuse(*args, dir=None, **kwargs):  # what the OS says in a read-only folder (chmod does not stop root)
+        if dir is not None and os.path.abspath(dir) == cell:
+            raise PermissionError(13, "Permission denied", dir)
+        return real(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(common.tempfile, "TemporaryFile", refuse)  # common.check_writable's probe
     monkeypatch.setattr(analyze, "interventions", lambda *a: pytest.fail("computed before checking the folder"))
-    with pytest.raises(ConfigError, match=f"cannot write into {re.escape(cell)} \\(Permission denied\\)"):
+    with pytest.raises(DataError, match=f"cannot write into {re.escape(cell)} \\(Permission denied\\); analyze.py writes"):
         analyze.main([cell, "--device=cpu"])
 
 

@@ -1,3 +1,10 @@
+"""
+bench.py: every variant's step time and memory as strict JSON, the settings checked before anything is
+measured (tiny, eager, on the CPU: fractions of a second).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_bench.py -q -p no:cacheprovider
+"""
+
 import json
 from contextlib import nullcontext
 
@@ -5,7 +12,8 @@ import pytest
 import torch
 
 import bench
-from configurator import ConfigError, configure
+from common import ConfigError, UserError
+from configurator import configure
 from model import GPT, GPTConfig
 
 # eager, tiny and on the CPU: a benchmark of two variants takes a fraction of a second
@@ -55,8 +63,8 @@ def test_standard_alone_is_timed_on_its_own(tmp_path):
     (["--variants=()"], "variants is empty; give one or more of standard, "),
     (["--n_layer=1", "--variants=dar"], "dar: attnres_block_size=4 must be 1 (Full) or an even divisor of 2*n_layer=2"),
     (["--vocab_size=0"], "standard: vocab_size=0 must be a positive integer"),
-    (["--out=/nonexistent/bench.json"], "out=/nonexistent/bench.json: cannot write there (No such file or directory); "
-                                        "give a path in a writable folder"),
+    (["--out=/dev/null/bench.json"], "cannot write into /dev/null (File exists); give --out=/dev/null/bench.json a "
+                                     "path in a writable folder"),
     (["--mode=prepare", "--input=/nonexistent/*.parquet"], "input=/nonexistent/*.parquet matches no file; give a glob "
                                                            "of parquet files with a text column"),
 ])
@@ -67,7 +75,7 @@ def test_a_bad_setting_is_one_line_before_anything_is_measured(tmp_path, monkeyp
     for name in ("setup_variant", "bench_prepare"):
         monkeypatch.setattr(bench, name, measure)
     monkeypatch.chdir(tmp_path)  # the default --out=bench.json lands here, if anywhere
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:  # ConfigError, or DataError for a place that cannot be written
         bench.main(TINY + args)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert list(tmp_path.iterdir()) == []

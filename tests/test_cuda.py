@@ -2,6 +2,8 @@
 What only a GPU can show: compiled bf16 training steps with fused AdamW, the equivalences of
 test_model.py on CUDA kernels, and DDP over NCCL. Skipped without CUDA (CI runs on CPU and counts
 them as skipped); `python gpu_check.py` runs them with the rest of the GPU check.
+
+    python -m pytest tests/test_cuda.py -q
 """
 
 import json
@@ -13,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.prepare import write_shard
+from data.shards import write_shard
+from conftest import ROUTED, make, naive_depth_read, randomize_routing, rel_err, tokens, two_phase_read
 from model import RESIDUALS
-from test_model import ROUTED, dead_rows, make, naive_depth_read, randomize_routing, rel_err, tokens, two_phase_read
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def exact_fp32():
-    # TF32 matmuls would hide a 1e-5 difference; bookkeeping.setup turns them on for training
+    # TF32 matmuls would hide a 1e-5 difference; train.setup turns them on for training
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
@@ -33,8 +35,7 @@ def exact_fp32():
 @pytest.mark.parametrize("variant", list(RESIDUALS))  # a compile each: the registry's defaults, not every setting
 def test_compiled_bf16_training_step(variant):
     model = make(variant)
-    if variant != "standard":
-        randomize_routing(model)
+    randomize_routing(model)
     model.cuda()
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")
     assert optimizer.defaults["fused"]
@@ -48,7 +49,7 @@ def test_compiled_bf16_training_step(variant):
     for name, p in model.residual.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         grad_norm = p.grad.float().reshape(p.size(0), -1).norm(dim=1)
-        live = [r for r in range(p.size(0)) if r not in dead_rows(model, name)]
+        live = [r for r in range(p.size(0)) if r not in model.residual.dead_rows().get(name, set())]
         assert all(grad_norm[r] > 0 for r in live), (name, grad_norm)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.step()
@@ -88,8 +89,7 @@ def test_depth_read_equals_naive_on_cuda(dtype, tol):
 @pytest.mark.parametrize("variant", list(RESIDUALS))
 def test_compile_fullgraph_matches_eager_on_cuda(variant):
     model = make(variant, n_layer=2)
-    if variant != "standard":
-        randomize_routing(model)
+    randomize_routing(model)
     model.cuda()
     idx = tokens().cuda()
     torch._dynamo.reset()

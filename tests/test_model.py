@@ -1,3 +1,15 @@
+"""
+The model, on CPU: every residual scheme against the standard residual at init and against an
+independent reference of its formulas (written from the papers, in the tests), the depth read
+against its definition (values, gradients, gradcheck, compile), the attention against a naive
+rotary attention, causality, activation checkpointing, the optimizer groups, the config checks,
+and the generic contract every scheme in RESIDUALS must meet (parametrized over the registry:
+a new scheme is tested with no edit here, and a failure says what to fix).
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_model.py -q          # all (about a minute or two)
+    OMP_NUM_THREADS=1 python -m pytest tests/test_model.py -q -k dar   # the tests of one scheme
+"""
+
 import math
 
 import pytest
@@ -5,49 +17,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import (ROUTED, TINY, VARIANTS, logits_of, make, naive_depth_read, randomize_routing, rel_err, tokens,
+                      two_phase_read)
 from model import (GPT, RESIDUALS, CausalSelfAttention, DualAttnRes, GPTConfig, History, HyperConnections,
-                   StandardResidual, Streams, depth_merge, depth_read, sinkhorn)
-
-TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=96)
-# every scheme in the registry at its defaults (attnres, rd_attnres, dar: blocks of 4 sublayers), so a
-# new scheme goes through every test below with no edit here; then the other settings worth testing.
-# Each name starts with its scheme's, so `pytest -k NAME` selects every test of scheme NAME.
-VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {
-    "attnres_full": dict(residual="attnres", attnres_block_size=1),
-    "attnres_s2": dict(residual="attnres", attnres_block_size=2),
-    "rd_attnres_dup": dict(residual="rd_attnres", rd_control="dup"),
-    "rd_attnres_param": dict(residual="rd_attnres", rd_control="param"),
-    "rd_attnres_fixed_v": dict(residual="rd_attnres", rd_control="fixed_v"),
-    "rd_attnres_mix": dict(residual="rd_attnres", rd_control="mix"),
-    "dar_full": dict(residual="dar", attnres_block_size=1),
-    "dar_self": dict(residual="dar", dar_keys="self"),
-}
-ROUTED = [v for v in VARIANTS if v != "standard"]
-
-
-def make(variant, seed=0, **overrides):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**TINY, **VARIANTS[variant], **overrides}))
-
-
-def tokens(B=2, T=16, seed=1):
-    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def randomize_routing(model, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.residual.named_parameters():
-            scale = 0.5 if "gain" in name else 0.1 if name.startswith("phi") else 1.0  # phi: keep exp() finite
-            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if name == "key_gain" else 0.0))
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
-def logits_of(model, idx):
-    return model(idx, idx)[0]
+                   StandardResidual, Streams, depth_read, depth_read_extend, depth_read_sealed, depth_weights_extend,
+                   depth_weights_sealed, js_divergence, sinkhorn)
 
 
 @pytest.mark.parametrize("variant", ROUTED)
@@ -55,9 +29,11 @@ def test_zero_init_equals_standard(variant):
     standard = make("standard", seed=3, norm_eps=1e-10)
     model = make(variant, seed=4, norm_eps=1e-10)  # another seed: the weights must come from the load
     missing, unexpected = model.load_state_dict(standard.state_dict(), strict=False)
-    assert unexpected == [] and missing and all(k.startswith("residual.") for k in missing)
+    assert unexpected == []
+    assert all(k.startswith("residual.") for k in missing), "a scheme keeps its parameters under GPT.residual"
     idx = tokens()
-    assert rel_err(logits_of(model, idx), logits_of(standard, idx)) < 1e-5
+    assert rel_err(logits_of(model, idx), logits_of(standard, idx)) < 1e-5, (
+        f"{variant} is not `standard` at init: make its routing parameters start at the identity")
 
 
 def test_default_eps_shifts_zero_init_but_not_much():
@@ -79,7 +55,8 @@ def test_shared_init_is_bit_identical_across_variants(variant):
     reference, reference_rng = shared_init_and_rng_after(lambda: make("standard", seed=5), 5)
     shared, rng = shared_init_and_rng_after(lambda: make(variant, seed=5), 5)
     assert shared.keys() == reference.keys()
-    assert all(torch.equal(shared[n], reference[n]) for n in reference)
+    for n in reference:
+        assert torch.equal(shared[n], reference[n]), f"{n}: a scheme must not draw from the shared RNG"
     assert torch.equal(rng, reference_rng)  # what is drawn after the model (data order, dropout) is paired too
     assert not torch.equal(make("standard", seed=6).lm_head.weight, reference["transformer.wte.weight"])
 
@@ -120,33 +97,59 @@ def toy(residual, seed):
     return GPT(GPTConfig(**TINY, residual=residual))
 
 
-def test_random_scheme_init_keeps_shared_init_and_is_reproducible(toy_schemes):
+def test_random_scheme_init_keeps_the_shared_init_and_rng(toy_schemes):
     reference, reference_rng = shared_init_and_rng_after(lambda: make("standard", seed=5), 5)
     shared, rng = shared_init_and_rng_after(lambda: toy("toy_mlp", 5), 5)
-    assert all(torch.equal(shared[n], reference[n]) for n in reference) and torch.equal(rng, reference_rng)
+    for n in reference:
+        assert torch.equal(shared[n], reference[n]), n
+    assert torch.equal(rng, reference_rng)
+
+
+def test_random_scheme_init_is_drawn_and_reproducible(toy_schemes):
     W1 = toy("toy_mlp", 5).residual.W1
-    assert W1.std() > 0.5 and torch.equal(W1, toy("toy_mlp", 5).residual.W1)  # drawn, and the same for a seed
-    assert not torch.equal(W1, toy("toy_mlp", 6).residual.W1)
+    assert W1.std() > 0.5  # drawn
+    assert torch.equal(W1, toy("toy_mlp", 5).residual.W1)  # the same for a seed
+    assert not torch.equal(W1, toy("toy_mlp", 6).residual.W1)  # another for another seed
     idx = tokens()
     assert torch.equal(logits_of(toy("toy_mlp", 5), idx), logits_of(make("standard", seed=5), idx))  # standard at init
 
 
-def test_rd_attnres_dup_and_tied_rd_equal_their_parent():
+def random_parent():
     parent = make("attnres", seed=7)
     randomize_routing(parent)
-    idx = tokens()
-    expected = logits_of(parent, idx)
-    dup = make("rd_attnres_dup")
-    dup.load_state_dict(parent.state_dict(), strict=True)
-    assert rel_err(logits_of(dup, idx), expected) < 1e-5
+    return parent
+
+
+def rd_from(parent, tie):
+    """rd_attnres with the parent's parameters; its value queries tied to the Q/K queries, or random."""
     rd = make("rd_attnres")
     rd.load_state_dict(parent.state_dict(), strict=False)
     with torch.no_grad():
-        rd.residual.value_query.copy_(parent.residual.query[0:-1:2])  # tie w_v := w_qk per layer
-    assert rel_err(logits_of(rd, idx), expected) < 1e-5
-    with torch.no_grad():
-        rd.residual.value_query.normal_()
-    assert rel_err(logits_of(rd, idx), expected) > 1e-3
+        if tie:
+            rd.residual.value_query.copy_(parent.residual.query[0:-1:2])  # w_v := w_qk per layer
+        else:
+            rd.residual.value_query.normal_()
+    return rd
+
+
+def test_rd_attnres_dup_equals_its_parent():
+    parent = random_parent()
+    dup = make("rd_attnres_dup")
+    dup.load_state_dict(parent.state_dict(), strict=True)
+    idx = tokens()
+    assert rel_err(logits_of(dup, idx), logits_of(parent, idx)) < 1e-5
+
+
+def test_rd_attnres_with_tied_value_queries_equals_its_parent():
+    parent = random_parent()
+    idx = tokens()
+    assert rel_err(logits_of(rd_from(parent, tie=True), idx), logits_of(parent, idx)) < 1e-5
+
+
+def test_rd_attnres_with_its_own_value_queries_differs_from_its_parent():
+    parent = random_parent()
+    idx = tokens()
+    assert rel_err(logits_of(rd_from(parent, tie=False), idx), logits_of(parent, idx)) > 1e-3
 
 
 def test_rd_attnres_mix_tied_is_the_parent_and_untied_neither_rd_nor_parent():
@@ -163,20 +166,28 @@ def test_rd_attnres_mix_tied_is_the_parent_and_untied_neither_rd_nor_parent():
         mix.residual.value_query.normal_()
         rd.residual.value_query.copy_(mix.residual.value_query)  # the same parameters, the same two reads
         mixed = logits_of(mix, idx)
-        assert rel_err(mixed, expected) > 1e-3 and rel_err(mixed, logits_of(rd, idx)) > 1e-3
+        assert rel_err(mixed, expected) > 1e-3
+        assert rel_err(mixed, logits_of(rd, idx)) > 1e-3
 
 
-def test_rd_attnres_parameter_counts_and_strict_parent_loads():
+def test_attnres_parameter_count_by_hand():
     parent = make("attnres")
     d, L = TINY["n_embd"], TINY["n_layer"]
     assert parent.num_params() - make("standard").num_params() == 4 * d * L + 2 * d
-    for control in ("rd_attnres", "rd_attnres_param", "rd_attnres_mix"):
-        assert make(control).num_params() == parent.num_params() + L * d
-    for control in ("rd_attnres_dup", "rd_attnres_fixed_v"):
-        model = make(control)
-        assert model.num_params() == parent.num_params()
-        model.load_state_dict(parent.state_dict(), strict=True)
     assert parent.num_params(non_embedding=False) - parent.num_params() == TINY["vocab_size"] * d
+
+
+@pytest.mark.parametrize("control", ["rd_attnres", "rd_attnres_param", "rd_attnres_mix"])
+def test_rd_attnres_learned_controls_add_one_vector_per_layer(control):
+    d, L = TINY["n_embd"], TINY["n_layer"]
+    assert make(control).num_params() == make("attnres").num_params() + L * d
+
+
+@pytest.mark.parametrize("control", ["rd_attnres_dup", "rd_attnres_fixed_v"])
+def test_rd_attnres_parameter_free_controls_load_their_parent_strictly(control):
+    parent, model = make("attnres"), make(control)
+    assert model.num_params() == parent.num_params()
+    model.load_state_dict(parent.state_dict(), strict=True)
 
 
 EXPECTED_SOURCES = {  # the AttnRes paper's block bookkeeping, 4 layers = 8 sublayer reads, then the output read
@@ -193,7 +204,9 @@ def test_routing_weights_source_counts(variant):
     assert list(weights) == names
     assert [weights[n].numel() for n in names] == EXPECTED_SOURCES[variant]
     for w in weights.values():
-        assert w.dtype == torch.float32 and w.device.type == "cpu" and not w.requires_grad
+        assert w.dtype == torch.float32
+        assert w.device.type == "cpu"
+        assert not w.requires_grad
         assert abs(w.sum().item() - 1) < 1e-5
 
 
@@ -214,7 +227,6 @@ def test_rd_attnres_value_route_alone_moves_only_attn_v():
 
 def test_jsd_is_token_wise_not_of_averages():
     # two tokens with mirrored routes: averages agree (JSD of averages = 0) but each token disagrees
-    from model import js_divergence
     p = torch.tensor([[0.9, 0.1], [0.1, 0.9]])
     q = p.flip(0)
     assert js_divergence(p.mean(0), q.mean(0)).item() < 1e-7
@@ -244,12 +256,12 @@ def reference_logits(model, idx):
             o = block.mlp(block.ln_2(a))
         elif cfg.residual == "rd_attnres" and cfg.rd_control == "mix":  # one input: the two reads' average
             a = (a + AR(src, res.value_query[k // 2], res.key_gain[k])) / 2
-            o = block.attn(block.ln_1(a), block.ln_1(a))
+            o = block.attn(block.ln_1(a), block.ln_1(a), block.ln_1(a))
         elif cfg.residual == "rd_attnres":
             a_v = AR(src, res.value_query[k // 2], res.key_gain[k])
-            o = block.attn(block.ln_1(a), block.ln_1(a_v))
+            o = block.attn(block.ln_1(a), block.ln_1(a), block.ln_1(a_v))
         else:
-            o = block.attn(block.ln_1(a), block.ln_1(a))
+            o = block.attn(block.ln_1(a), block.ln_1(a), block.ln_1(a))
         p = o if p is None else p + o
     a_out = AR(done + [p], res.query[2 * L], res.key_gain[2 * L])
     return model.lm_head(model.transformer.ln_f(a_out))
@@ -271,8 +283,7 @@ def test_matches_slow_reference(variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_causality(variant):
     model = make(variant)
-    if variant != "standard":
-        randomize_routing(model)
+    randomize_routing(model)
     idx = tokens(B=1)
     t = 9
     changed = idx.clone()
@@ -300,14 +311,17 @@ def test_bf16_autocast_depth_weights_are_fp32(variant):
 
 
 def dead_rows(model, name):
-    """Rows of a routing parameter that cannot get a gradient (one row per read, sublayer or layer)."""
-    if name in ("query", "key_gain", "value_query", "fusion"):
-        return {0}  # sublayer 0 reads only the embedding (DAR: the same one in both streams)
-    if name == "mixing":  # DAR's rho is unused where a block starts
-        return {k for k in range(2 * TINY["n_layer"]) if k % model.config.attnres_block_size == 0}
-    if name in ("phi_res", "bias_res"):  # mHC: a doubly stochastic mix of identical streams (sublayer 0)
-        return {0, 2 * TINY["n_layer"] - 1}  # or of streams that are then summed (the last) changes nothing
-    return set()
+    """The rows of routing parameter `name` that its scheme declares get no gradient by construction."""
+    return model.residual.dead_rows().get(name, set())
+
+
+@pytest.mark.parametrize("variant", ROUTED)
+def test_declared_dead_rows_name_parameters_of_the_scheme(variant):
+    model = make(variant)
+    names = dict(model.residual.named_parameters())
+    for name, rows in model.residual.dead_rows().items():
+        assert name in names, f"dead_rows() names {name!r}, which is not a parameter of the scheme"
+        assert all(0 <= r < names[name].size(0) for r in rows), f"dead_rows() of {name!r}: {rows} out of range"
 
 
 @pytest.mark.parametrize("variant", ROUTED)
@@ -320,8 +334,12 @@ def test_every_routing_parameter_gets_a_gradient(variant):
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         grad_norm = grad.reshape(p.size(0), -1).norm(dim=1)  # one row per read, sublayer or layer
         dead = dead_rows(model, name)
-        # dead rows may carry rounding noise (DAR's fusion at sublayer 0 mixes two equal reads)
-        assert all(grad_norm[r] < 1e-8 if r in dead else grad_norm[r] > 0 for r in range(p.size(0))), (name, grad_norm)
+        for r in range(p.size(0)):
+            if r in dead:  # dead rows may carry rounding noise (DAR's fusion at sublayer 0 mixes two equal reads)
+                assert grad_norm[r] < 1e-8, f"{name}[{r}] gets a gradient: remove it from {variant}'s dead_rows()"
+            else:
+                assert grad_norm[r] > 0, (f"{name}[{r}] gets no gradient with random routing: a bug, or "
+                                          f"declare it in {variant}'s dead_rows() if no gradient can reach it")
 
 
 def rows_that_never_learn(model, steps=3):
@@ -344,29 +362,16 @@ def rows_that_never_learn(model, steps=3):
 
 @pytest.mark.parametrize("variant", ROUTED)
 def test_every_routing_parameter_learns_from_the_init(variant):
-    assert rows_that_never_learn(make(variant)) == []
+    assert rows_that_never_learn(make(variant)) == [], (
+        "these (parameter, row) never get a gradient from the init: an init that multiplies two zeros, "
+        "or rows to declare in dead_rows()")
 
 
 def test_a_route_that_cannot_learn_is_caught(toy_schemes):
     assert rows_that_never_learn(toy("toy_mlp", 0)) == []  # W2 learns at step 1, then W1
     dead = rows_that_never_learn(toy("toy_dead_mlp", 0))
-    assert {name for name, _ in dead} == {"W1", "W2"} and len(dead) == 8 + TINY["n_embd"]
-
-
-def naive_depth_read(sources, queries, key_gain, eps, keys=None):
-    """The depth read from its definition, with a stacked copy of the sources, in float64."""
-    V = torch.stack(sources).double()  # (S, B, T, d)
-    K = V if keys is None else torch.stack(keys).double()
-    normed = key_gain.double() * K / torch.sqrt(K.pow(2).mean(-1, keepdim=True) + eps)
-    alpha = torch.softmax(torch.einsum("sbtd,rd->sbtr", normed, queries.double()), dim=0)
-    return [torch.einsum("sbt,sbtd->btd", alpha[..., r], V) for r in range(queries.size(0))]
-
-
-def two_phase_read(sources, queries, key_gain, eps, keys=None):
-    """The model's read over every source: phase 1 over all but the newest, phase 2 adds the newest."""
-    keys = sources if keys is None else keys
-    read = depth_read(keys[:-1], sources[:-1], queries * key_gain, eps)
-    return depth_merge(read, keys[-1], sources[-1], queries * key_gain, eps).outputs
+    assert {name for name, _ in dead} == {"W1", "W2"}
+    assert len(dead) == 8 + TINY["n_embd"]
 
 
 def one_phase_read(sources, queries, key_gain, eps, keys=None):
@@ -397,14 +402,33 @@ def test_depth_read_equals_naive_reference_with_gradients(read, separate_keys):
             assert (gf.double() - gs).abs().max() < 5 * tol * gs.abs().max()
 
 
-def test_depth_merge_weights_and_logsumexp_are_the_full_reads():
+def test_depth_read_extend_weights_and_logsumexp_are_the_full_reads():
     g = torch.Generator().manual_seed(1)
     sources = [torch.randn(2, 3, 8, generator=g, dtype=torch.float64) for _ in range(4)]
     directions = torch.randn(2, 8, generator=g, dtype=torch.float64)
     full = depth_read(sources, sources, directions, 1e-6)
-    merged = depth_merge(depth_read(sources[:-1], sources[:-1], directions, 1e-6), sources[-1], sources[-1], directions, 1e-6)
-    for a, b in ((merged.weights, full.weights), (merged.lse, full.lse), *zip(merged.outputs, full.outputs)):
+    extended = depth_read_extend(depth_read(sources[:-1], sources[:-1], directions, 1e-6), sources[-1], sources[-1],
+                                 directions, 1e-6)
+    for a, b in ((extended.weights, full.weights), (extended.lse, full.lse), *zip(extended.outputs, full.outputs)):
         assert (a - b).abs().max() < 1e-13
+
+
+def test_weights_only_reads_equal_the_full_reads_weights():
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.randn(2, 3, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    directions = {0: torch.randn(2, 8, generator=g, dtype=torch.float64), 1: torch.randn(1, 8, generator=g, dtype=torch.float64)}
+    full = depth_read_sealed(sources, sources, directions, 1e-6)
+    weights_only = depth_weights_sealed(sources, directions, 1e-6)
+    for k in directions:
+        assert weights_only[k].outputs is None
+        assert torch.equal(weights_only[k].weights, full[k].weights)
+        assert torch.equal(weights_only[k].lse, full[k].lse)
+    extra = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
+    extended = depth_weights_extend(weights_only[0], extra, directions[0], 1e-6)
+    reference = depth_read_extend(full[0], extra, extra, directions[0], 1e-6)
+    assert extended.outputs is None
+    assert torch.equal(extended.weights, reference.weights)
+    assert torch.equal(extended.lse, reference.lse)
 
 
 @pytest.mark.parametrize("dar_keys", ["reciprocal", "self"])
@@ -468,6 +492,8 @@ def test_depth_read_gradcheck(read):
     (dict(n_embd=36, n_head=4), "heads of even size"),
     (dict(residual="dar", dar_keys="other"), "reciprocal, self"),
     (dict(residual="attnres", dar_keys="self"), "needs residual='dar'"),
+    (dict(residual="dar", dar_start="bogus"), "unknown dar_start 'bogus'; choose one of distinct, copy"),
+    (dict(residual="standard", dar_start="copy"), "needs residual='dar'"),
     (dict(residual="standard", hc_streams=2), "needs residual='hc' or 'mhc'"),
     (dict(residual="mhc", hc_streams=1), "at least 2"),
     (dict(residual="dar", attnres_block_size=5), "valid: 1, 2, 4, 8"),
@@ -487,7 +513,8 @@ def test_depth_read_gradcheck(read):
 def test_bad_config_raises_one_line(kwargs, needle):
     with pytest.raises(ValueError) as err:
         GPTConfig(**{**TINY, **kwargs})
-    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 def test_block_size_checked_only_where_used():
@@ -495,7 +522,7 @@ def test_block_size_checked_only_where_used():
         GPTConfig(**TINY, residual=residual, attnres_block_size=3)
 
 
-@pytest.mark.parametrize("variant", ["standard", "rd_attnres"])
+@pytest.mark.parametrize("variant", ["standard", "rd_attnres", "scaled_residual"])
 def test_optimizer_groups_scale_routing_and_keep_it_out_of_decay(variant):
     model = make(variant, routing_lr_scale=3.0)
     groups = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
@@ -503,10 +530,13 @@ def test_optimizer_groups_scale_routing_and_keep_it_out_of_decay(variant):
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # every parameter exactly once
     routing = {id(p) for p in model.residual.parameters()}
     norms = {id(p) for name, p in model.named_parameters() if ".ln_" in name}
-    assert norms and (variant == "standard") == (not routing)
+    assert norms
+    assert bool(routing) == (model.residual.extra_params(model.config) > 0)
     assert len(groups) == 3  # in every arm, so that every arm's optimizer state has one layout
     (scaled,) = [group for group in groups if group["lr_scale"] != 1.0]  # the routing group (empty for standard)
-    assert {id(p) for p in scaled["params"]} == routing and scaled["lr_scale"] == 3.0 and scaled["weight_decay"] == 0.0
+    assert {id(p) for p in scaled["params"]} == routing
+    assert scaled["lr_scale"] == 3.0
+    assert scaled["weight_decay"] == 0.0
     for group in groups:
         assert group["lr"] == 1e-3 * group["lr_scale"]
         if norms & {id(p) for p in group["params"]}:
@@ -526,8 +556,7 @@ def test_generate_and_flops():
                                                        "rd_attnres_fixed_v"])
 def test_compile_fullgraph_matches_eager(variant):
     model = make(variant, n_layer=2)  # 2 layers: compile time grows with depth, the code paths do not
-    if variant != "standard":
-        randomize_routing(model)
+    randomize_routing(model)
     idx = tokens()
     torch._dynamo.reset()  # each test is a fresh compile, not a recompile counted against dynamo's limit
     compiled = torch.compile(model, fullgraph=True)
@@ -553,7 +582,8 @@ def test_dar_routing_weights_per_stream(variant):
     for name, count in zip(names, counts):
         for s in ("s0", "s1"):
             assert diag["weights"][f"{name}.{s}"].numel() == count
-    assert set(diag["fusion"]) == set(names) and set(diag["write_gate"]) == set(names[:-1])
+    assert set(diag["fusion"]) == set(names)
+    assert set(diag["write_gate"]) == set(names[:-1])
     gates = model.residual.write_gate
     for k, gate in enumerate(diag["write_gate"].values()):  # each stream's gate, averaged over channels
         assert torch.allclose(gate, (2 * torch.sigmoid(gates[k])).mean(-1), atol=1e-6)
@@ -569,25 +599,73 @@ def sgd_step(model, idx, lr=0.1):
                 p -= lr * p.grad
 
 
-@pytest.mark.parametrize("variant", ["dar", "dar_full"])
-def test_dar_alternating_reads_break_the_stream_symmetry(variant):
-    idx = tokens()
-    model = make(variant)
-    sgd_step(model, idx)
+def stream_weight_gap(model, idx):
+    """The largest difference between the two streams' depth weights at a few reads."""
     weights = model.routing_diagnostics(idx)["weights"]
+    return max((weights[f"{n}.s0"] - weights[f"{n}.s1"]).abs().max().item() for n in ("mlp.2", "attn.3", "out"))
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_dar_copy_start_alternating_fusion_breaks_the_stream_symmetry(block_size):
+    idx = tokens()
+    model = make("dar_copy", attnres_block_size=block_size)
+    sgd_step(model, idx)
     assert (model.residual.query[:, 0] - model.residual.query[:, 1]).abs().max() > 1e-4
-    assert max((weights[f"{n}.s0"] - weights[f"{n}.s1"]).abs().max() for n in ("mlp.2", "attn.3", "out")) > 1e-5
-    symmetric = make(variant)
+    assert stream_weight_gap(model, idx) > 1e-5
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_dar_copy_start_with_an_even_fusion_stays_symmetric(block_size):
+    # the fixed point the distinct start avoids: equal streams, equal gates, pi = (1/2, 1/2)
+    idx = tokens()
+    model = make("dar_copy", attnres_block_size=block_size)
     with torch.no_grad():
-        symmetric.residual.fusion.zero_()  # pi = (1/2, 1/2) everywhere
+        model.residual.fusion.zero_()
     for _ in range(2):
-        sgd_step(symmetric, idx)
-    res = symmetric.residual
+        sgd_step(model, idx)
+    res = model.residual
     assert (res.query[:, 0] - res.query[:, 1]).abs().max() < 1e-7
     assert (res.write_gate[:, 0] - res.write_gate[:, 1]).abs().max() < 1e-7
-    diag = symmetric.routing_diagnostics(idx)
-    assert max((diag["weights"][f"{n}.s0"] - diag["weights"][f"{n}.s1"]).abs().max() for n in ("mlp.2", "attn.3", "out")) < 1e-7
-    assert min(c.item() for c in diag["stream_cosine"].values()) > 1 - 1e-6
+    assert stream_weight_gap(model, idx) < 1e-7
+    assert min(c.item() for c in model.routing_diagnostics(idx)["stream_cosine"].values()) > 1 - 1e-6
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_dar_distinct_start_is_standard_at_init(block_size):
+    standard = make("standard", seed=3, norm_eps=1e-10)
+    model = make("dar", seed=4, norm_eps=1e-10, attnres_block_size=block_size)
+    model.load_state_dict(standard.state_dict(), strict=False)
+    idx = tokens()
+    assert rel_err(logits_of(model, idx), logits_of(standard, idx)) < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_dar_distinct_start_streams_differ_at_init(block_size):
+    cosines = make("dar", attnres_block_size=block_size).routing_diagnostics(tokens())["block_cosine"]["out"]
+    assert cosines.min() < 0.95, f"the streams start as near copies: block cosines {cosines.tolist()}"
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_dar_copy_start_streams_are_copies_at_init(block_size):
+    cosines = make("dar", attnres_block_size=block_size, dar_start="copy").routing_diagnostics(tokens())["block_cosine"]["out"]
+    assert (cosines - 1).abs().max() < 1e-6
+
+
+def test_dar_distinct_start_gates_are_antisymmetric_draws():
+    gate = make("dar").residual.write_gate
+    assert torch.equal(gate[:, 1], -gate[:, 0])  # beta0 + beta1 = 2: the fused input is standard's, scaled
+    assert gate.abs().max() < 1
+    assert gate[:, 0].std() > 0.4  # uniform in (-1, 1): std 0.58
+    assert torch.equal(gate, make("dar").residual.write_gate)  # the scheme's own RNG: the same for a seed
+    assert not torch.equal(gate, make("dar", seed=1).residual.write_gate)
+
+
+def test_dar_distinct_start_fusion_is_even_and_copy_start_alternates():
+    assert torch.equal(make("dar").residual.fusion, torch.zeros(2 * TINY["n_layer"] + 1, 2))
+    fusion = make("dar_copy").residual.fusion
+    assert fusion[0].tolist() == [3.0, -3.0]  # attention: stream 0
+    assert fusion[1].tolist() == [-3.0, 3.0]  # MLP: stream 1
+    assert fusion[-1].tolist() == [0.0, 0.0]  # the output read: an even mix
 
 
 def test_dar_mixing_is_exactly_doubly_stochastic():
@@ -598,13 +676,15 @@ def test_dar_mixing_is_exactly_doubly_stochastic():
     (_, q0, _), (_, q1, _) = model.residual.write((History([zero], p0, {}), History([zero], p1, {})), 1, zero)
     assert torch.allclose(q0 + q1, p0 + p1, atol=1e-6)  # columns sum to 1: the total is kept
     (_, q0, _), (_, q1, _) = model.residual.write((History([zero], p0, {}), History([zero], p0, {})), 1, zero)
-    assert torch.allclose(q0, p0, atol=1e-6) and torch.allclose(q1, p0, atol=1e-6)  # rows sum to 1
+    assert torch.allclose(q0, p0, atol=1e-6)
+    assert torch.allclose(q1, p0, atol=1e-6)  # rows sum to 1
 
 
 def test_mhc_mixing_is_doubly_stochastic():
     model = make("mhc")
     for m in model.routing_diagnostics(tokens())["stream_mixing"].values():  # at init
-        assert (m.sum(0) - 1).abs().max() < 1e-5 and (m.sum(1) - 1).abs().max() < 1e-5
+        assert (m.sum(0) - 1).abs().max() < 1e-5
+        assert (m.sum(1) - 1).abs().max() < 1e-5
     logits = torch.randn(1000, 4, 4, generator=torch.Generator().manual_seed(0))  # unit scale
     m = sinkhorn(logits)
     assert (m.sum(-1) - 1).abs().max() < 1e-6  # the last normalisation is exact
@@ -612,14 +692,14 @@ def test_mhc_mixing_is_doubly_stochastic():
     assert (m >= 0).all()
 
 
-def test_hc_and_mhc_stream_mixing_in_fp32_under_autocast():
-    for variant in ("hc", "mhc"):
-        model = make(variant)
-        randomize_routing(model)
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-            diag = model.routing_diagnostics(tokens())
-            assert model.hidden(tokens()).dtype == torch.float32
-        assert all(m.dtype == torch.float32 for m in diag["stream_mixing"].values())
+@pytest.mark.parametrize("variant", ["hc", "mhc"])
+def test_hc_and_mhc_stream_mixing_in_fp32_under_autocast(variant):
+    model = make(variant)
+    randomize_routing(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        diag = model.routing_diagnostics(tokens())
+        assert model.hidden(tokens()).dtype == torch.float32
+    assert all(m.dtype == torch.float32 for m in diag["stream_mixing"].values())
 
 
 # --- the loss reductions ------------------------------------------------------------------------
@@ -635,8 +715,10 @@ def test_loss_reductions_agree_with_cross_entropy():
     _, total = model(idx, targets, reduction="sum")
     _, per_token = model(idx, targets, reduction="none")
     expected = F.cross_entropy(logits.double().transpose(1, 2), targets, ignore_index=-1, reduction="none")
-    assert per_token.shape == targets.shape and per_token.dtype == mean.dtype == total.dtype == torch.float32
-    assert torch.allclose(per_token.double(), expected, atol=1e-5) and (per_token[~keep] == 0).all()
+    assert per_token.shape == targets.shape
+    assert per_token.dtype == mean.dtype == total.dtype == torch.float32
+    assert torch.allclose(per_token.double(), expected, atol=1e-5)
+    assert (per_token[~keep] == 0).all()
     assert abs(total.item() - expected.sum().item()) < 1e-4
     assert abs(mean.item() - expected.sum().item() / keep.sum().item()) < 1e-6
     assert abs(mean.item() - total.item() / keep.sum().item()) < 1e-6
@@ -644,15 +726,16 @@ def test_loss_reductions_agree_with_cross_entropy():
 
 # --- independent references for the attention and the stream updates -----------------------------
 
-def naive_attention(attn, x_qk, x_v):
-    """Causal self-attention with rotary embeddings, from the definitions, in float64: per head of
-    size D, q_t and k_t turn each channel pair (i, i + D/2) by the angle t * 10000^(-2i/D); then
-    softmax(q k^T / sqrt(D) + causal mask) v, heads concatenated, the output projection."""
-    B, T, C = x_qk.shape
+def naive_attention(attn, x_q, x_k, x_v):
+    """Causal self-attention with rotary embeddings, from the definitions, in float64: Q, K, V are
+    W_Q x_q, W_K x_k, W_V x_v; per head of size D, q_t and k_t turn each channel pair (i, i + D/2)
+    by the angle t * 10000^(-2i/D); then softmax(q k^T / sqrt(D) + causal mask) v, heads
+    concatenated, the output projection."""
+    B, T, C = x_q.shape
     H = attn.n_head
     D = C // H
     W = attn.c_attn.weight.double()
-    q, k, v = ((x.double() @ W[i * C:(i + 1) * C].T).view(B, T, H, D) for i, x in enumerate((x_qk, x_qk, x_v)))
+    q, k, v = ((x.double() @ W[i * C:(i + 1) * C].T).view(B, T, H, D) for i, x in enumerate((x_q, x_k, x_v)))
     angle = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * torch.arange(D // 2).double() / D)
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # (T, 1, D/2): every head alike
 
@@ -666,21 +749,53 @@ def naive_attention(attn, x_qk, x_v):
     return y @ attn.c_proj.weight.double().T
 
 
-def test_attention_equals_naive_reference():
+def attention_and_inputs():
     torch.manual_seed(0)
     attn = CausalSelfAttention(GPTConfig(**TINY)).eval()
-    x_qk, x_v = torch.randn(2, 12, 32), torch.randn(2, 12, 32)  # T < block_size: the tables are cut
+    return attn, [torch.randn(2, 12, 32) for _ in range(3)]  # T < block_size: the tables are cut
+
+
+@pytest.mark.parametrize("routes", ["fused", "qk_v", "q_k_v"])
+def test_attention_equals_naive_reference(routes):
+    # one input (the fused projection), Q/K and V apart (RD), and three inputs (a scheme routing each)
+    attn, (x_q, x_k, x_v) = attention_and_inputs()
+    # None is "the query's input": the fused projection (one matmul) and RD's split (Q/K fused, V apart)
+    inputs = dict(fused=(x_q, None, None), qk_v=(x_q, None, x_v), q_k_v=(x_q, x_k, x_v))[routes]
+    reference = tuple(x_q if x is None else x for x in inputs)
     with torch.no_grad():
-        for qk, v in ((x_qk, x_v), (x_qk, x_qk)):  # separate value input, and the fused projection
-            expected = naive_attention(attn, qk, v)
-            assert rel_err(attn(qk, v).double(), expected) < 1e-5
-        # the reference is sensitive: no rotation at all is far from it
-        attn.rotary_sin.zero_(), attn.rotary_cos.fill_(1.0)
-        assert rel_err(attn(x_qk, x_v).double(), naive_attention(attn, x_qk, x_v)) > 1e-2
+        assert rel_err(attn(*inputs).double(), naive_attention(attn, *reference)) < 1e-5
 
 
-def test_dar_write_updates_each_stream_by_its_formula():
-    scheme = DualAttnRes(GPTConfig(**TINY, residual="dar"))  # blocks of 4 sublayers
+def test_attention_reference_is_sensitive_to_the_rotation():
+    attn, (x_q, x_k, x_v) = attention_and_inputs()
+    with torch.no_grad():
+        attn.rotary_sin.zero_(), attn.rotary_cos.fill_(1.0)  # no rotation at all
+        assert rel_err(attn(x_q, x_k, x_v).double(), naive_attention(attn, x_q, x_k, x_v)) > 1e-2
+
+
+def test_three_route_attention_reads_each_input_in_its_role():
+    # the key input matters where it is not the query input: swapping the roles changes the output
+    attn, (x_q, x_k, x_v) = attention_and_inputs()
+    with torch.no_grad():
+        assert rel_err(attn(x_q, x_k, x_v), attn(x_k, x_q, x_v)) > 1e-2
+        assert rel_err(attn(x_q, x_k, x_v), attn(x_q, x_q, x_v)) > 1e-2
+
+
+def test_block_attention_normalises_each_of_three_inputs():
+    torch.manual_seed(0)
+    block = GPT(GPTConfig(**TINY)).transformer.h[1]
+    x_q, x_k, x_v = (torch.randn(2, 12, 32) for _ in range(3))
+    gain = torch.randn(32)
+    with torch.no_grad():
+        expected = naive_attention(block.attn, block.ln_1(x_q), block.ln_1(x_k), block.ln_1(x_v) * (1 + gain))
+        assert rel_err(block.attention(x_q, x_k, x_v, gain).double(), expected) < 1e-5
+
+
+def dar_write_case(k):
+    """A DAR scheme (blocks of 4) with random per-channel gates and rho = sigmoid(0.7), partials p0, p1,
+    an output y, and what write k must give each stream by the formulas:
+        p0 <- rho p0 + (1 - rho) p1 + beta0 * y,   p1 <- (1 - rho) p0 + rho p1 + beta1 * y."""
+    scheme = DualAttnRes(GPTConfig(**TINY, residual="dar"))
     g = torch.Generator().manual_seed(5)
     theta = torch.randn(scheme.n_sublayers, 2, 32, generator=g)  # a gate per sublayer, stream and channel
     with torch.no_grad():
@@ -688,22 +803,35 @@ def test_dar_write_updates_each_stream_by_its_formula():
         scheme.mixing.fill_(0.7)
     rho = 1 / (1 + math.exp(-0.7))
     embedding, p0, p1, y = (torch.randn(2, 3, 32, generator=g) for _ in range(4))
-    for k in (1, 3, 4):
-        beta0, beta1 = 2 / (1 + torch.exp(-theta[k, 0])), 2 / (1 + torch.exp(-theta[k, 1]))  # (d,) each
-        expect0 = rho * p0 + (1 - rho) * p1 + beta0 * y  # p0 <- rho p0 + (1 - rho) p1 + beta0 * y
-        expect1 = (1 - rho) * p0 + rho * p1 + beta1 * y  # p1 <- (1 - rho) p0 + rho p1 + beta1 * y
-        with torch.no_grad():
-            if k == 1:  # inside a block
-                s0, s1 = scheme.write((History([embedding], p0, {}), History([embedding], p1, {})), k, y)
-                assert torch.allclose(s0.partial, expect0, atol=1e-6) and torch.allclose(s1.partial, expect1, atol=1e-6)
-                assert len(s0.blocks) == len(s1.blocks) == 1
-            elif k == 3:  # the block ends: sealed
-                s0, s1 = scheme.write((History([embedding], p0, {}), History([embedding], p1, {})), k, y)
-                assert s0.partial is None and s1.partial is None
-                assert torch.allclose(s0.blocks[1], expect0, atol=1e-6) and torch.allclose(s1.blocks[1], expect1, atol=1e-6)
-            else:  # a block starts
-                s0, s1 = scheme.write((History([embedding, p0], None, {}), History([embedding, p1], None, {})), k, y)
-                assert torch.allclose(s0.partial, beta0 * y, atol=1e-6) and torch.allclose(s1.partial, beta1 * y, atol=1e-6)
+    beta0, beta1 = 2 / (1 + torch.exp(-theta[k, 0])), 2 / (1 + torch.exp(-theta[k, 1]))  # (d,) each
+    expected = (rho * p0 + (1 - rho) * p1 + beta0 * y, (1 - rho) * p0 + rho * p1 + beta1 * y)
+    return scheme, embedding, (p0, p1), y, (beta0, beta1), expected
+
+
+def test_dar_write_inside_a_block_mixes_then_adds_each_gate():
+    scheme, embedding, (p0, p1), y, _, expected = dar_write_case(1)
+    with torch.no_grad():
+        streams = scheme.write((History([embedding], p0, {}), History([embedding], p1, {})), 1, y)
+    for s in (0, 1):
+        assert torch.allclose(streams[s].partial, expected[s], atol=1e-6), f"stream {s}"
+        assert len(streams[s].blocks) == 1  # not sealed
+
+
+def test_dar_write_at_a_block_end_seals_each_stream():
+    scheme, embedding, (p0, p1), y, _, expected = dar_write_case(3)
+    with torch.no_grad():
+        streams = scheme.write((History([embedding], p0, {}), History([embedding], p1, {})), 3, y)
+    for s in (0, 1):
+        assert streams[s].partial is None
+        assert torch.allclose(streams[s].blocks[1], expected[s], atol=1e-6), f"stream {s}"
+
+
+def test_dar_write_at_a_block_start_is_the_gated_output():
+    scheme, embedding, (p0, p1), y, beta, _ = dar_write_case(4)
+    with torch.no_grad():
+        streams = scheme.write((History([embedding, p0], None, {}), History([embedding, p1], None, {})), 4, y)
+    for s in (0, 1):
+        assert torch.allclose(streams[s].partial, beta[s] * y, atol=1e-6), f"stream {s}"
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
@@ -778,7 +906,7 @@ def test_denseformer_matches_its_definition():
         x = model.transformer.wte(idx)
         outputs = [x]  # y_0 = the embedding, then each layer's output y_{l+1} = x + attn + mlp
         for l, block in enumerate(model.transformer.h):
-            x = x + block.attn(block.ln_1(x), block.ln_1(x))
+            x = x + block.attn(block.ln_1(x), block.ln_1(x), block.ln_1(x))
             x = x + block.mlp(block.ln_2(x))
             outputs.append(x)
             x = sum(a * y for a, y in zip(model.residual.dwa[l], outputs))  # the depth-weighted average
@@ -792,31 +920,42 @@ def test_denseformer_matches_its_definition():
 INTERVENTIONS = {  # (variant, change, exact): at init each changes nothing; exact where no rounding enters
     ("attnres", ("uniform", "mlp.2"), True), ("rd_attnres", ("uniform", "attn_v.2"), True),
     ("rd_attnres", ("uniform", "attn.2"), True), ("rd_attnres", ("tie_value",), True),
-    ("dar", ("uniform", "out"), True), ("dar", ("own_keys",), True),  # the two streams start bit-identical
-    ("dar", ("one_stream", 1), False), ("hc", ("identity_mixing",), True), ("mhc", ("identity_mixing",), False),
+    ("dar", ("uniform", "out"), True), ("dar", ("own_keys",), True),  # zero queries: uniform whatever the keys
+    ("dar_copy", ("one_stream", 1), False),  # copies: either stream is the fused read (distinct streams are not) ("hc", ("identity_mixing",), True), ("mhc", ("identity_mixing",), False),
     ("rd_attnres", ("tie_value", 1), True), ("rd_attnres_mix", ("tie_value",), True),
     ("rd_attnres_mix", ("uniform", "attn_v.2"), True), ("denseformer", ("identity_dwa", 2), True),
     ("denseformer", ("identity_dwa",), True),
+    ("scaled_residual", ("identity_scales",), True),
 }
 
 
-@pytest.mark.parametrize("variant, change, exact", sorted(INTERVENTIONS))
-def test_interventions_change_nothing_at_init_and_something_after(variant, change, exact):
-    model = make(variant)
-    idx = tokens()
+def loss_with(model, intervention, idx):
+    """(loss, loss under the intervention, loss once it is switched off again)."""
     with torch.no_grad():
-        for randomized in (False, True):
-            if randomized:
-                randomize_routing(model)
-            before = model(idx, idx)[1].item()
-            model.intervene(change)
-            after = model(idx, idx)[1].item()
-            model.intervene()
-            assert model(idx, idx)[1].item() == before  # switched off again
-            if not randomized:
-                assert after == before if exact else abs(after - before) < 1e-6 * before
-            else:
-                assert abs(after - before) > 1e-4
+        before = model(idx, idx)[1].item()
+        model.intervene(intervention)
+        during = model(idx, idx)[1].item()
+        model.intervene()
+        return before, during, model(idx, idx)[1].item()
+
+
+@pytest.mark.parametrize("variant, intervention, exact", sorted(INTERVENTIONS))
+def test_interventions_change_nothing_at_init(variant, intervention, exact):
+    before, during, after = loss_with(make(variant), intervention, tokens())
+    assert after == before  # switched off again
+    if exact:
+        assert during == before
+    else:
+        assert abs(during - before) < 1e-6 * before
+
+
+@pytest.mark.parametrize("variant, intervention, exact", sorted(INTERVENTIONS))
+def test_interventions_change_something_with_random_routing(variant, intervention, exact):
+    model = make(variant)
+    randomize_routing(model)
+    before, during, after = loss_with(model, intervention, tokens())
+    assert after == before  # switched off again
+    assert abs(during - before) > 1e-4
 
 
 def test_unknown_intervention_is_one_line():
@@ -827,19 +966,19 @@ def test_unknown_intervention_is_one_line():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_listed_interventions_are_accepted_and_each_matters(variant):
     model = make(variant)
-    changes = model.interventions()
-    if not changes:
+    interventions = model.interventions()
+    if not interventions:
         pytest.skip(f"{variant} lists no interventions (they are optional)")
-    assert len(set(changes)) == len(changes), f"{variant}'s changes() lists a change twice"
+    assert len(set(interventions)) == len(interventions), f"{variant}'s interventions() lists one twice"
     idx = tokens()
     randomize_routing(model)
     with torch.no_grad():
         before = model(idx, idx)[1].item()
-        for change in changes:
-            model.intervene(change)
+        for intervention in interventions:
+            model.intervene(intervention)
             assert abs(model(idx, idx)[1].item() - before) > 1e-5, (
-                f"{variant}: intervention {change} does not change the loss with random routing parameters; "
-                f"make it change the routing or leave it out of changes()")
+                f"{variant}: intervention {intervention} does not change the loss with random routing parameters; "
+                f"make it change the routing or leave it out of interventions()")
         model.intervene()
 
 
@@ -848,7 +987,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(variant):
     model = make(variant, routing_lr_scale=3.0)
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", "muon", 0.02)
     adamw, muon = optimizer.optimizers
-    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    assert isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, torch.optim.Muon)
     groups = optimizer.param_groups
     ids = [id(p) for group in groups for p in group["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # every parameter exactly once
@@ -901,7 +1041,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(variant):
         return loss.detach(), grads
 
     (loss, grads), (loss_ac, grads_ac) = run(False), run(True)
-    assert torch.equal(loss, loss_ac) and grads.keys() == grads_ac.keys()
+    assert torch.equal(loss, loss_ac)
+    assert grads.keys() == grads_ac.keys()
     for name in grads:
         assert torch.equal(grads[name], grads_ac[name]), name  # bit for bit
     # and it does recompute: each sublayer runs again in backward (attention and MLP, every layer)
@@ -917,3 +1058,65 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(variant):
     assert len(calls) == 2 * TINY["n_layer"]
     loss.backward()
     assert len(calls) == 4 * TINY["n_layer"]
+
+
+# --- scaled_residual -----------------------------------------------------------------------------
+
+def test_scaled_residual_is_bit_identical_to_standard_at_init():
+    idx = tokens()
+    assert torch.equal(logits_of(make("scaled_residual"), idx), logits_of(make("standard"), idx))
+
+
+def test_scaled_residual_matches_its_definition():
+    model = make("scaled_residual")
+    randomize_routing(model)
+    lam, mu = model.residual.residual_scale, model.residual.embedding_scale
+    idx = tokens()
+    with torch.no_grad():
+        x = h0 = model.transformer.wte(idx)
+        for l, block in enumerate(model.transformer.h):  # x <- lambda_k x + mu_k h_0 + f_k(x), k = 2l, 2l + 1
+            h = block.ln_1(x)
+            x = lam[2 * l] * x + mu[2 * l] * h0 + block.attn(h, h, h)
+            x = lam[2 * l + 1] * x + mu[2 * l + 1] * h0 + block.mlp(block.ln_2(x))
+        expected = model.lm_head(model.transformer.ln_f(x))
+        assert rel_err(logits_of(model, idx), expected) < 1e-5
+        assert rel_err(logits_of(make("standard"), idx), expected) > 1e-3
+
+
+# --- diagnostics: what every scheme records --------------------------------------------------------
+
+def test_note_computes_nothing_when_not_recording():
+    scheme = make("attnres").residual
+    scheme.note("attn.1", lambda: pytest.fail("a diagnostic was computed while not recording"))
+    scheme.record = {}
+    scheme.note("attn.1", lambda: torch.ones(1))
+    assert list(scheme.record) == ["attn.1"]
+
+
+def read_of(name):
+    """The read a depth-weights name belongs to: 'attn.2.s1' -> 'attn.2', 'attn_v.2' -> 'attn.2'."""
+    kind, *rest = name.split(".")
+    return ".".join([kind.replace("attn_v", "attn"), *[r for r in rest if r not in ("s0", "s1")]])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_routing_diagnostics_follow_the_naming_rules(variant):
+    model = make(variant)
+    randomize_routing(model)
+    diag = model.routing_diagnostics(tokens())
+    assert model.residual.record is None, "routing_diagnostics must switch recording off again"
+    reads = {model.residual.name_of(k) for k in range(model.residual.output_read + 1)}
+    for name, w in diag["weights"].items():
+        assert read_of(name) in reads, (f"depth weights {name!r}: name them name_of(k), plus '.s{{stream}}' or "
+                                        f"'attn_v.{{layer}}' for a second route; other quantities 'group/read name'")
+        assert abs(w.sum().item() - 1) < 1e-5, f"depth weights {name!r} do not sum to 1"
+    for group in set(diag) - {"weights", "entropy", "effective_sources", "qk_v_jsd"}:
+        for name in diag[group]:
+            assert read_of(name) in reads, f"{group}/{name}: the part after '/' must be a read's name_of(k)"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_qk_v_jsd_exactly_where_a_scheme_records_a_value_route(variant):
+    diag = make(variant).routing_diagnostics(tokens())
+    value_routes = {int(name.split(".")[1]) for name in diag["weights"] if name.startswith("attn_v.")}
+    assert set(diag["qk_v_jsd"]) == value_routes

@@ -11,14 +11,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common import DataError
 from data import prepare as P
+from data import shards as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def enc():
-    return P.gpt2_tokenizer()
+    return S.gpt2_tokenizer()
 
 
 def test_known_token_ids(enc):
@@ -28,22 +30,22 @@ def test_known_token_ids(enc):
     assert enc.encode_ordinary(" the") == [262]
     assert enc.encode_ordinary("First Citizen:\nBefore we proceed any further, hear me speak.") == \
         [5962, 22307, 25, 198, 8421, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13]
-    assert enc.encode("<|endoftext|>", allowed_special="all") == [P.GPT2.eot]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [S.GPT2.eot]
 
 
 def test_tokenizers_encode_and_decode():
     text = "ROMEO: caf\u00e9 \u2014 <|endoftext|> as text\n"
-    b = P.get_tokenizer("bytes")
+    b = S.get_tokenizer("bytes")
     assert list(b.encode(text)) == list(text.encode("utf-8")) and b.vocab_size == 257 and b.eot == 256
     assert b.decode(list(b.encode(text))) == text
     assert b.decode([256, 104, 105]) == "<|endoftext|>hi"
     assert b.decode([0xc3, 104]) == "\ufffdh"  # half a UTF-8 character
     assert b.decode([104, 300, 105]) == "h\ufffdi"  # a padding id of a 320-row model
-    g = P.get_tokenizer("gpt2")
+    g = S.get_tokenizer("gpt2")
     assert g.vocab_size == 50257 and g.eot == 50256
     assert g.decode(g.encode(text)) == text and g.decode([31373, 995, 50256, 50300]) == "hello world<|endoftext|>\ufffd"
-    with pytest.raises(P.DataError, match="unknown tokenizer 'bpe'; choose one of bytes, gpt2"):
-        P.get_tokenizer("bpe")
+    with pytest.raises(DataError, match="unknown tokenizer 'bpe'; choose one of bytes, gpt2"):
+        S.get_tokenizer("bpe")
 
 
 def make_corpus(tmp_path):
@@ -66,11 +68,11 @@ def make_corpus(tmp_path):
 
 def stream_of(out_dir):
     manifest = json.loads((out_dir / "manifest.json").read_text())
-    return manifest, np.concatenate([P.open_shard(str(out_dir / s["name"])) for s in manifest["shards"]])
+    return manifest, np.concatenate([S.open_shard(str(out_dir / s["name"])) for s in manifest["shards"]])
 
 
 def expected_stream(enc, docs):
-    return np.array([t for d in docs for t in [P.GPT2.eot] + enc.encode_ordinary(d)], dtype=np.uint16)
+    return np.array([t for d in docs for t in [S.GPT2.eot] + enc.encode_ordinary(d)], dtype=np.uint16)
 
 
 def byte_stream(docs):
@@ -89,9 +91,9 @@ def test_shards_concatenate_to_the_documents_in_order(tmp_path, enc):
     sizes = [s["tokens"] for s in manifest["shards"]]
     assert sizes[0] == 333 and all(n == 1000 for n in sizes[1:-1]) and 0 < sizes[-1] <= 1000
     assert [s["name"] for s in manifest["shards"][:2]] == ["val_000000.bin", "train_000001.bin"]
-    assert manifest["total_tokens"] == len(stream) and manifest["tokenizer_sha256"] == P.TOKENIZER_SHA256
+    assert manifest["total_tokens"] == len(stream) and manifest["tokenizer_sha256"] == S.TOKENIZER_SHA256
     for s in manifest["shards"]:
-        assert hashlib.sha256(np.asarray(P.open_shard(str(out / s["name"]))).tobytes()).hexdigest() == s["sha256"]
+        assert hashlib.sha256(np.asarray(S.open_shard(str(out / s["name"]))).tobytes()).hexdigest() == s["sha256"]
     assert not (out / "progress.json").exists() and not list(out.glob("*.tmp"))
 
 
@@ -113,8 +115,8 @@ def test_byte_shards_say_their_tokenizer(tmp_path):
     assert manifest["tokenizer"] == "bytes" and manifest["tokenizer_sha256"] is None
     header = np.fromfile(out / "train_000001.bin", dtype="<i4", count=256)
     assert list(header[:4]) == [20240520, 1, 6000, 257] and not header[4:].any()
-    assert P.tokenizer_of(str(out)) == "bytes"
-    with pytest.raises(P.DataError, match="other arguments"):
+    assert S.tokenizer_of(str(out)) == "bytes"
+    with pytest.raises(DataError, match="other arguments"):
         P.prepare(str(out), input=pattern, val_tokens=2000, shard_tokens=6000, tokenizer="gpt2", workers=1, quiet=True)
 
 
@@ -152,14 +154,14 @@ def test_interrupted_run_resumes_byte_identical(tmp_path, monkeypatch, die_at):
     assert not list(out.glob("*.tmp"))
     P.prepare(str(out), **args)  # complete: nothing is redone
     assert len(resumed) == len(names) - (die_at - 1)
-    with pytest.raises(P.DataError, match="other arguments"):
+    with pytest.raises(DataError, match="other arguments"):
         P.prepare(str(out), **{**args, "shard_tokens": 4200})
 
 
 def test_bad_shards_name_the_file_and_problem(tmp_path):
     good = tmp_path / "good.bin"
-    P.write_shard(str(good), np.arange(100, dtype=np.uint16))
-    assert np.array_equal(P.open_shard(str(good)), np.arange(100))
+    S.write_shard(str(good), np.arange(100, dtype=np.uint16))
+    assert np.array_equal(S.open_shard(str(good)), np.arange(100))
     raw = good.read_bytes()
     cases = {
         "truncated.bin": (raw[:-10], "truncated or corrupt"),
@@ -169,26 +171,26 @@ def test_bad_shards_name_the_file_and_problem(tmp_path):
     }
     for name, (content, problem) in cases.items():
         (tmp_path / name).write_bytes(content)
-        with pytest.raises(P.DataError, match=problem) as err:
-            P.open_shard(str(tmp_path / name))
+        with pytest.raises(DataError, match=problem) as err:
+            S.open_shard(str(tmp_path / name))
         assert name in str(err.value)
-    with pytest.raises(P.DataError, match="no such shard"):
-        P.open_shard(str(tmp_path / "missing.bin"))
+    with pytest.raises(DataError, match="no such shard"):
+        S.open_shard(str(tmp_path / "missing.bin"))
 
 
 def test_bad_inputs(tmp_path):
-    with pytest.raises(P.DataError, match="matches no files"):
+    with pytest.raises(DataError, match="matches no files"):
         P.prepare(str(tmp_path / "o1"), input=str(tmp_path / "nothing*.txt"), **BYTES)
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "x.parquet")
-    with pytest.raises(P.DataError, match="no 'text' column"):
+    with pytest.raises(DataError, match="no 'text' column"):
         P.prepare(str(tmp_path / "o2"), input=str(tmp_path / "x.parquet"), **BYTES)
     (tmp_path / "y.jsonl").write_text('{"text": "ok"}\nnot json\n')
-    with pytest.raises(P.DataError, match="y.jsonl:2"):
+    with pytest.raises(DataError, match="y.jsonl:2"):
         P.prepare(str(tmp_path / "o3"), input=str(tmp_path / "y.jsonl"), **BYTES)
     (tmp_path / "z.txt").write_text("tiny")
-    with pytest.raises(P.DataError, match="too few tokens"):
+    with pytest.raises(DataError, match="too few tokens"):
         P.prepare(str(tmp_path / "o4"), input=str(tmp_path / "z.txt"), **BYTES)
-    with pytest.raises(P.DataError, match="unknown tokenizer 'bpe'"):
+    with pytest.raises(DataError, match="unknown tokenizer 'bpe'"):
         P.prepare(str(tmp_path / "o5"), input=str(tmp_path / "z.txt"), tokenizer="bpe")
     assert not (tmp_path / "o5").exists()
 
@@ -204,7 +206,7 @@ def test_fineweb_offline_fails_fast_with_one_line(tmp_path, env):
 
 
 def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, monkeypatch, capsys):
-    assert P.BUNDLED == {os.path.join(ROOT, "data", "shakespeare_bytes"): "bytes",
+    assert S.BUNDLED == {os.path.join(ROOT, "data", "shakespeare_bytes"): "bytes",
                          os.path.join(ROOT, "data", "shakespeare_gpt2"): "gpt2"}
     monkeypatch.chdir(tmp_path)
     manifest = P.prepare_bundled(str(tmp_path / "sh"), "bytes", quiet=True)
@@ -214,16 +216,16 @@ def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, m
     monkeypatch.chdir(ROOT)
     assert P.prepare_bundled(str(tmp_path / "sh"), "bytes") == manifest  # the same arguments and inputs: complete
     assert "complete" in capsys.readouterr().out
-    with pytest.raises(P.DataError, match="not one of the bundled outputs"):
+    with pytest.raises(DataError, match="not one of the bundled outputs"):
         P.prepare_bundled(str(tmp_path / "elsewhere"))
 
 
 def test_bundled_outputs_are_prepared_with_their_tokenizer(monkeypatch):
     made = []
     monkeypatch.setattr(P, "prepare", lambda out_dir, **kw: made.append((out_dir, kw["tokenizer"], kw["val_docs"])))
-    for out_dir, tokenizer in P.BUNDLED.items():
+    for out_dir, tokenizer in S.BUNDLED.items():
         P.prepare_bundled(out_dir)
-    assert made == [(d, t, 3) for d, t in P.BUNDLED.items()]
+    assert made == [(d, t, 3) for d, t in S.BUNDLED.items()]
 
 
 def write_llmc_shard(path, tokens):
@@ -246,30 +248,30 @@ def test_foreign_shards_are_found_and_read(tmp_path):
         np.save(nanogpt / f"edufineweb_{split}_{i:06d}", tokens)  # build-nanogpt's np.save of a uint16 array
     (nanogpt / "notes.txt").write_text("not a shard")
     for d, ext in ((llmc, ".bin"), (nanogpt, ".npy")):
-        val, train = P.find_shards(str(d))
+        val, train = S.find_shards(str(d))
         assert os.path.basename(val) == f"{'fineweb' if ext == '.bin' else 'edufineweb'}_val_000000{ext}"
         assert [os.path.basename(p)[-10:] for p in train] == [f"000001{ext}", f"000002{ext}"]
         for path, i in zip([val] + train, range(3)):
-            tokens = P.open_shard(path, vocab_size=50257)
+            tokens = S.open_shard(path, vocab_size=50257)
             assert np.array_equal(tokens, shards[i]) and not tokens.flags.writeable
-        assert P.verify_manifest(str(d)) is None  # made elsewhere: accepted after the header checks
+        assert S.verify_manifest(str(d)) is None  # made elsewhere: accepted after the header checks
 
 
 def test_find_shards_errors(tmp_path, monkeypatch):
-    with pytest.raises(P.DataError, match="does not exist"):
-        P.find_shards(str(tmp_path / "nothing"))
-    monkeypatch.setattr(P, "BUNDLED", {str(tmp_path / "bundled"): "bytes"})
-    with pytest.raises(P.DataError, match="does not exist; create it with: python data/prepare.py shakespeare --tokenizer=bytes$"):
-        P.find_shards(str(tmp_path / "bundled"))
+    with pytest.raises(DataError, match="does not exist"):
+        S.find_shards(str(tmp_path / "nothing"))
+    monkeypatch.setattr(S, "BUNDLED", {str(tmp_path / "bundled"): "bytes"})
+    with pytest.raises(DataError, match="does not exist; create it with: python data/prepare.py shakespeare --tokenizer=bytes$"):
+        S.find_shards(str(tmp_path / "bundled"))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(P.DataError, match="is a file"):
-        P.find_shards(str(tmp_path / "file"))
-    with pytest.raises(P.DataError, match=r"found 0 \(none\) and 0.*data/prepare.py"):
-        P.find_shards(str(tmp_path))
+    with pytest.raises(DataError, match="is a file"):
+        S.find_shards(str(tmp_path / "file"))
+    with pytest.raises(DataError, match=r"found 0 \(none\) and 0.*data/prepare.py"):
+        S.find_shards(str(tmp_path))
     for name in ("val_000000.bin", "val_000002.bin", "train_000001.bin"):
-        P.write_shard(str(tmp_path / name), np.arange(10))
-    with pytest.raises(P.DataError, match=r"found 2 \(val_000000.bin, val_000002.bin\)"):
-        P.find_shards(str(tmp_path))
+        S.write_shard(str(tmp_path / name), np.arange(10))
+    with pytest.raises(DataError, match=r"found 2 \(val_000000.bin, val_000002.bin\)"):
+        S.find_shards(str(tmp_path))
 
 
 @pytest.mark.parametrize("names, named", [
@@ -280,9 +282,9 @@ def test_find_shards_errors(tmp_path, monkeypatch):
 def test_two_naming_schemes_in_one_data_dir_are_refused(tmp_path, names, named):
     # without a manifest nothing says which files belong together: two schemes are likely the same data twice
     for name in names:
-        P.write_shard(str(tmp_path / name), np.arange(10))
-    with pytest.raises(P.DataError) as err:
-        P.find_shards(str(tmp_path))
+        S.write_shard(str(tmp_path / name), np.arange(10))
+    with pytest.raises(DataError) as err:
+        S.find_shards(str(tmp_path))
     assert str(err.value) == f"data_dir {tmp_path}: found shards of 2 kinds: {named} keep one kind per data_dir"
 
 
@@ -290,15 +292,15 @@ def test_unreadable_shard_files_are_one_line_naming_the_file(tmp_path, monkeypat
     (tmp_path / "edufineweb_val_000000.npy").write_bytes(b"")  # 0 bytes: numpy's EOFError
     (tmp_path / "train_000001.bin").mkdir()  # a directory: IsADirectoryError
     for name in ("edufineweb_val_000000.npy", "train_000001.bin"):
-        with pytest.raises(P.DataError, match="cannot be read as a token shard") as err:
-            P.open_shard(str(tmp_path / name))
+        with pytest.raises(DataError, match="cannot be read as a token shard") as err:
+            S.open_shard(str(tmp_path / name))
         assert f"{tmp_path / name}: " in str(err.value) and "\n" not in str(err.value)
-    P.write_shard(str(tmp_path / "val_000000.bin"), np.arange(10))
+    S.write_shard(str(tmp_path / "val_000000.bin"), np.arange(10))
     def failing_read(*args, **kwargs):
         raise OSError(5, "Input/output error")
     monkeypatch.setattr(np, "fromfile", failing_read)
-    with pytest.raises(P.DataError, match=r"val_000000.bin: cannot be read as a token shard \(Input/output error\)"):
-        P.open_shard(str(tmp_path / "val_000000.bin"))
+    with pytest.raises(DataError, match=r"val_000000.bin: cannot be read as a token shard \(Input/output error\)"):
+        S.open_shard(str(tmp_path / "val_000000.bin"))
 
 
 def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
@@ -308,44 +310,44 @@ def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
     np.save(tmp_path / "edufineweb_train_000001", tokens)
     for name in ("fineweb_train_000001.bin", "edufineweb_train_000001.npy"):
         path = str(tmp_path / name)
-        assert len(P.open_shard(path)) == 1000 and len(P.open_shard(path, vocab_size=60001)) == 1000
-        with pytest.raises(P.DataError, match=f"{name}: token id 60000 at position 700 is >= vocab_size 60000"):
-            P.open_shard(path, vocab_size=60000)
+        assert len(S.open_shard(path)) == 1000 and len(S.open_shard(path, vocab_size=60001)) == 1000
+        with pytest.raises(DataError, match=f"{name}: token id 60000 at position 700 is >= vocab_size 60000"):
+            S.open_shard(path, vocab_size=60000)
     np.save(tmp_path / "wide_train_000001", tokens.astype(np.int32))
-    with pytest.raises(P.DataError, match="1-d int32 array"):
-        P.open_shard(str(tmp_path / "wide_train_000001.npy"))
+    with pytest.raises(DataError, match="1-d int32 array"):
+        S.open_shard(str(tmp_path / "wide_train_000001.npy"))
     (tmp_path / "junk_train_000001.npy").write_bytes(b"not numpy")
-    with pytest.raises(P.DataError, match="junk_train_000001.npy: cannot be read as a token shard"):
-        P.open_shard(str(tmp_path / "junk_train_000001.npy"))
+    with pytest.raises(DataError, match="junk_train_000001.npy: cannot be read as a token shard"):
+        S.open_shard(str(tmp_path / "junk_train_000001.npy"))
 
 
 def test_manifest_catches_changed_extra_missing_and_truncated_shards(tmp_path):
     pattern, _ = make_corpus(tmp_path)
     out = tmp_path / "out"
     P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1000, **BYTES)
-    assert P.verify_manifest(str(out), full=True)["shards"][0]["name"] == "val_000000.bin"
+    assert S.verify_manifest(str(out), full=True)["shards"][0]["name"] == "val_000000.bin"
     train1 = out / "train_000001.bin"
     original = train1.read_bytes()
 
     def fails(match, full=False):
-        with pytest.raises(P.DataError, match=match):
-            P.verify_manifest(str(out), full=full)
+        with pytest.raises(DataError, match=match):
+            S.verify_manifest(str(out), full=full)
 
     overwritten = bytearray(original)
     overwritten[2000:2010] = b"\x01" * 10  # same size, other tokens: only the full check sees it
     train1.write_bytes(bytes(overwritten))
-    P.verify_manifest(str(out))
+    S.verify_manifest(str(out))
     fails(r"train_000001.bin: its tokens differ from manifest.json \(sha256\); re-run data/prepare.py", full=True)
-    P.write_shard(str(train1), np.arange(600), "bytes")  # a valid shard of another size
+    S.write_shard(str(train1), np.arange(600), "bytes")  # a valid shard of another size
     fails("train_000001.bin holds 600 tokens, manifest.json lists 1,000; re-run data/prepare.py")
     train1.write_bytes(original[:-2])
     fails("train_000001.bin: size .* truncated or corrupt")
     train1.unlink()
     fails("train_000001.bin is listed in manifest.json but missing; re-run data/prepare.py")
-    P.write_shard(str(train1), np.frombuffer(original[1024:], dtype="<u2"), "gpt2")  # the same tokens, marked GPT-2
+    S.write_shard(str(train1), np.frombuffer(original[1024:], dtype="<u2"), "gpt2")  # the same tokens, marked GPT-2
     fails("train_000001.bin holds gpt2 tokens, manifest.json says bytes")
     train1.write_bytes(original)
-    P.verify_manifest(str(out), full=True)
+    S.verify_manifest(str(out), full=True)
     np.save(out / "edufineweb_train_000009", np.arange(10, dtype=np.uint16))
     fails("edufineweb_train_000009.npy is not listed in manifest.json")
 
@@ -457,11 +459,11 @@ def test_resume_stops_when_the_input_files_changed(tmp_path, monkeypatch):
     prepare_dying(monkeypatch, out, args, 4)
     src = tmp_path / "src"
     write_parquet(str(src / "part1b.parquet"), ["a new file"], [1])  # sorts into the middle of the list
-    with pytest.raises(P.DataError, match=r"input files differ .*\(\.\./src/part1b.parquet is new\)"):
+    with pytest.raises(DataError, match=r"input files differ .*\(\.\./src/part1b.parquet is new\)"):
         P.prepare(str(out), **args)
     (src / "part1b.parquet").unlink()
     (src / "part3.parquet").rename(tmp_path / "away.parquet")
-    with pytest.raises(P.DataError, match="part3.parquet is gone"):
+    with pytest.raises(DataError, match="part3.parquet is gone"):
         P.prepare(str(out), **args)
     (tmp_path / "away.parquet").rename(src / "part3.parquet")
     P.prepare(str(out), **args)  # the same files again: the resume goes on
@@ -490,20 +492,20 @@ def test_complete_output_is_verified_and_repaired(tmp_path, capsys, monkeypatch)
     P.prepare(str(out), **args)
     assert "complete" in capsys.readouterr().out
 
-    P.write_shard(str(out / "train_000099.bin"), np.arange(5))
-    with pytest.raises(P.DataError, match="train_000099.bin is not listed in manifest.json"):
+    S.write_shard(str(out / "train_000099.bin"), np.arange(5))
+    with pytest.raises(DataError, match="train_000099.bin is not listed in manifest.json"):
         P.prepare(str(out), **args)
     (out / "train_000099.bin").unlink()
     (out / "train_000001.bin").unlink()
     manifest = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "shards": [
         {k: v for k, v in s.items() if k != "start"} for s in manifest["shards"]]}))  # as an older prepare.py wrote it
-    with pytest.raises(P.DataError, match="train_000001.bin is listed in manifest.json but missing.*older prepare.py"):
+    with pytest.raises(DataError, match="train_000001.bin is listed in manifest.json but missing.*older prepare.py"):
         P.prepare(str(out), **args)
     (out / "manifest.json").write_text(json.dumps(manifest))
     with open(tmp_path / "src" / "c.txt", "a") as f:
         f.write("changed")
-    with pytest.raises(P.DataError, match=r"input files differ .*c.txt was \d+ bytes, now"):
+    with pytest.raises(DataError, match=r"input files differ .*c.txt was \d+ bytes, now"):
         P.prepare(str(out), **args)
 
 
@@ -511,7 +513,7 @@ def test_bad_rows_and_files_name_where(tmp_path):
     def fails(name, content, match):
         path = tmp_path / name
         path.write_bytes(content) if isinstance(content, bytes) else content(str(path))
-        with pytest.raises(P.DataError, match=match):
+        with pytest.raises(DataError, match=match):
             P.prepare(str(tmp_path / ("out_" + name)), input=str(path), **BYTES)
         assert not list((tmp_path / ("out_" + name)).glob("*.bin"))
 
@@ -531,51 +533,9 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path):
     assert proc.returncode == 1 and proc.stderr == f"error: out_dir {tmp_path / 'taken'} is a file; choose a directory\n"
 
 
-def test_write_json_that_fails_leaves_no_tmp_and_is_one_line(tmp_path, monkeypatch):
-    path = tmp_path / "result.json"
-    P.write_json(str(path), {"a": 1})
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-    with monkeypatch.context() as m:
-        m.setattr(json, "dump", full_disk)
-        with pytest.raises(P.DataError) as err:
-            P.write_json(str(path), {"a": 2})
-    assert str(err.value) == f"cannot write {path} (No space left on device); free disk space or check the permissions of {tmp_path}"
-    assert os.listdir(tmp_path) == ["result.json"] and json.loads(path.read_text()) == {"a": 1}  # the old file stays
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(P.DataError, match=r"cannot write .*file/x.json \(Not a directory\); free disk space"):
-        P.write_json(str(tmp_path / "file" / "x.json"), {})  # a path under a file fails even for root
-
-
-def test_write_json_into_a_read_only_directory_is_one_line(tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    if os.access(locked, os.W_OK):
-        pytest.skip("running as root: a read-only directory is still writable")
-    with pytest.raises(P.DataError, match=r"\(Permission denied\); free disk space or check the permissions"):
-        P.write_json(str(locked / "x.json"), {})
-    assert os.listdir(locked) == []
-
-
-def test_write_json_is_strict_and_its_temporary_is_this_process_own(tmp_path, monkeypatch):
-    path = tmp_path / "result.json"
-    P.write_json(str(path), {"a": 1})
-    (tmp_path / "result.json.tmp").write_text("another writer's")  # not ours: left alone
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        with pytest.raises(ValueError, match=f"{path}: Out of range float values"):
-            P.write_json(str(path), {"loss": [1.0, bad]})
-    assert json.loads(path.read_text()) == {"a": 1}
-    assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.tmp"]
-    seen, real_dump = [], json.dump
-    monkeypatch.setattr(json, "dump", lambda obj, f, **kw: (seen.append((f.name, kw)), real_dump(obj, f, **kw)))
-    P.write_json(str(path), {"a": 2})
-    assert seen == [(f"{path}.{os.getpid()}.tmp", dict(indent=1, allow_nan=False))]
-    assert json.loads(path.read_text()) == {"a": 2} and (tmp_path / "result.json.tmp").read_text() == "another writer's"
-
-
 def test_torn_or_foreign_manifests_are_one_line(tmp_path):
-    out = tmp_path / "out"
-    P.prepare(str(out), input=make_corpus(tmp_path)[0], val_tokens=2000, shard_tokens=9000, **BYTES)
+    out, pattern = tmp_path / "out", make_corpus(tmp_path)[0]
+    P.prepare(str(out), input=pattern, val_tokens=2000, shard_tokens=9000, **BYTES)
     good = (out / "manifest.json").read_text()
     manifest = json.loads(good)
     cases = [(good[:len(good) // 2], r"cannot be read as JSON \(.*line"),
@@ -586,38 +546,38 @@ def test_torn_or_foreign_manifests_are_one_line(tmp_path):
              (json.dumps({**manifest, "tokenizer": "bpe"}), r"tokenizer 'bpe'")]
     for text, problem in cases:
         (out / "manifest.json").write_text(text)
-        for read in (P.verify_manifest, P.tokenizer_of, lambda d: P.prepare(d, input="x", **BYTES)):
-            with pytest.raises(P.DataError, match=problem) as err:
+        for read in (S.verify_manifest, S.tokenizer_of, lambda d: P.prepare(d, input=pattern, **BYTES)):
+            with pytest.raises(DataError, match=problem) as err:
                 read(str(out))
             assert str(err.value).startswith(f"{out / 'manifest.json'} ") and "\n" not in str(err.value)
             assert "run data/prepare.py again" in str(err.value)
     (out / "manifest.json").write_text(good)
-    assert P.verify_manifest(str(out)) == manifest
+    assert S.verify_manifest(str(out)) == manifest
 
 
 def test_shards_of_two_tokenizers_are_refused(tmp_path):
-    P.write_shard(str(tmp_path / "val_000000.bin"), np.arange(10), "gpt2")
-    P.write_shard(str(tmp_path / "train_000001.bin"), np.arange(10), "gpt2")
-    assert P.tokenizer_of(str(tmp_path)) == "gpt2"
-    P.write_shard(str(tmp_path / "train_000002.bin"), np.arange(10), "bytes")
-    with pytest.raises(P.DataError, match=r"mixes tokenizers: val_000000.bin holds gpt2 tokens, train_000002.bin bytes"):
-        P.find_shards(str(tmp_path))
+    S.write_shard(str(tmp_path / "val_000000.bin"), np.arange(10), "gpt2")
+    S.write_shard(str(tmp_path / "train_000001.bin"), np.arange(10), "gpt2")
+    assert S.tokenizer_of(str(tmp_path)) == "gpt2"
+    S.write_shard(str(tmp_path / "train_000002.bin"), np.arange(10), "bytes")
+    with pytest.raises(DataError, match=r"mixes tokenizers: val_000000.bin holds gpt2 tokens, train_000002.bin bytes"):
+        S.find_shards(str(tmp_path))
     write_llmc_shard(tmp_path / "val_000000.bin", np.arange(10))  # made elsewhere (header [3] = 0): GPT-2's
-    with pytest.raises(P.DataError, match="mixes tokenizers"):
-        P.tokenizer_of(str(tmp_path))
+    with pytest.raises(DataError, match="mixes tokenizers"):
+        S.tokenizer_of(str(tmp_path))
     (tmp_path / "train_000002.bin").unlink()
-    assert P.tokenizer_of(str(tmp_path)) == "gpt2"
+    assert S.tokenizer_of(str(tmp_path)) == "gpt2"
     header = np.fromfile(tmp_path / "train_000001.bin", dtype="<i4", count=256)
     header[3] = 1000
     (tmp_path / "train_000001.bin").write_bytes(header.tobytes() + np.arange(10, dtype="<u2").tobytes())
-    with pytest.raises(P.DataError, match="train_000001.bin: its header gives vocabulary size 1000"):
-        P.find_shards(str(tmp_path))
+    with pytest.raises(DataError, match="train_000001.bin: its header gives vocabulary size 1000"):
+        S.find_shards(str(tmp_path))
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_lone_surrogate_is_refused_naming_the_line(tmp_path, workers):
     (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n\n{"text": "bad \\ud800 half"}\n')
-    with pytest.raises(P.DataError, match=r"s.jsonl:3: 'text' holds a lone surrogate \(\\ud800 at character 4\)"):
+    with pytest.raises(DataError, match=r"s.jsonl:3: 'text' holds a lone surrogate \(\\ud800 at character 4\)"):
         P.prepare(str(tmp_path / "out"), input=str(tmp_path / "s.jsonl"), **BYTES | dict(workers=workers))
     assert sorted(os.listdir(tmp_path / "out")) == []  # no shard, temporary or lock left
 
@@ -633,10 +593,10 @@ def test_a_failed_shard_write_is_one_line_and_the_rerun_resumes(tmp_path, monkey
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         try:
-            with pytest.raises(P.DataError) as err:
+            with pytest.raises(DataError) as err:
                 P.prepare(str(out), **args)
-            with pytest.raises(P.DataError, match=r"cannot write .*alone.bin \(File too large\)"):
-                P.write_shard(str(tmp_path / "alone.bin"), np.zeros(9000))  # a shard file cleans up after itself
+            with pytest.raises(DataError, match=r"cannot write .*alone.bin \(File too large\)"):
+                S.write_shard(str(tmp_path / "alone.bin"), np.zeros(9000))  # a shard file cleans up after itself
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         assert "(File too large)" in str(err.value) and not list(tmp_path.glob("alone.bin*"))
@@ -659,7 +619,7 @@ def test_a_failed_shard_write_is_one_line_and_the_rerun_resumes(tmp_path, monkey
 
         monkeypatch.setattr(P, "open", lambda path, *a, **kw: FullDisk(real_open(path, *a, **kw))
                             if str(path).endswith(".bin.tmp") else real_open(path, *a, **kw), raising=False)
-        with pytest.raises(P.DataError) as err:
+        with pytest.raises(DataError) as err:
             P.prepare(str(out), **args)
         monkeypatch.undo()
         assert "(No space left on device)" in str(err.value)
@@ -679,7 +639,7 @@ def test_one_prepare_at_a_time_per_out_dir(tmp_path):
     host = socket.gethostname()
     for holder, pid in ((f"{os.getpid()} {host}", os.getpid()), ("123 another-host", 123)):
         (out / "lock").write_text(holder)  # a running prepare.py: this process, or one on another host
-        with pytest.raises(P.DataError, match=rf"{out} is being prepared by pid {pid} on .*; wait for it, or remove "
+        with pytest.raises(DataError, match=rf"{out} is being prepared by pid {pid} on .*; wait for it, or remove "
                                               rf"{out / 'lock'} if that process is gone"):
             P.prepare(str(out), **args)
         assert sorted(os.listdir(out)) == ["lock"] and (out / "lock").read_text() == holder
@@ -699,7 +659,7 @@ def test_an_input_edited_in_place_stops_the_resume(tmp_path, monkeypatch):
     original = jsonl.read_bytes()
     jsonl.write_bytes(original.replace(b"fox", b"cat"))  # same size, other text
     assert jsonl.stat().st_size == len(original)
-    with pytest.raises(P.DataError, match=r"input files differ .*\(\.\./src/b.jsonl has other content of the same size\)"):
+    with pytest.raises(DataError, match=r"input files differ .*\(\.\./src/b.jsonl has other content of the same size\)"):
         P.prepare(str(out), **args)
     jsonl.write_bytes(original)
     P.prepare(str(out), **args)
@@ -725,7 +685,7 @@ def test_an_out_dir_among_the_inputs_is_refused(tmp_path, where):
                     else (tmp_path / "src" / "out", tmp_path / "src" / "**"))
     (out / "old.txt").parent.mkdir(exist_ok=True)
     (out / "old.txt").write_text("an earlier input")
-    with pytest.raises(P.DataError, match=rf"--input .* matches .*, inside --out_dir {out}; choose an --out_dir outside"):
+    with pytest.raises(DataError, match=rf"--input .* matches .*, inside --out_dir {out}; choose an --out_dir outside"):
         P.prepare(str(out), input=str(pattern), val_tokens=1000, **BYTES)
     assert not list(out.glob("*.bin")) and not (out / "lock").exists()
 
@@ -758,3 +718,162 @@ def test_a_shard_cut_at_the_end_of_a_tokenizer_task_records_the_next_document(tm
     prepare_dying(monkeypatch, again, args, 3)  # and a resume from the start recorded at a task's end
     P.prepare(str(again), **args)
     assert_same_shards(out, again, at_least=4)
+
+
+# --- numbers and inputs are checked before anything is written ---------------------------------
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(val_tokens=-500), "--val_tokens=-500 must be a whole number from 1 to 2,147,483,647"),  # trained on validation
+    (dict(val_tokens=0), "--val_tokens=0 must be a whole number from 1"),
+    (dict(val_tokens=float("inf")), "--val_tokens=inf must be a whole number"),
+    (dict(val_docs=-1), "--val_docs=-1 must be a whole number of at least 0"),
+    (dict(shard_tokens=0), "--shard_tokens=0 must be a whole number from 1"),  # empty shards forever
+    (dict(shard_tokens=0.5), "--shard_tokens=0.5 must be a whole number"),
+    (dict(shard_tokens=-1), "--shard_tokens=-1 must be a whole number"),
+    (dict(shard_tokens=2 ** 31), "--shard_tokens=2147483648 must be a whole number from 1 to 2,147,483,647"),
+    (dict(workers=-1), "--workers=-1 must be a whole number of at least 1"),
+    (dict(workers=0), "--workers=0 must be a whole number of at least 1"),
+    (dict(max_tokens=0), "--max_tokens=0 must be a whole number of at least 1"),
+    (dict(max_tokens=-5), "--max_tokens=-5 must be a whole number"),
+    (dict(max_tokens=float("nan")), "--max_tokens=nan must be a whole number"),
+    (dict(max_tokens=800), "--max_tokens=800 leaves no tokens to train on after --val_tokens=1000; raise --max_tokens"),
+])
+def test_every_number_is_checked_before_anything_is_written(tmp_path, monkeypatch, bad, message):
+    (tmp_path / "a.txt").write_text("some text " * 500)
+    flushes = []  # a guard: an endless run of empty shards fails here instead of filling the disk
+    real_flush = P.ShardWriter.flush
+    monkeypatch.setattr(P.ShardWriter, "flush", lambda self, nxt: (flushes.append(1), len(flushes) < 50 or 1 / 0,
+                                                                   real_flush(self, nxt)))
+    args = dict(input=str(tmp_path / "a.txt"), val_tokens=1000, **BYTES) | bad
+    with pytest.raises(DataError) as err:
+        P.prepare(str(tmp_path / "out"), **args)
+    assert str(err.value).startswith(message) and not (tmp_path / "out").exists()
+
+
+def test_a_bad_number_on_the_command_line_is_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 500)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), f"--input={tmp_path / 'a.txt'}",
+                           "--tokenizer=bytes", "--val_tokens=-100", f"--out_dir={tmp_path / 'out'}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == "error: --val_tokens=-100.0 must be a whole number from 1 to 2,147,483,647\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_reached_twice_is_read_once(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    docs = ["the first document " * 30, "the second document " * 30]
+    (src / "a.txt").write_text(docs[0])
+    (src / "sub" / "b.txt").write_text(docs[1])
+    os.symlink(src, src / "sub" / "loop")  # ** follows it 40 levels deep before the loop ends: 41 copies of each
+    os.symlink(src / "a.txt", src / "z.txt")  # another name of a.txt
+    assert len(__import__("glob").glob(str(src / "**" / "*.txt"), recursive=True)) > 40
+    out = tmp_path / "out"
+    manifest = P.prepare(str(out), input=str(src / "**" / "*.txt"), val_tokens=200, **BYTES)
+    assert [name for name, _, _ in manifest["inputs"]] == ["../src/a.txt", "../src/sub/b.txt"]  # the first name of each
+    assert np.array_equal(stream_of(out)[1], byte_stream(docs))
+
+
+@pytest.mark.parametrize("where", ["a folder", "a glob matching a folder", "the empty folder of a refused run"])
+def test_a_folder_as_input_says_how_to_give_a_glob(tmp_path, where):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("some text " * 500)
+    if where == "the empty folder of a refused run":
+        with pytest.raises(DataError, match="--val_tokens=0"):
+            P.prepare(str(src / "out"), input=str(src / "a.txt"), val_tokens=0, **BYTES)
+        (src / "sub").rmdir()
+        (src / "out").mkdir()  # what a refused run of an older prepare.py left behind
+    pattern, folder = {"a folder": (src, src), "a glob matching a folder": (src / "*", src / "sub"),
+                       "the empty folder of a refused run": (src / "*", src / "out")}[where]
+    with pytest.raises(DataError) as err:
+        P.prepare(str(tmp_path / "o"), input=str(pattern), val_tokens=1000, **BYTES)
+    assert str(err.value) == (f"--input {str(pattern)!r} matches the folder {folder}; give a glob of files, e.g. "
+                              f"--input='{folder}/*.txt' (or '{folder}/**/*.txt' with its subfolders)")
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_input_that_is_no_regular_file_is_one_line(tmp_path):
+    (tmp_path / "src").mkdir()
+    os.mkfifo(tmp_path / "src" / "pipe.txt")  # reading it would wait for a writer forever: a subprocess with a timeout
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), f"--input={tmp_path / 'src' / '*'}",
+                           "--tokenizer=bytes", f"--out_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == (f"error: --input {str(tmp_path / 'src' / '*')!r} matches "
+                                                    f"{tmp_path / 'src' / 'pipe.txt'}, which is not a regular file "
+                                                    f"(a pipe or a device); give a glob of files\n")
+    os.remove(tmp_path / "src" / "pipe.txt")
+    os.symlink(tmp_path / "nowhere.txt", tmp_path / "src" / "dangling.txt")
+    with pytest.raises(DataError, match=r"matches .*dangling.txt, which cannot be opened \(No such file or directory\); "
+                                        r"remove it or give a narrower glob$"):
+        P.prepare(str(tmp_path / "out"), input=str(tmp_path / "src" / "*"), **BYTES)
+    os.remove(tmp_path / "src" / "dangling.txt")
+    (tmp_path / "src" / "notes.md").write_text("not an input type")  # refused at the start, not when it is reached
+    with pytest.raises(DataError, match=r"notes.md: unsupported file type; use .parquet"):
+        P.prepare(str(tmp_path / "out"), input=str(tmp_path / "src" / "*"), **BYTES)
+    assert not (tmp_path / "out").exists()
+
+
+def test_damaged_parquet_and_deeply_nested_jsonl_name_the_file(tmp_path):
+    rows = [f"row {i} " * 20 for i in range(3000)]
+    write_parquet(str(tmp_path / "whole.parquet"), rows, [1000, 1000, 1000])
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[:len(data) // 2])  # a download cut short: no footer
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    for name, problem in (("cut.parquet", r"cut.parquet: cannot be read \(Parquet magic bytes not found"),
+                          ("empty.parquet", r"empty.parquet: cannot be read \(Parquet file size is 0 bytes\)"),
+                          ("deep.jsonl", r"deep.jsonl:2: JSON nested too deeply to read; fix or drop that line$")):
+        with pytest.raises(DataError, match=problem) as err:
+            P.prepare(str(tmp_path / ("out_" + name)), input=str(tmp_path / name), val_tokens=100, **BYTES)
+        assert "\n" not in str(err.value) and not list((tmp_path / ("out_" + name)).glob("*.bin"))
+
+
+# --- locks, temporaries and names that leave the folder -----------------------------------------
+
+@pytest.mark.parametrize("name", ["../train_000001.bin", "/tmp/train_000001.bin", "sub/train_000001.bin", "..", "notes.txt"])
+def test_a_manifest_name_outside_the_folder_is_refused(tmp_path, name):
+    out = tmp_path / "data" / "out"
+    pattern, _ = make_corpus(tmp_path)
+    P.prepare(str(out), input=pattern, val_tokens=2000, shard_tokens=9000, **BYTES)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["shards"][1]["name"] = name
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for read in (S.verify_manifest, lambda d: P.prepare(d, input=pattern, val_tokens=2000, shard_tokens=9000, **BYTES)):
+        with pytest.raises(DataError) as err:
+            read(str(out))
+        assert str(err.value).startswith(f"{out / 'manifest.json'} is not a data/prepare.py record (missing or wrong: "
+                                         f"shards[1] name {name!r}, not a shard file of this folder)")
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written, inside or out
+
+
+def test_planted_symlinks_and_killed_runs_temporaries(tmp_path, monkeypatch):
+    pattern, _ = make_corpus(tmp_path)
+    args = dict(input=pattern, val_tokens=2000, shard_tokens=3600, **BYTES)
+    P.prepare(str(tmp_path / "whole"), **args)
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    victim.write_text("precious")
+    prepare_dying(monkeypatch, out, args, 3)
+    os.remove(out / "train_000002.bin.tmp")
+    os.symlink(victim, out / "train_000002.bin.tmp")  # where the resume writes its next shard
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale = [out / f"progress.json.{dead.pid}.{socket.gethostname()}.tmp", out / f"lock.{dead.pid}.{socket.gethostname()}.tmp"]
+    for p in stale:  # what a run killed while writing progress.json, or while taking the lock, leaves
+        p.write_text("partial")
+    P.prepare(str(out), **args)
+    assert victim.read_text() == "precious"
+    assert_same_shards(tmp_path / "whole", out)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "whole"))  # no temporary left
+
+
+def test_a_lock_that_is_a_dangling_symlink_is_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 500)
+    (tmp_path / "out").mkdir()
+    os.symlink(tmp_path / "gone", tmp_path / "out" / "lock")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), f"--input={tmp_path / 'a.txt'}",
+                           "--tokenizer=bytes", "--val_tokens=1000", f"--out_dir={tmp_path / 'out'}"],
+                          capture_output=True, text=True, timeout=60)  # it used to spin forever, printing nothing
+    assert proc.returncode == 1 and proc.stderr == (f"error: {tmp_path / 'out' / 'lock'} is a symlink, not a lock "
+                                                    f"(a file holding a pid and a host); remove it\n")
+    assert os.listdir(tmp_path / "out") == ["lock"]

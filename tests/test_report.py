@@ -1,6 +1,8 @@
+import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -30,7 +32,7 @@ def test_paired_statistics_against_textbook_values():
     assert st["ci95"][1] == pytest.approx(mean + 2.776445 * se, rel=1e-6)  # t(0.975, 4) from the tables
     assert st["ci95"][0] == pytest.approx(mean - 2.776445 * se, rel=1e-6)
     assert st["p_sign"] == pytest.approx(2 * (5 + 1) / 32)  # two-sided: P(X >= 4) + P(X <= 1), n = 5
-    assert st["ppl_change"] == pytest.approx(math.exp(mean) - 1)
+    assert report.perplexity_change(st["mean"]) == pytest.approx(math.exp(mean) - 1)
 
 
 def test_sign_test_like_the_paper_and_ties():
@@ -41,7 +43,8 @@ def test_sign_test_like_the_paper_and_ties():
     assert single["n"] == 1 and math.isnan(single["std"]) and math.isnan(single["p_ttest"])
     assert report.paired_statistics([0.0, 0.0])["p_sign"] == 1.0  # all ties: no evidence either way
     none = report.paired_statistics([])
-    assert none["n"] == 0 and all(math.isnan(none[k]) for k in ("mean", "std", "p_ttest", "p_sign", "ppl_change"))
+    assert none["n"] == 0 and all(math.isnan(none[k]) for k in ("mean", "std", "p_ttest", "p_sign"))
+    assert math.isnan(report.perplexity_change(none["mean"]))
 
 
 SETTINGS = dict(learning_rate=1e-3, weight_decay=0.1, dropout=0.0, max_iters=20, eval_interval=10, n_layer=2)
@@ -92,6 +95,11 @@ def edit(out, arm, seed, change):
     result = json.loads(path.read_text())
     change(result)
     path.write_text(json.dumps(result))
+
+
+def in_markdown(note):
+    """A note as report.md writes it: the brackets of JSON values in it escaped (markup in text from files)."""
+    return note.replace("[", "\\[").replace("]", "\\]")
 
 
 def run(out, *args):
@@ -239,7 +247,7 @@ def test_fields_of_the_wrong_type_are_skipped_with_a_note(tmp_path, no_matplotli
                  "rd/seed3/result.json: unreadable (pairing.settings is not a dict)",
                  'rd/seed4/log.jsonl: skipped line 5 (val_loss is "2.99", not a number), line 6 (tokens is '
                  '1000000000000000..., not a finite number)'):
-        assert note in notes and f"- {note}" in text
+        assert note in notes and f"- {in_markdown(note)}" in text
     assert "parent/seed1" not in paired["wall_time_s"] and "| parent | 100 | - | 102 | 103 | 104 | 409 |" in text
 
 
@@ -340,7 +348,7 @@ def test_config_arms_of_the_wrong_type_are_taken_from_the_folders(tmp_path, no_m
     assert paired["reference"] == "parent" and paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.02, -0.04, -0.04])
     note = (f"config.json: arms is {json.dumps(arms)}, not a dict of arm settings; arms taken from the folders"
             if not isinstance(arms, dict) else 'config.json: arms "../x" ignored (not folder names)')
-    assert paired["skipped"] == [note] and f"- {note}" in text and "| x |" not in text
+    assert paired["skipped"] == [note] and f"- {in_markdown(note)}" in text and "| x |" not in text
 
 
 def test_log_records_of_the_wrong_type_are_skipped_and_plots_still_drawn(tmp_path):
@@ -400,7 +408,7 @@ def test_copied_and_linked_cells_are_never_counted_as_seeds(tmp_path, no_matplot
                  "folder rd/seed7/: its result.json is rd/seed0's, not counted; a copy of rd/seed0/: delete it",
                  "rd/seed1, rd/seed8: one training (the same init_hash and data_hash), none counted; delete the "
                  "copies, keeping the cell trained with that seed"):
-        assert note in notes and f"- {note}" in text
+        assert note in notes and f"- {in_markdown(note)}" in text
     assert "folder rd_link/: a link to rd/, not counted; delete the link" in notes and len(notes) == 5
 
 
@@ -517,7 +525,7 @@ def test_hostile_files_and_folders_are_skipped_with_a_note(tmp_path, monkeypatch
     for note in ("rd/seed0/result.json: unreadable ([1, 2], not a JSON object)",
                  "rd/seed2/result.json: unreadable (not JSON)", "rd/seed3/result.json: unreadable (not JSON)",
                  "rd/seed4/result.json: unreadable (permission denied)", "folder other/: unreadable (permission denied)"):
-        assert note in paired["skipped"] and f"- {note}" in text
+        assert note in paired["skipped"] and f"- {in_markdown(note)}" in text
     locked.append(str(out))
     with pytest.raises(report.DataError, match=f"^cannot list {out} \\(permission denied\\); check its permissions$"):
         report.main([str(out)])
@@ -537,3 +545,417 @@ def test_seeds_trained_under_other_code_are_named_as_mixed(tmp_path, no_matplotl
     assert paired["arms"]["rd"]["n"] == 3  # every seed is paired
     assert paired["arms"]["rd"]["mixed_versions"] == ['code: seeds 0, 1: "c0dec0dec0dec0dec; seed 2: "bbbbbbbbbbbbbbbbb']
     assert "**Mixed versions**" in text and '- rd: code: seeds 0, 1: "c0dec0dec0dec0dec; seed 2: "bbbbbbbbbbbbbbbbb' in text
+
+
+def power_by_integration(effect_in_sd, n):
+    """Power of the two-sided paired t-test at level 0.05 from its definition, without the noncentral t: with
+    Z normal and V chi-square(df), T = (Z + effect sqrt(n)) / sqrt(V / df), and P(|T| > c) is the mean over V of
+    P(Z > c s - nc) + P(Z < -c s - nc), s = sqrt(V / df), integrated against V's density."""
+    from scipy import integrate, stats
+    df, nc = n - 1, effect_in_sd * math.sqrt(n)
+    c = stats.t.ppf(0.975, df)  # the central t's critical value
+
+    def phi(x):  # the standard normal CDF
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
+    def integrand(v):
+        density = math.exp((df / 2 - 1) * math.log(v) - v / 2 - df / 2 * math.log(2) - math.lgamma(df / 2))
+        s = math.sqrt(v / df)
+        return density * (1 - phi(c * s - nc) + phi(-c * s - nc))
+
+    return sum(integrate.quad(integrand, a, b, limit=200)[0] for a, b in ((0, df), (df, math.inf)))
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 10, 30])
+def test_detectable_effect_has_the_power_by_integration(n):
+    effect = report.detectable_effect_in_sd(n)
+    assert power_by_integration(effect, n) == pytest.approx(0.8, abs=1e-6)
+    assert power_by_integration(0.95 * effect, n) < 0.79  # the smallest such effect, not any
+
+
+@pytest.mark.parametrize("effect, textbook", [(1.0, 10), (0.5, 34), (2.0, 5), (0.2, 199)])
+def test_seeds_needed_against_the_textbook_and_by_integration(effect, textbook):
+    # Cohen's d of 1, 0.5, 0.2 needs 10, 34, 199 pairs at alpha 0.05 two-sided, power 0.8 (G*Power's tables)
+    n = report.seeds_needed(effect)
+    assert n == textbook
+    assert power_by_integration(effect, n) >= 0.8 > power_by_integration(effect, n - 1)
+
+
+def test_detectable_effect_by_monte_carlo():
+    # 40000 simulated grids of 5 seeds whose true mean delta is the detectable effect: 80% reject at 0.05
+    rng = np.random.default_rng(0)
+    effect = report.detectable_effect_in_sd(5)
+    d = rng.normal(effect, 1.0, size=(40000, 5))
+    t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(5))
+    assert np.mean(np.abs(t) > 2.776445) == pytest.approx(0.8, abs=0.01)  # t(0.975, 4) from the tables
+    assert report.seeds_needed(1e-6) is None  # past 2^30 seeds: not searched further
+
+
+def sign_test_floor_by_enumeration(n):
+    """The smallest two-sided sign-test p over every win/loss sequence of n untied seeds, counted outcome by outcome."""
+    outcomes = [sum(signs) for signs in itertools.product((0, 1), repeat=n)]  # wins of each of the 2^n sequences
+    p = [sum(abs(w - n / 2) >= abs(wins - n / 2) for w in outcomes) / 2 ** n for wins in outcomes]
+    return min(p)
+
+
+def test_sign_test_floor_by_enumeration():
+    for n in range(1, 10):
+        assert report.sign_test_min_p(n) == pytest.approx(sign_test_floor_by_enumeration(n))
+        assert report.paired_statistics([-0.01] * n)["p_sign"] == pytest.approx(report.sign_test_min_p(n))
+    assert report.SIGN_TEST_SEEDS == 6
+    assert sign_test_floor_by_enumeration(5) >= 0.05 > sign_test_floor_by_enumeration(6)
+
+
+def test_power_in_the_report(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    paired, text = run(out)
+    rd = paired["arms"]["rd"]
+    std = np.std([-0.03, -0.02, -0.04, -0.04], ddof=1)
+    assert rd["power"]["std"] == pytest.approx(std) and rd["power"]["effect"] == 0.03
+    assert rd["power"]["detectable_effect"] == pytest.approx(report.detectable_effect_in_sd(4) * std)
+    assert rd["power"]["seeds_needed"] == report.seeds_needed(0.03 / std)
+    assert rd["power"]["sign_test_min_p"] == pytest.approx(0.125)
+    assert rd["power"]["notes"] == ["the sign test cannot reach p < 0.05 at 4 seeds: its smallest p is 0.125; it needs 6"]
+    row = (f"| rd | 4 | {std:.4f} | {rd['power']['detectable_effect']:.4f} | {rd['power']['seeds_needed']} | 0.125 |")
+    assert "seeds to detect 0.03 nats" in text and row in text and f"- rd: {rd['power']['notes'][0]}" in text
+    paired, text = run(out, "--effect=0.1")
+    assert paired["arms"]["rd"]["power"]["seeds_needed"] == report.seeds_needed(0.1 / std) == 3  # not 2: df 1
+    assert "seeds to detect 0.1 nats" in text
+    for bad in ("0", "-0.03", "nan", "inf"):
+        with pytest.raises(SystemExit, match=f"^error: --effect={float(bad)}: give a positive number of nats"):
+            report.main([str(out), f"--effect={bad}"])
+
+
+def test_power_says_why_without_two_seeds_or_spread(tmp_path, no_matplotlib):
+    # seeds 0-5 with one exact delta each (binary fractions): no spread; seed 0 alone: no s.d. at all
+    out = make_grid(tmp_path, {(arm, s): s + 1.0 - 0.5 * (arm == "rd") for arm in ("parent", "rd") for s in range(6)})
+    paired, text = run(out)
+    power = paired["arms"]["rd"]["power"]
+    assert power["detectable_effect"] is None and power["seeds_needed"] is None and power["std"] == 0
+    assert power["notes"] == ["every seed has the same delta (s.d. 0): power cannot be estimated from it"]
+    assert power["sign_test_min_p"] == pytest.approx(1 / 32) and "| rd | 6 | 0.0000 | - | - | 0.0312 |" in text
+    for seed in range(1, 6):
+        edit(out, "rd", seed, lambda r: r.update(status="diverged", val_loss=None))
+    paired, text = run(out)
+    json.loads((out / "paired.json").read_text(), parse_constant=raise_on_constant)
+    power = paired["arms"]["rd"]["power"]
+    assert power["std"] is None and power["detectable_effect"] is None and power["seeds_needed"] is None
+    assert power["notes"] == ["n = 1: no s.d. of the deltas to size the t-test from",
+                              "the sign test cannot reach p < 0.05 at 1 seed: its smallest p is 1; it needs 6"]
+    assert "| rd | 1 | nan | - | - | 1 |" in text and "- rd: n = 1: no s.d. of the deltas" in text
+
+
+def test_a_diverging_but_finite_arm_still_gets_its_report(tmp_path, no_matplotlib):
+    # 800 nats worse: exp(mean delta) is past a float, and that alone once stopped the whole report
+    out = make_grid(tmp_path, {(arm, s): 3.0 + s / 10 + 800 * (arm == "rd") for arm in ("parent", "rd") for s in range(3)})
+    paired, text = run(out)
+    json.loads((out / "paired.json").read_text(), parse_constant=raise_on_constant)
+    rd = paired["arms"]["rd"]
+    assert rd["mean"] == pytest.approx(800) and rd["ppl_change"] is None and rd["p_ttest"] == 0.0
+    assert "| rd | 3 | 0/3 | +800.0000 |" in text and "| off scale |" in text and "ppl change off scale" in text
+
+
+def test_statistics_near_the_float_limit_are_finite_where_the_true_value_is():
+    st = report.paired_statistics([1e308, 1.5e308, 1.7e308])
+    scaled = report.paired_statistics([1.0, 1.5, 1.7])  # every statistic but the ci scales with the deltas
+    assert st["mean"] == pytest.approx(1.4e308) and st["std"] == pytest.approx(scaled["std"] * 1e308)
+    assert st["p_ttest"] == pytest.approx(scaled["p_ttest"]) and st["ci95"][0] == pytest.approx(scaled["ci95"][0] * 1e308)
+    assert st["ci95"][1] == math.inf  # the true bound, 2.3e308, is no float: null in paired.json
+    assert report.perplexity_change(st["mean"]) == math.inf and report.fmt(st["mean"]) == "+1.4000e+308"
+
+
+def test_huge_losses_are_a_report_in_strict_json(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {("parent", 0): 1.0, ("rd", 0): 1.7e308, ("parent", 1): 2.0, ("rd", 1): 1.6e308})
+    paired, text = run(out)
+    json.loads((out / "paired.json").read_text(), parse_constant=raise_on_constant)
+    assert paired["arms"]["rd"]["mean"] == pytest.approx(1.65e308) and "| rd | 1.7000e+308 | 1.6000e+308 |" in text
+
+
+def table_blocks(text):
+    """The markdown tables of a text: lists of consecutive lines that start with '|'."""
+    blocks, block = [], []
+    for line in text.split("\n") + [""]:
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            blocks, block = blocks + [block], []
+    return blocks
+
+
+def test_text_from_files_cannot_forge_lines_tables_or_links(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    forged = "nan\n| forged | row |\n# Heading <img src=x> [link](http://x) \u2028- item"
+    edit(out, "rd", 1, lambda r: r.update(status="diverged", val_loss=None, diverged_at=40, reason=forged))
+    (out / "notes|x\n- forged item").mkdir()  # a stray folder: its name goes into a note
+    write_cell(out, "a|b", 0, 2.5)  # an arm whose name holds a table's separator
+    os.mkdir(os.path.join(os.fsencode(out), b"latin\xe9"))  # a folder name that is not UTF-8
+    paired, text = run(out)
+    assert paired["diverged"][0]["reason"] == forged and "a|b" in paired["arms"]  # paired.json keeps them whole
+    lines = text.split("\n")
+    assert not [line for line in lines if line.startswith(("| forged", "# Heading", "- forged", "- item"))]
+    assert not re.search(r"(?<!\\)<img|(?<!\\)\[link", text) and "\u2028" not in text
+    assert "| rd | 1 | 40 | nan\\n\\| forged \\| row \\|\\n\\# Heading \\<img src=x\\> \\[link\\](http://x) \\u2028- item |" \
+        in lines
+    for block in table_blocks(text):  # every row of a table has its header's cells
+        assert len({len(re.findall(r"(?<!\\)\|", row)) for row in block}) == 1, block
+    assert "| a\\|b | 1 | 1/1 |" in text and "- folder latin\\udce9/: not an arm" in text
+
+
+TASKS = {"hellaswag": ("multiple_choice", 0.25), "arc_easy": ("multiple_choice", 0.25), "lambada": ("language_modeling", 0.0)}
+
+
+def write_downstream(out, arm, seed, correct, bundle="b" * 64, max_per_task=100, step=20, items=100):
+    """downstream.json as downstream.py writes it into a cell: correct = {task: items answered right}."""
+    tasks = {}
+    for label, right in correct.items():
+        kind, baseline = TASKS[label]
+        accuracy = right / items
+        tasks[label] = dict(icl_task_type=kind, items=items, correct=right, accuracy=accuracy, random_baseline=baseline,
+                            centered=(accuracy - baseline) / (1 - baseline))
+    record = dict(bundle_sha256=bundle, max_per_task=max_per_task, step=step,
+                  core=sum(t["centered"] for t in tasks.values()) / len(tasks), tasks=tasks)
+    (out / arm / f"seed{seed}" / "downstream.json").write_text(json.dumps(record))
+    return record
+
+
+CORRECT = {"parent": [dict(hellaswag=30, lambada=20), dict(hellaswag=32, lambada=21), dict(hellaswag=31, lambada=19),
+                      dict(hellaswag=29, lambada=22)],
+           "rd": [dict(hellaswag=33, lambada=22), dict(hellaswag=35, lambada=21), dict(hellaswag=31, lambada=23),
+                  dict(hellaswag=34, lambada=20)]}
+
+
+def test_downstream_deltas_tables_and_statistics(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    for arm, per_seed in CORRECT.items():
+        for seed, correct in enumerate(per_seed):
+            write_downstream(out, arm, seed, correct)
+    paired, text = run(out)
+    rd = paired["downstream"]["arms"]["rd"]
+    # by hand: hellaswag's centered accuracy is (c/100 - 1/4) / (3/4), lambada's c/100; CORE their mean
+    hella = [(r - p) / 75 for r, p in zip([33, 35, 31, 34], [30, 32, 31, 29])]
+    lambada = [(r - p) / 100 for r, p in zip([22, 21, 23, 20], [20, 21, 19, 22])]
+    assert rd["seeds"] == [0, 1, 2, 3] and rd["left_out"] == [] and rd["mixed_evaluations"] == []
+    assert rd["core"]["deltas"] == pytest.approx([(h + l) / 2 for h, l in zip(hella, lambada)])
+    assert rd["core"]["wins"] == 4 and rd["core"]["p_sign"] == pytest.approx(0.125)  # CORE higher is a win
+    assert rd["tasks"]["hellaswag"]["deltas"] == pytest.approx([0.03, 0.03, 0.0, 0.05])  # accuracy, not centered
+    assert rd["tasks"]["hellaswag"]["wins"] == 3 and rd["tasks"]["hellaswag"]["p_sign"] == pytest.approx(0.25)  # a tie
+    lam = rd["tasks"]["lambada"]
+    assert lam["deltas"] == pytest.approx(lambada) and lam["wins"] == 2 and lam["items"] == [100]
+    assert lam["mean"] == pytest.approx(0.01) and lam["p_ttest"] == pytest.approx(report.paired_statistics(lambada)["p_ttest"])
+    assert lam["icl_task_type"] == "language_modeling" and lam["seeds"] == [0, 1, 2, 3]
+    assert paired["downstream"]["core"]["parent/seed1"] == pytest.approx((7 / 75 + 0.21) / 2)
+    assert "## Downstream tasks" in text and f"| parent | {(5 / 75 + 0.2) / 2:.4f} |" in text
+    assert f"| rd | 4 | 4/4 | {rd['core']['mean']:+.4f} |" in text
+    assert f"| hellaswag | multiple_choice | 100 | 4 | 3/4 | +0.0275 | {np.std([0.03, 0.03, 0, 0.05], ddof=1):.4f} |" in text
+    assert "| lambada | language_modeling | 100 | 4 | 2/4 | +0.0100 |" in text
+    assert paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.02, -0.04, -0.04])  # the loss untouched
+
+
+def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {(arm, s): 3.0 - 0.01 * (arm == "rd") for arm in ("parent", "rd") for s in range(7)})
+    for arm in ("parent", "rd"):
+        for seed in range(7):
+            write_downstream(out, arm, seed, dict(hellaswag=30 + seed + 2 * (arm == "rd"), lambada=20))
+    write_downstream(out, "rd", 0, dict(hellaswag=40, lambada=20), bundle="c" * 64)  # another task bundle
+    write_downstream(out, "rd", 1, dict(hellaswag=20, lambada=10), max_per_task=50, items=50)
+    (out / "parent" / "seed2" / "downstream.json").unlink()
+    write_downstream(out, "rd", 3, dict(hellaswag=40, lambada=20), step=10)  # of a checkpoint before the end
+    (out / "rd" / "seed4" / "downstream.json").write_text('{"bundle_sha256": "b')  # torn
+    write_downstream(out, "rd", 5, dict(hellaswag=40))  # a task fewer
+    edit(out, "rd", 6, lambda r: r["pairing"].update(init_hash="ff" * 32))  # out of the loss: not listed again
+    paired, text = run(out)
+    assert paired["arms"]["rd"]["seeds"] == [0, 1, 2, 3, 4, 5]  # the loss pairs every seed but 6
+    rd = paired["downstream"]["arms"]["rd"]
+    assert rd["seeds"] == [] and rd["core"]["n"] == 0 and rd["tasks"] == {}
+    reasons = {d["seed"]: d["reason"] for d in rd["left_out"]}
+    assert reasons == {0: "parent and rd differ in bundle_sha256 (bbbbbbbbbbbbbbbb... vs cccccccccccccccc...)",
+                       1: "parent and rd differ in max_per_task (100 vs 50)",
+                       2: "parent/seed2 has no downstream.json",
+                       3: "rd/seed3 downstream.json is of step 10, its result.json of step 20",
+                       4: "rd/seed4 unreadable downstream.json",
+                       5: "parent and rd differ in tasks.lambada.items (100 vs missing)"}
+    assert "rd/seed4/downstream.json: unreadable (not JSON)" in paired["skipped"]
+    for seed, reason in reasons.items():
+        assert f"- rd, seed {seed}: {reason}" in text
+    assert "| rd | 0 | 0/0 | nan |" in text and "Task accuracy" not in text
+    assert "| parent | 0.1333 | 0.1400 | - | 0.1533 | 0.1600 | 0.1667 | 0.1733 |" in text  # CORE per cell
+    assert "| rd | 0.2000 | 0.2000 | 0.1600 | 0.2000 | unreadable | 0.2000 | 0.1867 |" in text
+    write_downstream(out, "rd", 0, dict(hellaswag=32, lambada=20), bundle="b" * 64)
+    write_downstream(out, "parent", 1, dict(hellaswag=20, lambada=10), max_per_task=50, items=50)
+    paired, text = run(out)  # now seeds 0 and 1 pair, each within one evaluation, but the two differ
+    rd = paired["downstream"]["arms"]["rd"]
+    assert rd["seeds"] == [0, 1] and rd["core"]["deltas"] == pytest.approx([(2 / 75) / 2, 0.0])
+    assert rd["mixed_evaluations"] == ["seed 0: bundle bbbbbbbbbbbb, max_per_task 100; "
+                                       "seed 1: bundle bbbbbbbbbbbb, max_per_task 50"]
+    assert "**Mixed evaluations**" in text and "| hellaswag | multiple_choice | 50, 100 | 2 |" in text
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda d: d.pop("bundle_sha256"), "no bundle_sha256"),
+    (lambda d: d.update(step="20"), 'step is "20", not a step'),
+    (lambda d: d.update(max_per_task=0), "max_per_task is 0, not null or a positive integer"),
+    (lambda d: d.update(core=float("nan")), "core is NaN, not a finite number"),
+    (lambda d: d.update(tasks={}), "tasks is {}, not a dict of tasks"),
+    (lambda d: d["tasks"].update(lambada=[0.2]), "tasks.lambada is [0.2], not a dict"),
+    (lambda d: d["tasks"]["lambada"].update(correct=101), "tasks.lambada.correct is 101, more than its 100 items"),
+    (lambda d: d["tasks"]["lambada"].update(accuracy=0.3), "tasks.lambada.accuracy is 0.3, not correct / items (0.2)"),
+    (lambda d: d["tasks"]["hellaswag"].update(random_baseline=25.0, centered=0.3 - 25.0),  # percent, not a fraction
+     "tasks.hellaswag.random_baseline is 25.0, not a fraction in [0, 1)"),
+    (lambda d: d["tasks"]["hellaswag"].update(centered=0.3),
+     "tasks.hellaswag.centered is 0.3, not (accuracy - random_baseline) / (1 - random_baseline)"),
+    (lambda d: d.update(core=0.5), "core is 0.5, not the mean of its tasks' centered accuracies"),
+    (lambda d: d.clear() or d.update(tasks=5), "no bundle_sha256")])
+def test_a_malformed_downstream_json_is_a_named_problem(tmp_path, no_matplotlib, change, problem):
+    out = make_grid(tmp_path, {(arm, s): 3.0 for arm in ("parent", "rd") for s in range(2)})
+    for arm in ("parent", "rd"):
+        for seed in range(2):
+            record = write_downstream(out, arm, seed, dict(hellaswag=30, lambada=20))
+    change(record)
+    (out / "rd" / "seed1" / "downstream.json").write_text(json.dumps(record))
+    paired, text = run(out)
+    assert f"rd/seed1/downstream.json: unreadable ({problem})" in paired["skipped"]
+    assert paired["downstream"]["arms"]["rd"]["left_out"] == [dict(seed=1, reason="rd/seed1 unreadable downstream.json")]
+    assert paired["downstream"]["arms"]["rd"]["seeds"] == [0] and paired["arms"]["rd"]["seeds"] == [0, 1]
+    json.loads((out / "paired.json").read_text(), parse_constant=raise_on_constant)
+
+
+def test_no_downstream_section_without_downstream_results(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    (out / "rd" / "seed9").mkdir()
+    (out / "rd" / "seed9" / "downstream.json").write_text("{}")  # a cell that never trained: not read
+    paired, text = run(out)
+    assert paired["downstream"] is None and "## Downstream" not in text and "downstream.json" not in text
+
+
+def test_plots_take_any_folder_name(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = make_grid(tmp_path, {("parent", 0): 3.0, ("parent", 1): 3.1})
+    long = "rd_" + "x" * 245  # the folder fits the file system's 255 bytes; jsd_<arm>.png.<pid>.tmp would not
+    odd = os.fsdecode(b"lat\xe9n $x$")  # not UTF-8 (a lone surrogate in Python), and $...$ is math to matplotlib
+    for arm in (long, odd):
+        for seed, loss in ((0, 2.9), (1, 3.05)):
+            write_cell(out, arm, seed, loss)
+            log = out / arm / f"seed{seed}" / "log.jsonl"  # with QK/V divergences, one of a layer named like math
+            log.write_text(log.read_text().replace('"qk_v_jsd": {}', '"qk_v_jsd": {"0": 0.1, "$\\\\frac{": 0.2}'))
+    paired, text = run(out, f"--cell={long}/seed1")
+    assert paired["arms"][long]["deltas"] == pytest.approx([-0.1, -0.05]) and f"| {long} | 2 | 2/2 |" in text
+    assert paired["arms"][odd]["deltas"] == pytest.approx([-0.1, -0.05]) and "| lat\\udce9n \\$x\\$ | 2 | 2/2 |" in text
+    figures = re.findall(r"!\[.*\]\((.*)\)", text)
+    assert len(figures) == 5 and all((out / name).stat().st_size > 1000 for name in figures)
+    assert all(len(p.name) < 80 for p in out.iterdir() if p.is_file())
+    assert f"### {long}: QK/V Jensen-Shannon divergence per layer over training" in text
+
+
+def rated(out, arm, rate, seeds):
+    """An arm's cells as train.py records an arm that sets its own learning rate: in arm_settings, not in settings."""
+    for seed in seeds:
+        edit(out, arm, seed, lambda r: (r["pairing"]["settings"].pop("learning_rate", None),
+                                        r["pairing"].update(arm_settings=dict(learning_rate=rate))))
+
+
+def test_each_arms_learning_rate_is_shown_and_a_change_across_seeds_is_mixed(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    paired, text = run(out)
+    assert "| arm | seed 0 | seed 1 | seed 2 | seed 3 | learning rate |" in text
+    assert "| parent | 3.0000 | 3.1000 | 3.0500 | 3.2000 | 0.001 |" in text  # the grid's rate
+    assert paired["learning_rates"] == {"parent": [0.001], "rd": [0.001]}
+    rated(out, "rd", 0.002, range(4))
+    paired, text = run(out)
+    assert "| rd | 2.9700 | 3.0800 | 3.0100 | 3.1600 | 0.002 |" in text and paired["learning_rates"]["rd"] == [0.002]
+    assert paired["arms"]["rd"]["n"] == 4 and paired["arms"]["rd"]["mixed_versions"] == []  # an arm's own rate pairs
+    rated(out, "rd", 0.003, [3])  # one seed trained at another rate (--allow_changes)
+    paired, text = run(out)
+    assert paired["arms"]["rd"]["n"] == 4 and "| rd | 2.9700 | 3.0800 | 3.0100 | 3.1600 | 0.002, 0.003 |" in text
+    note = "arm_settings.learning_rate: seeds 0, 1, 2: null / 0.002; seed 3: null / 0.003"
+    assert paired["arms"]["rd"]["mixed_versions"] == [note] and f"- rd: {note}" in text
+    edit(out, "rd", 2, lambda r: r["pairing"].update(arm_settings=[0.002]))
+    paired, text = run(out)
+    assert "rd/seed2/result.json: unreadable (pairing.arm_settings is not a dict)" in paired["skipped"]
+
+
+def tuning_row(rate, *losses):
+    return dict(learning_rate=rate, val_loss=dict(zip(("1000", "1001"), losses)),
+                mean=None if None in losses else sum(losses) / len(losses))
+
+
+# parent: 3e-3 the lowest mean (1e-2 diverged on a seed); rd: 1e-3, the smallest rate tried
+CHOICE = dict(tune_seeds=[1000, 1001], seeds=[0, 1, 2, 3], tune_iters=10, max_iters=20, learning_rates=[1e-3, 3e-3, 1e-2],
+              min_lr_ratio=0.1, table=dict(
+                  parent={"0.001": tuning_row(1e-3, 3.3, 3.5), "0.003": tuning_row(3e-3, 3.2, 3.3),
+                          "0.01": tuning_row(1e-2, None, 3.0)},
+                  rd={"0.001": tuning_row(1e-3, 3.1, 3.3), "0.003": tuning_row(3e-3, 3.2, 3.4),
+                      "0.01": tuning_row(1e-2, 3.3, 3.5)}), choice=dict(parent=3e-3, rd=1e-3))
+
+
+def tuned_grid(tmp_path, choice=CHOICE):
+    """A grid of the tuned protocol: each arm trained at its chosen rate, tune/ holding the tuning cells and choice.json."""
+    out = make_grid(tmp_path, LOSSES)
+    rated(out, "parent", 3e-3, range(4))
+    rated(out, "rd", 1e-3, range(4))
+    for arm in ("parent", "rd"):
+        write_cell(out / "tune", f"{arm}-lr0.001", 1000, 3.3)
+    (out / "tune" / "choice.json").write_text(choice if isinstance(choice, str) else json.dumps(choice))
+    return out
+
+
+def test_the_tuning_section_shows_each_arms_rates_and_its_choice(tmp_path, no_matplotlib):
+    paired, text = run(make_grid(tmp_path, LOSSES))
+    assert paired["tuning"] is None and "Learning-rate tuning" not in text
+    (tmp_path / "t").mkdir()
+    out = tuned_grid(tmp_path / "t")
+    paired, text = run(out)
+    assert set(paired["arms"]) == {"rd"} and not [n for n in paired["skipped"] if "tune" in n]  # tune/ is no arm
+    assert text.index("## Learning-rate tuning") < text.index("Final validation loss")
+    assert ("on tuning seeds 1000, 1001 (never a compared seed) for 10 of the 20 steps (the whole schedule in them, "
+            "min_lr 0.1 x the rate)") in text
+    assert "The paired result below compares each arm at its own chosen rate." in text
+    assert "| arm | lr 0.001 | lr 0.003 | lr 0.01 |" in text
+    assert "| parent | 3.4000 | **3.2500** | diverged |" in text and "| rd | **3.2000** | 3.3000 | 3.4000 |" in text
+    edge = "rd: the chosen rate 0.001 is the smallest tried; the best may lie beyond it (widen tune_learning_rates)"
+    assert f"- {edge}" in text
+    assert paired["tuning"] == dict(choice=dict(parent=0.003, rd=0.001), tune_seeds=[1000, 1001], tune_iters=10,
+                                    max_iters=20, min_lr_ratio=0.1, notes=[edge], mean=dict(
+                                        parent={"0.001": pytest.approx(3.4), "0.003": pytest.approx(3.25), "0.01": None},
+                                        rd={"0.001": pytest.approx(3.2), "0.003": pytest.approx(3.3), "0.01": pytest.approx(3.4)}))
+    assert paired["learning_rates"] == {"parent": [0.003], "rd": [0.001]}
+    rated(out, "rd", 2e-3, [1])  # a seed not at the arm's choice
+    paired, text = run(out)
+    assert "rd: trained at 0.001, 0.002, tune/choice.json chose 0.001" in paired["tuning"]["notes"]
+    assert "- rd: trained at 0.001, 0.002, tune/choice.json chose 0.001" in text
+
+
+def changed_choice(change):
+    record = json.loads(json.dumps(CHOICE))
+    change(record)
+    return record
+
+
+@pytest.mark.parametrize("choice, problem", [
+    ('{"tune_seeds": [1000', "not JSON"),
+    ("[]", "[], not a JSON object"),
+    (changed_choice(lambda c: c.pop("tune_iters")), "no tune_iters"),
+    (changed_choice(lambda c: c.update(tune_seeds=[True])), "tune_seeds is [true], not a list of distinct seeds"),
+    (changed_choice(lambda c: c.update(table=[])), "table is [], not a dict of arms"),
+    (changed_choice(lambda c: c.update(tune_seeds=[1000, 1], seeds=[0, 1])),
+     "tune_seeds and seeds share 1: rates chosen on compared seeds"),
+    (changed_choice(lambda c: c["table"]["rd"].update({"0.001": []})), "table.rd.0.001 is [], not a dict"),
+    (changed_choice(lambda c: c["table"]["rd"]["0.003"].update(mean=3.0)),
+     "table.rd.0.003.mean is 3.0, not the mean of its seeds' val_loss (null where one diverged)"),
+    (changed_choice(lambda c: c["table"]["parent"]["0.01"].update(mean=3.0)),
+     "table.parent.0.01.mean is 3.0, not the mean of its seeds' val_loss (null where one diverged)"),
+    (changed_choice(lambda c: c["table"]["rd"]["0.001"]["val_loss"].pop("1001")),
+     "table.rd.0.001.val_loss is of seeds 1000, not the tuning seeds 1000, 1001"),
+    (changed_choice(lambda c: c["table"]["rd"]["0.001"]["val_loss"].update({"1000": "3.1"})),
+     'table.rd.0.001.val_loss.1000 is "3.1", not null or a finite number'),
+    (changed_choice(lambda c: c["table"]["rd"]["0.001"].pop("learning_rate")), "no table.rd.0.001.learning_rate"),
+    (changed_choice(lambda c: c["choice"].update(rd=0.003)), "choice.rd is 0.003, not the rate of the lowest mean (0.001)"),
+    (changed_choice(lambda c: c["choice"].update(extra=0.003)), "choice.extra has no row in table"),
+    (changed_choice(lambda c: c["table"]["rd"].update({k: tuning_row(v["learning_rate"], None, 3.0) for k, v in
+                                                       c["table"]["rd"].items()})),
+     "table.rd: every rate diverged, so nothing was chosen"),
+])
+def test_a_malformed_choice_json_is_a_named_problem(tmp_path, no_matplotlib, choice, problem):
+    paired, text = run(tuned_grid(tmp_path, choice))
+    assert paired["tuning"] == dict(problem=problem)
+    assert f"tune/choice.json: unreadable ({in_markdown(problem)}); the arms' rates cannot be traced" in text
+    assert paired["arms"]["rd"]["n"] == 4 and "| rd | 2.9700 | 3.0800 | 3.0100 | 3.1600 | 0.001 |" in text

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import sample
-from data.prepare import DataError, prepare
+from common import DataError
+from data.prepare import prepare
 from model import GPT, GPTConfig
 
 
@@ -58,14 +59,30 @@ def test_samples_are_the_models_and_start_with_the_prompt(cell, capsys):
     assert samples(capsys, cell_dir, "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=30", "--seed=8") != got
 
 
+def greedy_text(gpt, steps):
+    """The likeliest token after each prefix, from end-of-text on, decoded."""
+    ids = [256]
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(gpt.eval()(torch.tensor([ids[-16:]]))[0][0, -1].argmax().item())
+    return byte_text(ids[1:])
+
+
 def test_an_empty_start_begins_a_document_and_top_k_narrows(cell, capsys):
     cell_dir, gpt = cell
     got = samples(capsys, cell_dir, "--max_new_tokens=20", "--top_k=1", "--num_samples=2")
-    ids = [256]  # top_k=1 is greedy: the likeliest token after each prefix, from end-of-text on
-    with torch.no_grad():
-        for _ in range(20):
-            ids.append(gpt.eval()(torch.tensor([ids[-16:]]))[0][0, -1].argmax().item())
-    assert got == [byte_text(ids[1:])] * 2
+    assert got == [greedy_text(gpt, 20)] * 2  # top_k=1 is greedy
+
+
+@pytest.mark.parametrize("temperature", ["1e-30", "1e-300", "5e-324"])
+def test_a_tiny_temperature_is_greedy_without_overflow(cell, capsys, temperature):
+    # logits / 1e-300 overflows float32 (a NaN draw); the limit of sampling as the temperature goes to 0 is greedy
+    cell_dir, gpt = cell
+    got = samples(capsys, cell_dir, "--max_new_tokens=20", f"--temperature={temperature}", "--num_samples=2")
+    assert got == [greedy_text(gpt, 20)] * 2
+    torch.manual_seed(1337)  # above the threshold the model's own draw at that temperature: greedy too, here
+    above = gpt.eval().generate(torch.tensor([[256]]), 20, temperature=1e-19)[0, 1:].tolist()
+    assert samples(capsys, cell_dir, "--max_new_tokens=20", "--temperature=1e-19", "--num_samples=1") == [byte_text(above)]
 
 
 def test_bad_cells_and_prompts_are_one_line(cell, tmp_path):
@@ -98,7 +115,8 @@ def test_bad_cells_and_prompts_are_one_line(cell, tmp_path):
     ("--temperature=0", "--temperature=0.0 must be > 0"), ("--temperature=nan", "--temperature=nan must be > 0"),
     ("--num_samples=0", "--num_samples=0 must be >= 1"), ("--top_k=0", "--top_k=0 must be >= 1"),
     ("--max_new_tokens=x", "argument --max_new_tokens: invalid int value: 'x'"),
-    ("--tempreature=1", "unrecognized arguments: --tempreature=1"), ("--device=gpu7", "--device=gpu7: ")])
+    ("--tempreature=1", "unrecognized arguments: --tempreature=1"), ("--device=gpu7", "--device=gpu7: "),
+    ("--device=meta", "--device=meta: a meta device holds no values; use cpu or cuda")])
 def test_bad_flags_are_one_line(cell, flag, message):
     with pytest.raises(SystemExit) as exit:
         sample.main([str(cell[0]), flag])

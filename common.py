@@ -1,0 +1,184 @@
+"""
+What every script shares: the one-line error a user sees, and files written so that a reader never
+sees half of one (atomic writes, strict JSON, one process at a time through a pid lock).
+"""
+
+import errno
+import json
+import os
+import socket
+import stat
+import tempfile
+from contextlib import contextmanager
+
+
+class UserError(Exception):
+    """Bad input: the message is the one line the user sees (after 'error: '), and the exit is non-zero."""
+
+
+class ConfigError(UserError):
+    """A setting, a flag or a recorded run that does not fit."""
+
+
+class DataError(UserError):
+    """A data file, a record or a disk that does not fit."""
+
+
+def write_atomic(path, write):
+    """
+    write(tmp) to a temporary of this process, then renamed onto path: a reader never sees half a
+    file, two writers never share a temporary, and a failed write leaves the previous file and no
+    temporary behind. The temporary is created exclusively, so nothing planted at its name (a
+    symlink) is followed, and temporaries of path that killed writers left are removed first.
+    Every file the project writes goes through here.
+    """
+    remove_stale_temporaries(path)
+    tmp = temporary_name(path)
+    try:
+        open(tmp, "x").close()
+    except FileExistsError:
+        raise DataError(f"cannot write {path}: {tmp} is in the way (not a file this process made); remove it") from None
+    except OSError as e:
+        raise cannot_write(path, e) from None
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise cannot_write(path, e) from None
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def cannot_write(path, e):
+    if e.errno == errno.ENAMETOOLONG:
+        return DataError(f"cannot write {path}: the name is too long for this filesystem; use a shorter out_dir or arm name")
+    return DataError(f"cannot write {path} ({e.strerror or e}); free disk space or check the permissions "
+                     f"of {os.path.dirname(path) or '.'}")
+
+
+def temporary_name(path):
+    """<path>.<pid>.<host>.tmp: whose it is, so the next writer of path can tell a killed writer's leftover."""
+    return f"{path}.{os.getpid()}.{socket.gethostname()}.tmp"
+
+
+def remove_stale_temporaries(path):
+    """Remove the temporaries of path whose writer is gone from this host (a kill mid-write leaves one),
+    and this pid's own (left by an earlier process of the same pid); a live writer's or another host's stay."""
+    folder, prefix, suffix = os.path.dirname(path) or ".", os.path.basename(path) + ".", f".{socket.gethostname()}.tmp"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return  # the write that follows says what is wrong with the folder
+    for name in names:
+        pid = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+        if pid.isdigit() and (int(pid) == os.getpid() or not process_exists(int(pid))):
+            try:
+                os.remove(os.path.join(folder, name))  # a symlink itself, never what it points to
+            except OSError:
+                pass  # a folder is no temporary of ours, and another writer may have removed it already
+
+
+def write_json(path, obj):
+    """Strict JSON, written atomically: a NaN or an Infinity is the caller's bug (a ValueError naming the path)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, allow_nan=False)
+    try:
+        write_atomic(path, write)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}; write null for a number that is not finite") from None
+
+
+def write_text(path, text):
+    """text as the file's whole content, written atomically."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    write_atomic(path, write)
+
+
+def read_json(path):
+    """The file's JSON value, strictly (NaN and Infinity are not JSON); OSError, or ValueError naming why
+    it is not JSON (torn, not UTF-8, NaN, nested past Python's stack)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    with open(path) as f:
+        try:
+            return json.load(f, parse_constant=refuse)
+        except RecursionError:
+            raise ValueError("nested too deeply to read") from None
+
+
+def check_writable(folder, remedy):
+    """Create folder if needed and make a file in it: a read-only place fails before the work, not after.
+    The probe has no name (or a random one, removed at once), so nothing planted is followed and no kill
+    leaves it behind. remedy: what the one line tells the user to do."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise DataError(f"cannot write into {folder} ({e.strerror or e}); {remedy}") from None
+
+
+@contextmanager
+def pid_lock(path, busy):
+    """
+    One process at a time: path holds the holder's pid and host while it runs. A lock whose process
+    is gone from this host (a killed run) is taken over; one from another host (a shared filesystem)
+    cannot be checked and stays until removed. The lock appears with its content (a hard link of a
+    written file), so no kill leaves an empty one. Anything else at path (a symlink, a folder) is
+    one line saying to remove it. busy: what the error says is going on.
+    """
+    host, mine = socket.gethostname(), temporary_name(path)
+    remove_stale_temporaries(path)
+    try:
+        with open(mine, "x") as f:  # exclusive: a symlink planted at this name is not followed
+            f.write(f"{os.getpid()} {host}")
+    except OSError as e:
+        raise cannot_write(mine, e) from None
+    try:
+        while True:
+            try:
+                os.link(mine, path)
+                break
+            except FileExistsError:
+                pid, owner = read_lock(path)
+                if pid is None:
+                    continue  # released meanwhile
+                if pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):
+                    raise DataError(f"{busy} by pid {pid} on {owner or '?'}; wait for it, or remove {path} "
+                                    f"if that process is gone") from None
+                os.remove(path)  # stale: its process ended without releasing it (or an older version left it empty)
+    finally:
+        os.remove(mine)
+    try:
+        yield
+    finally:
+        os.remove(path)
+
+
+def read_lock(path):
+    """(pid, host) a lock file holds, as text; (None, None) when it is gone."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            kind = "a symlink" if os.path.islink(path) else "a folder" if os.path.isdir(path) else "not a file"
+            raise DataError(f"{path} is {kind}, not a lock (a file holding a pid and a host); remove it")
+        with open(path) as f:
+            pid, _, owner = f.read().partition(" ")
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} cannot be read as a lock ({getattr(e, 'strerror', None) or e}); remove it "
+                        f"if no run is using it") from None
+    return pid, owner
+
+
+def process_exists(pid):
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

@@ -1,0 +1,311 @@
+"""
+Mutation check: does the suite catch plausible one-line bugs? Each mutant below replaces one snippet
+of a source file's code with a bug; the check copies the repository, applies one mutant at a time
+and runs the test file that should catch it. A mutant is killed when that test file fails; each
+test file must first pass on the unmutated copy. A snippet is matched on code, never comments (the
+file is read with its comments left out), and must occur there exactly once: every snippet is
+checked before anything runs, so a stale one stops the check with its number and file. The run
+works on one copy of the checkout taken at its start; set OMP_NUM_THREADS=1 on a shared machine.
+
+$ python dev/mutate.py --check         # only check the snippets (seconds)
+$ python dev/mutate.py                 # every mutant (15 minutes or more on 2 idle cores)
+$ python dev/mutate.py 3 7             # mutants 3 and 7 only
+$ python dev/mutate.py --only=records  # the mutants whose file, test file or bug names this text
+"""
+
+import ast
+import functools
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tokenize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (file, original, mutant, test file, what the bug is)
+MUTANTS = [
+    # model.py
+    ("model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)",
+     "tests/test_model.py", "rotary embedding rotates the wrong way"),
+    ("model.py", "torch.float32) / head_size)", "torch.float32) / (head_size // 2))",
+     "tests/test_model.py", "rotary frequencies over half the head size"),
+    ("model.py", "is_causal=True)", "is_causal=False)", "tests/test_model.py", "attention sees the future"),
+    ("model.py", "* torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps) for key in keys]",
+     "for key in keys]", "tests/test_model.py", "depth keys not RMS-normalised"),
+    ("model.py", "gap = logit - read.lse", "gap = logit", "tests/test_model.py",
+     "the partial sum joins a read without the sealed sources' normaliser"),
+    ("model.py", "beta * (grad * (v - out)).sum(-1, keepdim=True)",
+     "beta * (1 - beta) * (grad * (v - out)).sum(-1, keepdim=True)", "tests/test_model.py",
+     "the merge's gradient through beta has its sigmoid derivative twice"),
+    ("model.py",
+     "if (k + 1) % self.block_size == 0:\n            return self.open_block(state.blocks + [partial], k + 1)",
+     "if k % self.block_size == 0:\n            return self.open_block(state.blocks + [partial], k + 1)",
+     "tests/test_model.py", "AttnRes blocks sealed one sublayer early"),
+    ("model.py", "value_query = self.uniform(self.value_query[layer], f\"attn_v.{layer}\")",
+     "value_query = self.uniform(self.query[k], f\"attn_v.{layer}\")", "tests/test_model.py",
+     "RD's value route reads with the QK query"),
+    ("model.py", "rho * p0 + (1 - rho) * p1 + beta[0] * out, (1 - rho) * p0 + rho * p1 + beta[1] * out",
+     "rho * p0 + (1 - rho) * p1 + beta[1] * out, (1 - rho) * p0 + rho * p1 + beta[0] * out",
+     "tests/test_model.py", "DAR write gates swapped between streams"),
+    ("model.py", "return mix.transpose(-1, -2), post", "return mix, post", "tests/test_model.py",
+     "HC stream mixing not transposed"),
+    ("model.py", "std=0.02 / math.sqrt(2 * config.n_layer))", "std=0.02)", "tests/test_model.py",
+     "residual projections without the scaled init"),
+    ("model.py", "targets.reshape(-1), ignore_index=-1,", "targets.reshape(-1),", "tests/test_model.py",
+     "ignored targets (-1) counted in the loss"),
+    ("model.py", "beta = 2 * torch.sigmoid(self.write_gate[k])",
+     "beta = 2 * torch.sigmoid(self.write_gate[k].mean(-1, keepdim=True))",
+     "tests/test_model.py", "DAR's write gates scalar again (reciprocal keys = own keys per sublayer)"),
+    ("model.py", "\"lr_scale\": self.config.routing_lr_scale}]", "\"lr_scale\": 1.0}]", "tests/test_model.py",
+     "routing_lr_scale ignored"),
+    ("model.py", "            x = (x_qk + x_v) / 2\n", "            x = x_qk\n", "tests/test_model.py",
+     "rd_control='mix' reads the QK route only"),
+    ("model.py", "write_gate = torch.stack([theta, -theta], dim=1)", "write_gate = torch.stack([theta, theta], dim=1)",
+     "tests/test_model.py", "DAR's distinct start with equal gates, not antisymmetric (not standard at init)"),
+    ("model.py", "x=lam * state.x + mu * state.embedding + out", "x=lam * state.x + mu * state.x + out",
+     "tests/test_model.py", "scaled_residual's mu scales the stream, not the embedding skip h_0"),
+    ("model.py", "self.residual_scale = nn.Parameter(torch.ones(self.n_sublayers))",
+     "self.residual_scale = nn.Parameter(torch.zeros(self.n_sublayers))", "tests/test_model.py",
+     "scaled_residual's lambda starts at 0 (the stream dropped at init)"),
+    # train.py, progress.py, checkpoint.py
+    ("train.py", "return cell.learning_rate * (step + 1) / cell.warmup_iters",
+     "return cell.learning_rate * step / cell.warmup_iters", "tests/test_train.py", "warmup starts at lr 0"),
+    ("train.py", "return lo + 0.5 * (1.0 + math.cos(", "return lo + 0.5 * (1.0 - math.cos(", "tests/test_train.py",
+     "cosine schedule runs backwards"),
+    ("train.py", "share = x.size(0) / step_sequences", "share = 1 / len(batches)", "tests/test_train.py",
+     "uneven micro-batches weighted equally"),
+    ("train.py", "(loss * (share * runtime.world)).backward()", "(loss * share).backward()", "tests/test_train.py",
+     "gradients under DDP scaled by 1/world"),
+    ("train.py", "total += torch.stack([loss.double(), (y != -1).sum().double()])",
+     "total += torch.stack([loss.double(), torch.tensor(float(y.numel()), dtype=torch.float64, device=y.device)])",
+     "tests/test_train.py", "evaluation counts padded tokens"),
+    ("train.py", "np.random.default_rng([self.seed, self.epoch]).permutation(n)",
+     "np.random.default_rng([self.seed, 0]).permutation(n)", "tests/test_train.py", "every epoch in the same order"),
+    ("train.py", "if not math.isfinite(loss_avg):", "if False:", "tests/test_train.py",
+     "a non-finite training loss does not stop the cell"),
+    ("train.py", "n_seq = (cell.eval_tokens - 1) // T", "n_seq = cell.eval_tokens // T", "tests/test_train.py",
+     "evaluation reads a sequence past eval_tokens when it is a multiple of block_size"),
+    ("progress.py", "self.t_last += seconds", "pass", "tests/test_train.py",
+     "evaluation time counted as training time"),
+    ("progress.py", "if self.intervals > 1:", "if self.intervals > 0:", "tests/test_train.py",
+     "time left counts the compiling first interval"),
+    ("checkpoint.py", "torch.set_rng_state(state[\"torch\"].cpu())", "pass", "tests/test_checkpoint.py",
+     "a resume does not restore the RNG (dropout masks differ from the uninterrupted run)"),
+    # records.py
+    ("records.py", "        if not name.startswith(\"residual.\"):\n            h.update(name.encode())",
+     "        if True:\n            h.update(name.encode())", "tests/test_train.py",
+     "the init hash includes routing parameters (arms never pair)"),
+    ("records.py", "\"eval_batch_size\", \"verify_shards\", \"allow_changes\",",
+     "\"eval_batch_size\", \"verify_shards\", \"allow_changes\", \"warmup_iters\",", "tests/test_train.py",
+     "a result key (warmup_iters) left out of the rerun check and the pairing"),
+    ("records.py", "if (record.get(\"arm\"), record.get(\"seed\")) != (arm, seed):", "if False:",
+     "tests/test_records.py", "a copied cell folder counts as a new seed"),
+    ("records.py", "node.body = body[1:] or [ast.Pass()]", "node.body = body", "tests/test_records.py",
+     "a docstring edit is a code change (locks the grid)"),
+    ("records.py", "message.args, message.keywords = [], []", "pass", "tests/test_records.py",
+     "the fingerprint keeps messages (rewording an error locks the grid)"),
+    ("records.py", "\"checkpoint.py\", \"data/shards.py\")", "\"data/shards.py\")", "tests/test_records.py",
+     "checkpoint.py (what a resume restores) left out of the code fingerprint"),
+    ("records.py", "if overriding and len(overriding) == len(arms):", "if False:", "tests/test_records.py",
+     "a command-line model key every arm overrides is silently lost"),
+    ("records.py", "return bool(owners) and residual not in owners", "return False", "tests/test_records.py",
+     "a scheme option set for the run reaches every arm"),
+    ("records.py", "create_json(self.path, self.merged())", "write_json(self.path, self.merged())",
+     "tests/test_records.py", "a new grid's record not created exclusively (of two runs at once, one's arms lost)"),
+    # common.py, data/
+    ("common.py", "json.dump(obj, f, indent=1, allow_nan=False)", "json.dump(obj, f, indent=1)", "tests/test_common.py",
+     "write_json writes NaN (not strict JSON)"),
+    ("common.py", "open(tmp, \"x\").close()", "open(tmp, \"w\").close()", "tests/test_common.py",
+     "the temporary not created exclusively (a symlink planted at its name is followed)"),
+    ("data/shards.py", "expected = HEADER_INTS * 4 + 2 * int(header[2])", "expected = HEADER_INTS * 4 + int(header[2])",
+     "tests/test_prepare.py", "shard size checked in tokens, not bytes"),
+    ("data/prepare.py", "if not groups and skip >= n:", "if skip >= n:", "tests/test_prepare.py",
+     "resume skips later, smaller row groups"),
+    ("data/prepare.py", "for part in (eot, d)]", "for part in (d, eot)]", "tests/test_prepare.py",
+     "<|endoftext|> after each document instead of before"),
+    ("data/prepare.py", "return file_index, row, int(pos - (ends[j] - lengths[j]))",
+     "return file_index, row, int(pos - (ends[j] - lengths[j])) + 1", "tests/test_prepare.py",
+     "resume position one token past a shard's end inside a document"),
+    ("data/prepare.py", "if n_line[1].strip())", "if n_line[1])", "tests/test_prepare.py",
+     "blank jsonl lines count as rows"),
+    ("data/prepare.py", "            return file_index, row + 1, 0", "            return file_index, row, 0",
+     "tests/test_prepare.py", "a shard cut at a tokenizer task's end records its last document as the next start"),
+    ("data/prepare.py", "val_tokens = count(\"val_tokens\", val_tokens, most=MAX_SHARD)",
+     "val_tokens = count(\"val_tokens\", val_tokens, least=-MAX_SHARD, most=MAX_SHARD)", "tests/test_prepare.py",
+     "a negative val_tokens accepted (validation tokens copied into training)"),
+    # report.py
+    ("report.py", "std = float(np.ldexp(u.std(ddof=1), exponent))", "std = float(np.ldexp(u.std(ddof=0), exponent))",
+     "tests/test_report.py", "population instead of sample standard deviation"),
+    ("report.py", "wins, losses = int((d > 0).sum()), int((d < 0).sum())",
+     "wins, losses = int((d > 0).sum()), int((d <= 0).sum())", "tests/test_report.py", "ties counted as wins"),
+    ("report.py", "half = stats.t.ppf(0.975, n - 1) * u.std(ddof=1)", "half = stats.t.ppf(0.95, n - 1) * u.std(ddof=1)",
+     "tests/test_report.py", "90% interval reported as 95%"),
+    ("report.py", "return math.expm1(mean)", "return math.expm1(-mean)", "tests/test_report.py",
+     "perplexity change with the wrong sign"),
+    ("report.py", "for k in sorted(set(ps) & set(qs))]",
+     "for k in sorted(set(ps) & set(qs)) if k != \"learning_rate\"]", "tests/test_report.py",
+     "a differing learning rate does not stop pairing"),
+    ("report.py", "d.std(0, ddof=1) / math.sqrt(n)", "d.std(0) / math.sqrt(n)", "tests/test_report.py",
+     "delta curve's interval with the population std"),
+    ("report.py", "return x if math.isfinite(x) else None", "return x", "tests/test_report.py",
+     "paired.json holds NaN for a one-seed arm"),
+    ("report.py", "critical = n - 1, stats.t.ppf(1 - ALPHA / 2, n - 1)",
+     "critical = n - 1, stats.t.ppf(1 - ALPHA, n - 1)", "tests/test_report.py",
+     "power of a one-sided test (critical t at 1 - alpha) reported as the two-sided one's"),
+    ("report.py", "noncentrality = min(effect_in_sd * math.sqrt(n), 1e3)", "noncentrality = min(effect_in_sd, 1e3)",
+     "tests/test_report.py", "power's noncentral parameter without sqrt(n) (seeds needed far too many)"),
+    ("report.py", "return dict(bundle_sha256=record[\"bundle_sha256\"], max_per_task=record[\"max_per_task\"],",
+     "return dict(max_per_task=record[\"max_per_task\"],", "tests/test_report.py",
+     "downstream results of different task bundles paired"),
+    # downstream.py, tune.py, analyze.py
+    ("downstream.py", "mean_loss = loss.float().sum(1) / scored.sum(1)", "mean_loss = loss.float().sum(1)",
+     "tests/test_downstream.py", "multiple choice by summed loss, not mean (longer choices lose)"),
+    ("downstream.py", "return [task.items[j + (j >= index)] for j in picks]", "return [task.items[j] for j in picks]",
+     "tests/test_downstream.py", "an item's few-shot examples may include the item itself"),
+    ("tune.py", "choice[arm] = ranked[0][1]", "choice[arm] = ranked[-1][1]", "tests/test_tune.py",
+     "the tuning picks the rate with the highest mean loss"),
+    ("analyze.py", "delta=nll - base,", "delta=base - nll,", "tests/test_analyze.py",
+     "intervention deltas with the wrong sign"),
+]
+
+
+def without_comments(source):
+    """source with its comments left out (a comment's whole line where it is alone on it), and for
+    each character kept, its offset in source: a mutant applied there keeps everything else."""
+    lines = io.StringIO(source).readlines()
+    line_start = [0]
+    for line in lines:
+        line_start.append(line_start[-1] + len(line))
+    cuts = []  # (start, end) offsets of each comment, with the spaces before it
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, col = token.start
+            line, before = line_start[row - 1], lines[row - 1][:col]
+            if before.strip():
+                cuts.append((line + len(before.rstrip()), line + col + len(token.string)))
+            else:
+                cuts.append((line, line_start[row]))
+    code, offsets, kept_from = [], [], 0
+    for start, end in cuts + [(len(source), len(source))]:
+        code.append(source[kept_from:start])
+        offsets.extend(range(kept_from, start))
+        kept_from = end
+    return "".join(code), offsets
+
+
+@functools.cache
+def read_code(path):
+    """A file's source, its code (without_comments) with offsets, and its syntax tree dumped."""
+    with open(path) as f:
+        source = f.read()
+    return source, *without_comments(source), ast.dump(ast.parse(source))
+
+
+def mutated_source(index, root=ROOT):
+    """The mutant's file under root with its snippet replaced, or a line saying why it cannot be."""
+    path, original, mutant, test_file, what = MUTANTS[index]
+    where = f"mutant {index} ({path}: {what})"
+    missing = [name for name in (path, test_file) if not os.path.exists(os.path.join(root, name))]
+    if missing:
+        return None, f"{where}: {missing[0]} does not exist"
+    try:
+        source, code, offsets, tree = read_code(os.path.join(root, path))
+    except (tokenize.TokenError, SyntaxError) as e:
+        return None, f"{where}: {path} is not valid Python ({e})"
+    count = code.count(original)
+    if count != 1:
+        return None, (f"{where}: its snippet is in the code {count} times, not once; make it the code as it is "
+                      f"now (comments left out), long enough to be unique:\n    {original!r}")
+    i = code.index(original)
+    start, end = offsets[i], offsets[i + len(original) - 1] + 1
+    changed = source[:start] + mutant + source[end:]
+    try:
+        if ast.dump(ast.parse(changed)) == tree:
+            return None, f"{where}: the mutant does not change the code"
+    except SyntaxError as e:
+        return None, f"{where}: the mutant is not valid Python ({e}); a bug the import catches proves nothing"
+    return changed, None
+
+
+def check_all(root=ROOT):
+    """Every mutant's snippet matched once and its mutant valid, or exit naming each one that is not."""
+    problems = [problem for i in range(len(MUTANTS)) if (problem := mutated_source(i, root)[1])]
+    if problems:
+        sys.exit("error: " + "\nerror: ".join(problems))
+
+
+def failing_test(work, test_file):
+    """None when the test file passes in work, else pytest's line naming the first failure."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-x", "-q", "-p", "no:cacheprovider"],
+                          cwd=work, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    lines = proc.stdout.splitlines()
+    return next((line for line in lines if line.startswith(("FAILED", "ERROR"))), (lines or ["no output"])[-1])
+
+
+def copy_of(folder, work):
+    shutil.copytree(folder, work, ignore=shutil.ignore_patterns(".git", ".venv", "out*", "__pycache__", "*_gpt2",
+                                                                "gpu_check"))
+    return work
+
+
+def run_mutant(index, snapshot, tmp):
+    work = copy_of(snapshot, os.path.join(tmp, f"m{index}"))
+    with open(os.path.join(work, MUTANTS[index][0]), "w") as f:
+        f.write(mutated_source(index, snapshot)[0])
+    survived = failing_test(work, MUTANTS[index][3]) is None
+    shutil.rmtree(work)
+    return "survived" if survived else "killed"
+
+
+def chosen_mutants(argv):
+    """Mutant numbers from argv: numbers, --only=TEXT (in the file, test file or bug), or all."""
+    only = [a.split("=", 1)[1] for a in argv if a.startswith("--only=")]
+    numbers = [a for a in argv if not a.startswith("--")]
+    unknown = [a for a in argv if a.startswith("--") and a != "--check" and not a.startswith("--only=")]
+    if unknown or not all(a.isdigit() and int(a) < len(MUTANTS) for a in numbers):
+        sys.exit(f"error: usage: python dev/mutate.py [--check] [--only=TEXT] [N ...] with N below {len(MUTANTS)}")
+    named = [i for i, (path, _, _, test_file, what) in enumerate(MUTANTS)
+             if any(t in f"{path} {test_file} {what}" for t in only)]
+    if only and not named:
+        sys.exit(f"error: no mutant's file, test file or bug names {' or '.join(only)}")
+    return sorted({int(a) for a in numbers} | set(named)) if numbers or only else list(range(len(MUTANTS)))
+
+
+def main(argv):
+    chosen = chosen_mutants(argv)
+    check_all()
+    print(f"{len(MUTANTS)} mutants, each snippet in its file's code once", flush=True)
+    if "--check" in argv:
+        return
+    t0, outcome = time.time(), {}
+    with tempfile.TemporaryDirectory() as tmp:
+        # one copy of the checkout for the whole run, so edits made meanwhile do not mix in
+        snapshot = copy_of(ROOT, os.path.join(tmp, "snapshot"))
+        check_all(snapshot)
+        broken = {}  # a mutant is only killed by tests that pass without it
+        for test_file in sorted({MUTANTS[i][3] for i in chosen}):
+            work = copy_of(snapshot, os.path.join(tmp, "baseline"))
+            if failure := failing_test(work, test_file):
+                broken[test_file] = failure
+                print(f"error: {test_file} fails on the unmutated code ({failure}); its mutants are not run",
+                      flush=True)
+            shutil.rmtree(work)
+        for i in chosen:
+            path, _, _, test_file, what = MUTANTS[i]
+            outcome[i] = "untested" if test_file in broken else run_mutant(i, snapshot, tmp)
+            print(f"{i:>3} {outcome[i]:<9} {path}: {what} ({test_file})", flush=True)
+    counts = {o: sum(v == o for v in outcome.values()) for o in ("killed", "survived", "untested")}
+    minutes, seconds = divmod(int(time.time() - t0), 60)
+    print(f"{counts['killed']} of {len(outcome)} mutants killed, {counts['survived']} survived, "
+          f"{counts['untested']} untested ({minutes}m{seconds:02d}s)")
+    sys.exit(0 if counts["killed"] == len(outcome) else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

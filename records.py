@@ -1,0 +1,582 @@
+"""
+What a result is and when a grid may go on. A cell's settings (the run's keys, its arm's over them)
+are checked before anything trains; what made a cell (settings, data, code) is recorded beside it;
+a rerun goes on only where those records agree with it (or --allow_changes=True, recorded), through
+one check, check_rerun, for the grid's record, each cell's and each checkpoint's; result.json is
+the pairing record report.py compares across arms. docs/protocol.md says what each record means.
+"""
+
+import ast
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import netrc
+import os
+import re
+import subprocess
+import urllib.parse
+
+import numpy as np
+import torch
+
+from checkpoint import load_tensors
+from common import ConfigError, cannot_write, read_json, temporary_name, write_json
+from configurator import coerce
+from data.shards import TOKENIZERS
+from model import GPT, RESIDUALS, GPTConfig, option_owners
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+MODEL_KEYS = tuple(MODEL_DEFAULTS)
+# what an arm may set besides model keys: its learning rates (a sweep of them is arms of one grid,
+# paired seed by seed); the schedule's shape (warmup_iters, lr_schedule, cooldown_frac) stays the grid's
+ARM_LEARNING_RATES = ("learning_rate", "min_lr", "muon_learning_rate")
+# an arm is a folder of out_dir: a plain name, none of the files the grid and its report write there,
+# and short (it names that folder and the report's files, such as routing_<arm>_seed<k>.png)
+ARM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+ARM_NAME_MAX = 64
+OUT_DIR_SUFFIXES = (".json", ".md", ".png", ".tmp")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# keys that do not change a cell's result: left out of its pairing settings and of the rerun check.
+# data_dir: where the shards lie is not what they hold (train_data_sha256, val_hash and data_hash are);
+# wandb_*: a copy of the log elsewhere; downstream_*: an evaluation in eval mode, which draws no random numbers
+NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "data_dir", "log_interval",
+                   "eval_batch_size", "verify_shards", "allow_changes", "wandb_log", "wandb_project", "wandb_run_name",
+                   "downstream_bundle", "downstream_interval", "downstream_max_per_task")
+# the code that computes a result: the model, the step, the data order and what a resume restores
+# (fingerprinted without comments, docstrings and messages). Reports, checks, downloads, logs and
+# these records are not in it.
+CODE_FILES = ("model.py", "train.py", "checkpoint.py", "data/shards.py")
+RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or delete the cell's folder to retrain it"
+
+
+# -----------------------------------------------------------------------------
+# config checks
+
+def model_config(cfg, settings):
+    """The model of one arm: the run's model keys, overridden by the arm's. A scheme's own option
+    (hc_streams, dar_keys, ...) set for the run reaches only the arms of that scheme."""
+    settings = {k: v for k, v in settings.items() if k in MODEL_KEYS}  # not its learning rates
+    residual = settings.get("residual", cfg["residual"])
+    own = {k: cfg[k] for k in MODEL_KEYS if k not in settings and not foreign_option(k, residual)}
+    return GPTConfig(**own | settings)
+
+
+def foreign_option(key, residual):
+    """Whether key is an option of other schemes only (so it cannot apply to residual)."""
+    owners = option_owners(key)
+    return bool(owners) and residual not in owners
+
+
+def cell_config(cfg, arm, seed):
+    """A cell's effective config: the run's keys, the arm's settings (model keys, learning rates) over them."""
+    settings = cfg["arms"][arm]
+    model = dataclasses.asdict(model_config(cfg, settings))
+    rates = {k: v for k, v in settings.items() if k in ARM_LEARNING_RATES}
+    return dict(cfg, **model, **rates, arm=arm, seed=seed)
+
+
+def pairing_settings(cell, arm_settings):
+    """What must be equal across the arms of a seed: the result-changing keys the arm does not set."""
+    return {k: v for k, v in cell.items()
+            if k not in NOT_RESULT_KEYS and k not in arm_settings and not foreign_option(k, cell["residual"])}
+
+
+def check_config(cfg, world, command_line=()):
+    """One line for each setting that cannot run, before anything is trained. command_line: the
+    keys set by --key=value, so that a key every arm overrides is not silently lost."""
+    for key, value in cfg.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+        if isinstance(value, str) and "\0" in value:  # os calls raise ValueError on it, mid-run
+            raise ConfigError(f"{key}={value!r} holds a NUL byte; give it without one")
+    if not cfg["out_dir"] or not cfg["data_dir"]:
+        raise ConfigError(f"{'out_dir' if not cfg['out_dir'] else 'data_dir'} is empty; give a folder, e.g. "
+                          f"--out_dir=out or --data_dir=data/shakespeare_bytes")
+    for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "log_interval",
+                "eval_batch_size"):
+        if cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
+    for key in ("weight_decay", "grad_clip", "warmup_iters"):
+        if not cfg[key] >= 0:
+            raise ConfigError(f"{key}={cfg[key]} must not be negative")
+    for key in ("beta1", "beta2"):
+        if not 0 <= cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]} must be in [0, 1)")
+    if not 0 <= cfg["cooldown_frac"] <= 1:
+        raise ConfigError(f"cooldown_frac={cfg['cooldown_frac']} must be in [0, 1]")
+    check_learning_rates(cfg, cfg, "")
+    seeds = cfg["seeds"]
+    if not seeds or any(type(s) is not int or s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds={seeds!r}: give distinct non-negative integers, e.g. --seeds=0,1,2")
+    if not isinstance(cfg["arms"], dict) or not cfg["arms"]:
+        raise ConfigError("arms is empty; give at least one arm, e.g. --arms=standard,attnres (scheme names) "
+                          "or arms = {'standard': {}}")
+    if cfg["residual"] not in RESIDUALS:
+        raise ConfigError(f"residual={cfg['residual']!r} is not a residual scheme; choose one of {', '.join(RESIDUALS)}")
+    arms = {}  # type-checked like --key=value
+    for arm, settings in cfg["arms"].items():
+        if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm.endswith(OUT_DIR_SUFFIXES):
+            raise ConfigError(f"arm name {arm!r}: use letters, digits, '_', '.' and '-' (not first), not ending in "
+                              f"{', '.join(OUT_DIR_SUFFIXES)} (the grid's own files in out_dir)")
+        if len(arm) > ARM_NAME_MAX:
+            raise ConfigError(f"arm name {arm[:20]}... is {len(arm)} characters; use at most {ARM_NAME_MAX} (it names "
+                              f"a folder, and the report's files)")
+        if not isinstance(settings, dict) or set(settings) - set(MODEL_KEYS + ARM_LEARNING_RATES):
+            raise ConfigError(f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)}) or "
+                              f"learning rates ({', '.join(ARM_LEARNING_RATES)})")
+        settings = arms[arm] = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS.get(k, cfg.get(k)))
+                                for k, v in settings.items()}
+        for key, value in settings.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"arm {arm!r}: {key}={value} must be a finite number")
+        try:
+            config = model_config(cfg, settings)
+        except (ValueError, TypeError) as e:  # GPTConfig's own checks (sizes, dropout, scheme options)
+            raise ConfigError(f"arm {arm!r}: {e}") from None
+        check_learning_rates(cfg | settings, settings, f"arm {arm!r}: ", config.routing_lr_scale)
+        if cfg["eval_tokens"] < config.block_size + 1:
+            raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is less than one sequence of block_size+1 = "
+                              f"{config.block_size + 1} tokens" + (f" (arm {arm!r})" if "block_size" in settings else ""))
+    cfg["arms"] = arms
+    for key in command_line:
+        if key not in MODEL_KEYS + ARM_LEARNING_RATES:
+            continue
+        overriding = [arm for arm, settings in arms.items() if key in settings and settings[key] != cfg[key]]
+        if overriding and len(overriding) == len(arms):
+            way = (f"--arms={cfg[key]} (scheme names are arms)" if key == "residual" else
+                   f"--arms=\"{{'name': {{'{key}': {cfg[key]!r}}}}}\" to set it per arm")
+            raise ConfigError(f"--{key}={cfg[key]!r} is overridden by every arm ({', '.join(overriding)} set {key}); "
+                              f"use {way}")
+        if foreign_option(key, cfg["residual"]) and not any(not foreign_option(key, model_config(cfg, s).residual)
+                                                              for s in arms.values()):
+            raise ConfigError(f"--{key}={cfg[key]!r} is an option of residual="
+                              f"{' or '.join(option_owners(key))}, which no arm trains")
+    if (cfg["batch_size"] * cfg["gradient_accumulation_steps"]) % world:
+        raise ConfigError(f"a step's batch_size x gradient_accumulation_steps = "
+                          f"{cfg['batch_size'] * cfg['gradient_accumulation_steps']} sequences do not split evenly "
+                          f"over {world} processes; change either, or the number of processes")
+    if cfg["lr_schedule"] not in ("cosine", "wsd"):
+        raise ConfigError(f"lr_schedule={cfg['lr_schedule']!r}: choose cosine or wsd")
+    if cfg["optimizer"] not in ("adamw", "muon"):
+        raise ConfigError(f"optimizer={cfg['optimizer']!r}: choose adamw or muon")
+    if cfg["optimizer"] == "muon" and not hasattr(torch.optim, "Muon"):
+        raise ConfigError(f"optimizer='muon' needs torch.optim.Muon (torch 2.9 or later), this is torch "
+                          f"{torch.__version__}; upgrade torch or use --optimizer=adamw")
+    if cfg["fsdp"] and world < 2:
+        raise ConfigError("fsdp=True shards the model over processes: run under torchrun with --nproc_per_node=2 "
+                          "or more, or set --fsdp=False")
+    if cfg["fsdp"] and cfg["optimizer"] == "muon":  # Newton-Schulz wants whole matrices, FSDP holds row shards
+        raise ConfigError("fsdp=True with optimizer='muon' is not supported (Muon orthogonalizes whole matrices, "
+                          "FSDP holds shards of them); use DDP (--fsdp=False) for Muon, or --optimizer=adamw")
+    if cfg["wandb_log"]:
+        check_wandb()
+    if cfg["reference_arm"] and cfg["reference_arm"] not in cfg["arms"]:
+        raise ConfigError(f"reference_arm={cfg['reference_arm']!r} is not an arm ({', '.join(cfg['arms'])})")
+    check_downstream(cfg, [model_config(cfg, s).vocab_size for s in arms.values()])
+
+
+def check_downstream(cfg, vocab_sizes):
+    """The downstream_* settings (the bundle itself is read by train.main, before anything trains)."""
+    bundle, interval, most = cfg["downstream_bundle"], cfg["downstream_interval"], cfg["downstream_max_per_task"]
+    if interval < 0 or interval % cfg["eval_interval"]:
+        raise ConfigError(f"downstream_interval={interval} must be 0 (each cell's last step only) or a multiple of "
+                          f"eval_interval={cfg['eval_interval']}")
+    if most < 0:
+        raise ConfigError(f"downstream_max_per_task={most} must be at least 1, or 0 for every item")
+    if bundle and not os.path.isfile(os.path.join(bundle, "core.yaml")):
+        raise ConfigError(f"downstream_bundle={bundle} holds no core.yaml; get the CORE bundle with python "
+                          f"downstream.py --download --bundle={bundle}, or leave downstream_bundle empty")
+    needed = TOKENIZERS[cfg["tokenizer"]].vocab_size if bundle and cfg.get("tokenizer") else 0
+    if min(vocab_sizes) < needed:
+        raise ConfigError(f"vocab_size={min(vocab_sizes)} is below the {needed} ids of the data's {cfg['tokenizer']} "
+                          f"tokenizer: such a model cannot read the CORE tasks' text; leave vocab_size unset, or "
+                          f"downstream_bundle empty")
+
+
+def check_learning_rates(rates, given, where, routing_lr_scale=1.0):
+    """The learning rates of rates (the run's, or an arm's effective ones): positive, min_lr not above
+    learning_rate (the schedule decays from one to the other), and each group's first step (AdamW's
+    is lr / (1 - beta1)) a float32: optimizer.step fails on one beyond. given: the settings of where."""
+    for key in ("learning_rate", "muon_learning_rate"):
+        if not rates[key] > 0:
+            raise ConfigError(f"{where}{key}={rates[key]} must be positive")
+    if not rates["min_lr"] >= 0:
+        raise ConfigError(f"{where}min_lr={rates['min_lr']} must not be negative")
+    if rates["min_lr"] > rates["learning_rate"]:
+        raise ConfigError(f"{where}min_lr={rates['min_lr']} is above learning_rate={rates['learning_rate']}: the "
+                          f"schedule decays from learning_rate down to min_lr; set min_lr at most learning_rate"
+                          + (" in the arm" if "min_lr" not in given and where else ""))
+    peaks = dict(learning_rate=rates["learning_rate"], muon_learning_rate=rates["muon_learning_rate"])
+    peaks["learning_rate x routing_lr_scale"] = rates["learning_rate"] * routing_lr_scale
+    for name, lr in peaks.items():
+        if not lr / (1 - rates["beta1"]) <= FLOAT32_MAX:
+            raise ConfigError(f"{where}{name} = {lr:.3g} is too large: its first step, lr / (1 - beta1) = "
+                              f"{lr / (1 - rates['beta1']):.3g}, is beyond float32 ({FLOAT32_MAX:.3g}); lower it")
+
+
+def check_wandb():
+    """wandb_log=True runs only where wandb is installed and will log without asking: offline or
+    disabled (WANDB_MODE), an API key in WANDB_API_KEY, or one that `wandb login` left in ~/.netrc."""
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or set --wandb_log=False)")
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        logged_in = netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        logged_in = False
+    if not logged_in:
+        raise ConfigError(f"wandb_log=True but wandb has no login for {host} here: run `wandb login`, set "
+                          f"WANDB_API_KEY, or WANDB_MODE=offline (wandb sync later); or set --wandb_log=False")
+
+
+# -----------------------------------------------------------------------------
+# provenance: what code made a cell
+
+# calls whose arguments are messages, never results: print, warnings.warn, sys.exit, a logger's
+MESSAGE_CALLS = ("print", "warn", "exit", "debug", "info", "warning", "error", "exception", "critical")
+
+
+def code_fingerprint(source):
+    """sha256 of a Python file's syntax tree without what cannot change a result: comments, layout,
+    docstrings, and messages (the arguments of a raised exception, an assert's message, the
+    arguments of MESSAGE_CALLS, which must therefore compute nothing but text). Rewording an error
+    never locks a grid; an operator, a constant or a condition does."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+        if isinstance(node, ast.Assert):
+            node.msg = None
+        message = node.exc if isinstance(node, ast.Raise) else node if isinstance(node, ast.Call) \
+            and call_name(node.func) in MESSAGE_CALLS else None
+        if isinstance(message, ast.Call):  # the exception's class, or the function called, stays
+            message.args, message.keywords = [], []
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def call_name(func):
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+def code_record():
+    """The fingerprint of the code that computes a result (per file of CODE_FILES, and of them all),
+    and the git commit and dirty flag where git can tell."""
+    files = {}
+    for name in CODE_FILES:
+        with open(os.path.join(HERE, name), "rb") as f:
+            files[name] = code_fingerprint(f.read())
+    fingerprint = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    return dict(fingerprint=fingerprint, files=files, git_commit=commit,
+                git_dirty=None if status is None else status != "")
+
+
+def differences(old, new):
+    """{key: [recorded, now]} over the keys that change a result, 'code' for the code fingerprint."""
+    skip = NOT_RESULT_KEYS + ("model", "code", "changes")
+    diff = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
+            if k not in skip and old.get(k) != new.get(k)}
+    old_arms, new_arms = old.get("arms"), new.get("arms")
+    if isinstance(old_arms, dict) and isinstance(new_arms, dict):
+        for arm in set(old_arms) & set(new_arms):
+            if old_arms[arm] != new_arms[arm]:
+                diff[f"arms[{arm!r}]"] = [old_arms[arm], new_arms[arm]]
+    old_code, new_code = (r.get("code") if isinstance(r.get("code"), dict) else {} for r in (old, new))
+    if old_code.get("fingerprint") != new_code.get("fingerprint"):
+        diff["code"] = [old_code.get("fingerprint"), new_code.get("fingerprint")]
+    return diff
+
+
+def changed_files(old, new):
+    """The code files whose fingerprint differs between two code records (all, for an older record)."""
+    before, now = (r.get("files") if isinstance(r, dict) and isinstance(r.get("files"), dict) else {} for r in (old, new))
+    return [name for name in now if before.get(name) != now[name]] or list(now)
+
+
+# -----------------------------------------------------------------------------
+# the rerun check: one for every record a run goes on from
+
+def read_record(path, remedy):
+    """A JSON object written by train.py; anything else is one line with the remedy."""
+    try:
+        record = read_json(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable or damaged ({e}); {remedy}") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path} holds {type(record).__name__}, not a train.py record; {remedy}")
+    return record
+
+
+def check_owner(path, record, arm, seed):
+    """A cell's record (config.json, result.json, a checkpoint's) must be that cell's: a copied file is not a new seed."""
+    if (record.get("arm"), record.get("seed")) != (arm, seed):
+        raise ConfigError(f"{path} is the record of arm {record.get('arm')!r} seed {record.get('seed')!r} (a copied "
+                          f"file or folder?); delete {os.path.dirname(path)} to train this cell")
+
+
+def check_rerun(path, old, new, allow):
+    """
+    The rerun check, for each record a run goes on from: the grid's config.json (GridRecord), a
+    cell's config.json (check_cell) and a checkpoint's record (checkpoint.resume). old: the record
+    read from path; new: the run's. A cell's record must be this cell's (new names an arm), and a
+    difference over the keys that change a result is refused unless allow. Returns the difference.
+    """
+    if "arm" in new:
+        check_owner(path, old, new["arm"], new["seed"])
+    diff = differences(old, new)
+    if diff and not allow:
+        short = lambda v: repr(v) if len(repr(v)) <= 40 else "..."
+        named = ", ".join(f"code changed ({', '.join(changed_files(old.get('code') or {}, new['code']))})"
+                          if k == "code" else f"{k} ({short(a)} -> {short(b)})" for k, (a, b) in diff.items())
+        recorded = old.get("code") if isinstance(old.get("code"), dict) else {}
+        at = f" (the code of git commit {recorded['git_commit'][:12]}{', plus uncommitted edits' if recorded.get('git_dirty') else ''})" \
+            if "code" in diff and recorded.get("git_commit") else ""
+        raise ConfigError(f"{path} was made with other settings: {named}; rerun with the recorded ones{at}, use a new "
+                          f"--out_dir for the new ones, or add --allow_changes=True to go on here (recorded in every "
+                          f"cell it touches; the report pairs a seed only where its arms' records agree, and names "
+                          f"seeds trained under other versions)")
+    return diff
+
+
+def check_cell(cfg, arm, seed, code, val):
+    """check_rerun for a cell with something to protect, a checkpoint or a result (which must be
+    readable and this cell's); returns (its config.json record or None, the difference)."""
+    cell_dir = os.path.join(cfg["out_dir"], arm, f"seed{seed}")
+    result_path, config_path = os.path.join(cell_dir, "result.json"), os.path.join(cell_dir, "config.json")
+    if not any(os.path.exists(os.path.join(cell_dir, f)) for f in ("ckpt.pt", "result.json")):
+        return None, {}  # nothing trained yet: the cell starts from scratch
+    if os.path.exists(result_path):
+        check_owner(result_path, check_result(read_record(result_path, RESULT_REMEDY), result_path), arm, seed)
+    if not os.path.exists(config_path):
+        return None, {}  # a checkpoint alone: resume refuses it, naming what to do
+    cell = cell_config(cfg, arm, seed)
+    new = dict(cell, code=code, val_hash=validation_hash(val, cell["eval_tokens"], cell["block_size"]))
+    recorded = read_record(config_path, "restore it, or delete the folder to start it again")
+    return recorded, check_rerun(config_path, recorded, new, cfg["allow_changes"])
+
+
+class GridRecord:
+    """out_dir/config.json: the grid's settings, every arm and seed run so far, accepted changes.
+    Checked against the run when made (check_rerun); written once, when the run first trains a
+    cell, so a run that trains nothing changes nothing. Checked again when written, against the
+    record as it is then: of two runs started at once, the second to train is checked against (and
+    adds to) the first's record, a new grid's created exclusively."""
+
+    def __init__(self, cfg, code):
+        self.path, self.cfg, self.code = os.path.join(cfg["out_dir"], "config.json"), cfg, code
+        self.recorded, self.change = self.check()
+        self.written = False
+
+    def check(self):
+        if not os.path.exists(self.path):
+            return None, {}
+        recorded = read_record(self.path, "restore it, or delete the folder to start it again")
+        return recorded, check_rerun(self.path, recorded, dict(self.cfg, code=self.code), self.cfg["allow_changes"])
+
+    def write_once(self):
+        if self.written:
+            return
+        if not os.path.exists(self.path):
+            try:
+                create_json(self.path, self.merged())
+                self.written = True
+                return
+            except FileExistsError:
+                pass  # another run made the grid since this one checked
+        self.recorded, self.change = self.check()  # as it is now: another run may have added to it meanwhile
+        write_json(self.path, self.merged())
+        self.written = True
+
+    def merged(self):
+        recorded, cfg = self.recorded or {}, self.cfg
+        seeds = recorded.get("seeds") if isinstance(recorded.get("seeds"), list) else []
+        arms = recorded.get("arms") if isinstance(recorded.get("arms"), dict) else {}
+        changes = recorded.get("changes") if isinstance(recorded.get("changes"), list) else []
+        return dict(cfg, arms=arms | cfg["arms"], seeds=seeds + [s for s in cfg["seeds"] if s not in seeds],
+                    code=self.code, changes=changes + ([self.change] if self.change else []))
+
+
+def create_json(path, obj):
+    """write_json, where path does not exist yet: FileExistsError if another process made it first
+    (linked from a written temporary: a hard link is atomic and never replaces a file)."""
+    tmp = temporary_name(path)  # one a kill leaves is removed by the next write of path
+    write_json(tmp, obj)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise cannot_write(path, e) from None
+    finally:
+        os.remove(tmp)
+
+
+# -----------------------------------------------------------------------------
+# results
+
+def rounded(value):
+    """Diagnostics as JSON: tensors to (nested) lists, numbers to 6 significant digits, non-finite to None."""
+    if isinstance(value, dict):
+        return {str(k): rounded(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return rounded(value.tolist())
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return float(f"{value:.6g}") if math.isfinite(value) else None
+
+
+def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, diverged, routing, init_hash,
+                 data_hash, eval_tokens, changes, wall_time_s):
+    """result.json: how the cell ended, and the pairing record report.py compares across arms; returns it.
+    pairing.arm_settings: what the arm sets itself (its model keys and learning rates), which may
+    differ across the arms of a seed; pairing.settings: every other result-changing key, which may not."""
+    init_from = dict(path=cell["init_from"], sha256=cell["init_from_sha256"]) if cell["init_from"] else None
+    arm_settings = cell["arms"][cell["arm"]]
+    pairing = dict(init_hash=init_hash, data_hash=data_hash, eval_tokens=eval_tokens, val_hash=record["val_hash"],
+                   code=code["fingerprint"], init_from=init_from, arm_settings=arm_settings,
+                   settings=pairing_settings(cell, arm_settings))
+    if changes:
+        pairing["changes"] = changes
+    finished = not diverged
+    result = dict(arm=cell["arm"], seed=cell["seed"], status="finished" if finished else "diverged",
+                  val_loss=val_loss if finished else None,
+                  # past exp(709) a perplexity is no float: null, as for a diverged cell
+                  val_ppl=math.exp(val_loss) if finished and val_loss < 709 else None,
+                  diverged_at=None if finished else steps, reason=diverged, tokens=tokens, steps=steps,
+                  params=model.num_params(non_embedding=False), non_embedding_params=model.num_params(),
+                  active_params=model.num_params(non_embedding=False, active=True),
+                  wall_time_s=round(wall_time_s, 3), routing=routing if finished else None,
+                  pairing=pairing, code=code, config=record)
+    write_json(path, result)
+    return result
+
+
+def check_result(r, path):
+    """A result.json as train.py writes it, or one line."""
+    ok = (r.get("status") in ("finished", "diverged") and isinstance(r.get("seed"), int)
+          and (isinstance(r.get("val_loss"), (int, float)) and not isinstance(r.get("val_loss"), bool)
+               if r["status"] == "finished" else isinstance(r.get("diverged_at"), int)))
+    if not ok:
+        raise ConfigError(f"{path} is not a result train.py wrote (status, seed, val_loss or diverged_at missing or "
+                          f"of the wrong type); {RESULT_REMEDY}")
+    return r
+
+
+def describe_done(path, change):
+    r = check_result(read_record(path, RESULT_REMEDY), path)
+    return ((f"diverged at step {r['diverged_at']}" if r["status"] == "diverged" else f"val_loss {r['val_loss']:.4f}")
+            + (f" (recorded with other settings: {', '.join(change)}; not retrained)" if change else ""))
+
+
+# -----------------------------------------------------------------------------
+# what pairs: the shared init, the validation tokens, the train data
+
+def shared_init_hash(model):
+    """sha256 of the shared (non-routing) parameters: equal across the arms of a seed, by design."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        if not name.startswith("residual."):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def validation_hash(val, eval_tokens, T):
+    """sha256 of the validation tokens evaluated: the whole sequences of T + 1 in the first eval_tokens."""
+    return hashlib.sha256(np.ascontiguousarray(val[:(eval_tokens - 1) // T * T + 1])).hexdigest()
+
+
+def train_data_fingerprint(train_paths, manifest):
+    """sha256 over the train shards, cheap enough for every start: each shard's sha256 from the
+    (verified) manifest where data/prepare.py wrote one (verify_shards=True checks those), else its
+    name, size and first and last 64 KiB. The content itself is in data_hash, which only training computes."""
+    listed = {s["name"]: s["sha256"] for s in manifest["shards"]} if manifest else {}
+    h = hashlib.sha256()
+    for path in train_paths:
+        name, size = os.path.basename(path), os.path.getsize(path)
+        h.update(f"{name} {size} {listed.get(name, '')}".encode())
+        if name not in listed:
+            with open(path, "rb") as f:
+                h.update(f.read(1 << 16))
+                f.seek(max(0, size - (1 << 16)))
+                h.update(f.read(1 << 16))
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# warm start
+
+# the model keys that give the shared weights their meaning (n_head: not visible in the shapes)
+ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")
+
+
+def load_init_from(cfg):
+    """
+    The weights every cell starts from when init_from is set, the sha256 of their file and the
+    tokenizer of the data they were trained on (None for a plain state_dict, which cannot say): a
+    train.py ckpt.pt of a residual='standard' arm, or a file holding a state_dict of one. Checked
+    against every arm before anything runs; each cell then copies them by name over its seed's
+    init, leaving its routing parameters (residual.*) at their init, which is the standard residual.
+    """
+    path = cfg["init_from"]
+    if not path:
+        return None, None, None
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        ckpt = load_tensors(path, "cpu")
+    except (OSError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"init_from={path} is missing or unreadable ({why}); give a train.py ckpt.pt of a "
+                          f"residual='standard' arm") from None
+    weights = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
+    if (not isinstance(weights, dict) or not weights or not all(isinstance(v, torch.Tensor) for v in weights.values())
+            or not all(isinstance(k, str) for k in weights)):
+        raise ConfigError(f"init_from={path} holds neither a train.py ckpt.pt nor a state_dict")
+    record = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}  # a train.py checkpoint says what it is
+    source = record.get("model") if isinstance(record.get("model"), dict) else {}
+    routing = [k for k in weights if k.startswith("residual.")]
+    if routing:
+        raise ConfigError(f"init_from={path} is not a standard checkpoint (residual={source.get('residual', '?')!r}, "
+                          f"routing parameters {routing[0]}, ...); warm starts begin from a residual='standard' model")
+    broken = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if broken:  # every cell would diverge at its first step
+        raise ConfigError(f"init_from={path} holds non-finite values (NaN or inf) in {broken[0]}"
+                          f"{f' and {len(broken) - 1} more' if len(broken) > 1 else ''}; warm-start from a checkpoint "
+                          f"saved before its run diverged")
+    embedding, head = weights.get("transformer.wte.weight"), weights.get("lm_head.weight")
+    if embedding is not None and head is not None and not torch.equal(embedding, head):  # one tensor here
+        raise ConfigError(f"init_from={path} has an embedding (transformer.wte.weight) and a head (lm_head.weight) "
+                          f"that differ; this model ties them, so one would be lost: give a tied checkpoint")
+    for arm, settings in cfg["arms"].items():
+        config = model_config(cfg, settings)
+        for key in ARCHITECTURE_KEYS:
+            if key in source and source[key] != getattr(config, key):
+                raise ConfigError(f"init_from={path} has {key}={source[key]}, arm {arm!r} has {key}="
+                                  f"{getattr(config, key)}; set --{key}={source[key]} or use another checkpoint")
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in GPT(config).state_dict().items() if not k.startswith("residual.")}
+        for name in sorted(set(shapes) | set(weights)):
+            have = tuple(weights[name].shape) if name in weights else "absent"
+            want = tuple(shapes[name]) if name in shapes else "absent"
+            if have != want:
+                raise ConfigError(f"init_from={path} does not fit arm {arm!r}: {name} is {have} there, {want} in "
+                                  f"the arm (n_layer, n_embd, vocab_size must be the checkpoint's)")
+    return weights, h.hexdigest(), record.get("tokenizer")

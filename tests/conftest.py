@@ -1,0 +1,153 @@
+"""
+Shared test helpers: pytest loads this file before the tests of this folder, and test files import
+what they use from it (`from conftest import make, tokens`).
+
+Model helpers (test_model.py, test_cuda.py): the tiny GPTConfig, every scheme setting worth testing,
+a seeded model and token batch, random routing parameters, and the depth read written from its
+definition. Other files may append their own shared fixtures below, each in a marked section.
+"""
+
+import torch
+
+from model import GPT, RESIDUALS, GPTConfig, depth_read, depth_read_extend
+
+# --- model helpers (owner: test_model.py) ---------------------------------------------------------
+
+TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=96)
+# every scheme in the registry at its defaults (attnres, rd_attnres, dar: blocks of 4 sublayers), so a
+# new scheme goes through every generic test with no edit to a test; then the other settings worth testing.
+# Each name starts with its scheme's, so `pytest -k NAME` selects every test of scheme NAME.
+VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {
+    "attnres_full": dict(residual="attnres", attnres_block_size=1),
+    "attnres_s2": dict(residual="attnres", attnres_block_size=2),
+    "rd_attnres_dup": dict(residual="rd_attnres", rd_control="dup"),
+    "rd_attnres_param": dict(residual="rd_attnres", rd_control="param"),
+    "rd_attnres_fixed_v": dict(residual="rd_attnres", rd_control="fixed_v"),
+    "rd_attnres_mix": dict(residual="rd_attnres", rd_control="mix"),
+    "dar_full": dict(residual="dar", attnres_block_size=1),
+    "dar_self": dict(residual="dar", dar_keys="self"),
+    "dar_copy": dict(residual="dar", dar_start="copy"),
+}
+ROUTED = [v for v in VARIANTS if v != "standard"]
+
+
+def make(variant, seed=0, **overrides):
+    """The tiny model of a VARIANTS entry, drawn with torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **VARIANTS[variant], **overrides}))
+
+
+def tokens(B=2, T=16, seed=1):
+    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def randomize_routing(model, seed=2):
+    """Every routing parameter away from its init (key gains around 1, mHC's phi small enough for exp)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.residual.named_parameters():
+            scale = 0.5 if "gain" in name else 0.1 if name.startswith("phi") else 1.0  # phi: keep exp() finite
+            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if name == "key_gain" else 0.0))
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def logits_of(model, idx):
+    return model(idx, idx)[0]
+
+
+def naive_depth_read(sources, queries, key_gain, eps, keys=None):
+    """The depth read from its definition, with a stacked copy of the sources, in float64."""
+    V = torch.stack(sources).double()  # (S, B, T, d)
+    K = V if keys is None else torch.stack(keys).double()
+    normed = key_gain.double() * K / torch.sqrt(K.pow(2).mean(-1, keepdim=True) + eps)
+    alpha = torch.softmax(torch.einsum("sbtd,rd->sbtr", normed, queries.double()), dim=0)
+    return [torch.einsum("sbt,sbtd->btd", alpha[..., r], V) for r in range(queries.size(0))]
+
+
+def two_phase_read(sources, queries, key_gain, eps, keys=None):
+    """The model's read over every source: phase 1 over all but the newest, phase 2 adds the newest."""
+    keys = sources if keys is None else keys
+    sealed = depth_read(keys[:-1], sources[:-1], queries * key_gain, eps)
+    return depth_read_extend(sealed, keys[-1], sources[-1], queries * key_gain, eps).outputs
+
+
+# --- trained grids (loop) -------------------------------------------------------------------------
+# test_train.py and test_checkpoint.py: tiny synthetic shards, train.py's command line for a tiny run
+# on them, what a cell wrote, and a run killed at a step.
+
+import json  # noqa: E402 (this section's own imports)
+import os  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+TIMINGS = ("ms_per_step", "tokens_per_s", "mfu", "eta_cell_s", "eta_grid_s", "eval_s")
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory):
+    """A learnable stream (a repeating pattern with noise, tokens < 64) as GPT-2-headered shards without a
+    manifest: a validation shard of 3,000 tokens and two train shards."""
+    from data.shards import write_shard
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    stream = (np.arange(60_000) % 17 + rng.integers(0, 3, 60_000)).astype(np.uint16)
+    write_shard(str(d / "val_000000.bin"), stream[:3000])
+    write_shard(str(d / "train_000001.bin"), stream[3000:30000])
+    write_shard(str(d / "train_000002.bin"), stream[30000:])
+    return str(d)
+
+
+def tiny(shards, out_dir, *extra):
+    """train.py's arguments for a tiny run on shards (8 steps, evaluated every 4, on the CPU); extra override."""
+    return [f"--data_dir={shards}", f"--out_dir={out_dir}", "--n_layer=2", "--n_head=2", "--n_embd=32",
+            "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=8", "--eval_interval=4",
+            "--log_interval=1", "--eval_tokens=1000", "--compile=False", "--seeds=0", "--warmup_iters=2",
+            "--learning_rate=1e-2", "--min_lr=1e-3", "--device=cpu", *extra]
+
+
+def log_records(out_dir, arm, seed=0):
+    with open(os.path.join(out_dir, arm, f"seed{seed}", "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def logged(out_dir, arm, seed=0, key="loss"):
+    """The values of key in the cell's log, in order."""
+    return [r[key] for r in log_records(out_dir, arm, seed) if key in r]
+
+
+def result(out_dir, arm, seed=0):
+    with open(os.path.join(out_dir, arm, f"seed{seed}", "result.json")) as f:
+        return json.load(f)
+
+
+def without_timings(log):
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in log]
+
+
+def killed_at_step(kill, monkeypatch, argv):
+    """train.main(argv) interrupted as a kill would, when it reaches step `kill` (after its checkpoints)."""
+    import train
+    real = train.learning_rate_at
+
+    def dying(step, cell):
+        if step == kill:
+            raise KeyboardInterrupt
+        return real(step, cell)
+    monkeypatch.setattr(train, "learning_rate_at", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(argv)
+    monkeypatch.setattr(train, "learning_rate_at", real)
+
+
+def torchrun(script, args):
+    """script args under torchrun: 2 processes on the CPU, one thread each, from the project folder."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                           *args], cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)

@@ -1,0 +1,197 @@
+"""
+common.py's primitives: atomic strict-JSON writes, exclusive temporaries that nothing planted can
+redirect and that a killed writer does not leave forever, the pid lock, check_writable, read_json.
+$ python -m pytest tests/test_common.py -q
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOST = socket.gethostname()
+
+
+def finished_pid():
+    """The pid of a process that has ended (so no process on this host has it, for now)."""
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def test_write_json_that_fails_leaves_no_tmp_and_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "result.json"
+    common.write_json(str(path), {"a": 1})
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", full_disk)
+        with pytest.raises(common.DataError) as err:
+            common.write_json(str(path), {"a": 2})
+    assert str(err.value) == f"cannot write {path} (No space left on device); free disk space or check the permissions of {tmp_path}"
+    assert os.listdir(tmp_path) == ["result.json"] and json.loads(path.read_text()) == {"a": 1}  # the old file stays
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(common.DataError, match=r"cannot write .*file/x.json \(Not a directory\); free disk space"):
+        common.write_json(str(tmp_path / "file" / "x.json"), {})  # a path under a file fails even for root
+
+
+def test_write_json_into_a_read_only_directory_is_one_line(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.access(locked, os.W_OK):
+        pytest.skip("running as root: a read-only directory is still writable")
+    with pytest.raises(common.DataError, match=r"\(Permission denied\); free disk space or check the permissions"):
+        common.write_json(str(locked / "x.json"), {})
+    assert os.listdir(locked) == []
+
+
+def test_write_json_is_strict_and_its_temporary_is_this_process_own(tmp_path, monkeypatch):
+    path = tmp_path / "result.json"
+    common.write_json(str(path), {"a": 1})
+    (tmp_path / "result.json.tmp").write_text("another writer's")  # not ours: left alone
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=f"{path}: Out of range float values"):
+            common.write_json(str(path), {"loss": [1.0, bad]})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.tmp"]
+    seen, real_dump = [], json.dump
+    monkeypatch.setattr(json, "dump", lambda obj, f, **kw: (seen.append((f.name, kw)), real_dump(obj, f, **kw)))
+    common.write_json(str(path), {"a": 2})
+    assert seen == [(f"{path}.{os.getpid()}.{socket.gethostname()}.tmp", dict(indent=1, allow_nan=False))]
+    assert json.loads(path.read_text()) == {"a": 2} and (tmp_path / "result.json.tmp").read_text() == "another writer's"
+
+
+
+def test_write_text_is_atomic_and_takes_the_path_first(tmp_path, monkeypatch):
+    path = tmp_path / "report.md"
+    common.write_text(str(path), "# first\n")
+    assert path.read_text() == "# first\n"
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(common.DataError, match=r"^cannot write .*report.md \(No space left on device\); free disk space"):
+        common.write_text(str(path), "# second\n")
+    assert path.read_text() == "# first\n" and os.listdir(tmp_path) == ["report.md"]
+
+
+def test_a_symlink_planted_at_a_temporary_is_never_followed(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path, lock = tmp_path / "result.json", tmp_path / "lock"
+    for planted in (common.temporary_name(str(path)), common.temporary_name(str(lock)),
+                    str(tmp_path / f".write_test.{os.getpid()}.tmp")):  # the probe name check_writable used
+        os.symlink(victim, planted)
+    common.write_json(str(path), {"a": 1})
+    with common.pid_lock(str(lock), "busy"):
+        assert lock.read_text() == f"{os.getpid()} {HOST}"
+    common.check_writable(str(tmp_path), "choose another folder")
+    assert victim.read_text() == "precious" and json.loads(path.read_text()) == {"a": 1}
+    assert sorted(os.listdir(tmp_path)) == sorted([".write_test.%d.tmp" % os.getpid(), "result.json", "victim"])
+    # the temporary is created exclusively: one that is not removed first (a race) stops the write
+    monkeypatch.setattr(common, "remove_stale_temporaries", lambda path: None)
+    os.symlink(victim, common.temporary_name(str(path)))
+    with pytest.raises(common.DataError, match=r"^cannot write .*result.json: .*result.json\.\d+\..*\.tmp is in the way "
+                                               r"\(not a file this process made\); remove it$"):
+        common.write_json(str(path), {"a": 2})
+    assert victim.read_text() == "precious" and json.loads(path.read_text()) == {"a": 1}
+
+
+def test_a_killed_writers_temporaries_are_removed_by_the_next_write_of_that_path(tmp_path):
+    dead, host = finished_pid(), HOST
+    stale = [tmp_path / f"result.json.{dead}.{host}.tmp",  # a writer killed mid-write
+             tmp_path / f"result.json.{os.getpid()}.{host}.tmp",  # an earlier process that had this pid
+             tmp_path / f"lock.{dead}.{host}.tmp"]  # a pid_lock killed before linking its lock
+    kept = [tmp_path / f"result.json.{os.getppid()}.{host}.tmp",  # a live writer's
+            tmp_path / f"result.json.{dead}.another-host.tmp",  # another host's: its pid cannot be checked here
+            tmp_path / f"other.json.{dead}.{host}.tmp",  # another path's
+            tmp_path / f"result.json.backup.{dead}.{host}.tmp"]  # not the pattern
+    for p in stale + kept:
+        p.write_text("partial")
+    (tmp_path / f"result.json.{dead + 1}.{host}.tmp").mkdir()  # a folder is nobody's temporary: left, no error
+    common.write_json(str(tmp_path / "result.json"), {"a": 1})
+    with common.pid_lock(str(tmp_path / "lock"), "busy"):
+        pass
+    assert sorted(os.listdir(tmp_path)) == sorted([p.name for p in kept] + ["result.json", f"result.json.{dead + 1}.{host}.tmp"])
+
+
+LOCK = """
+import sys
+sys.path.insert(0, {root!r})
+from common import DataError, pid_lock
+try:
+    with pid_lock(sys.argv[1], "the folder is in use"):
+        print("locked")
+except DataError as e:
+    sys.exit(f"error: {{e}}")
+"""
+
+
+@pytest.mark.parametrize("kind", ["dangling symlink", "symlink to a lock", "folder", "fifo"])
+def test_a_lock_that_is_not_a_file_is_one_line_at_once(tmp_path, kind):
+    lock = tmp_path / "lock"
+    if kind == "dangling symlink":
+        os.symlink(tmp_path / "nowhere", lock)
+    elif kind == "symlink to a lock":
+        (tmp_path / "real").write_text(f"{finished_pid()} {HOST}")
+        os.symlink(tmp_path / "real", lock)
+    elif kind == "folder":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    # a subprocess with a timeout: the lock loop must end, not spin
+    proc = subprocess.run([sys.executable, "-c", LOCK.format(root=ROOT), str(lock)], capture_output=True, text=True,
+                          timeout=30)
+    what = {"folder": "a folder", "fifo": "not a file"}.get(kind, "a symlink")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == f"error: {lock} is {what}, not a lock (a file holding a pid and a host); remove it\n"
+    assert os.path.lexists(lock) and sorted(os.listdir(tmp_path)) == sorted(["lock"] + ["real"] * (kind == "symlink to a lock"))
+
+
+def test_a_lock_held_by_a_dead_process_is_taken_over_and_a_live_one_is_not(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text(f"{finished_pid()} {HOST}")
+    with common.pid_lock(str(lock), "busy"):
+        assert lock.read_text() == f"{os.getpid()} {HOST}"
+    assert not lock.exists()
+    for holder in (f"{os.getppid()} {HOST}", "12 another-host", f"{10 ** 30} {HOST}"):  # 10**30: no pid is that large
+        lock.write_text(holder)
+        if holder.startswith(str(10 ** 30)):
+            with common.pid_lock(str(lock), "busy"):  # no such process: stale
+                pass
+            continue
+        with pytest.raises(common.DataError, match=rf"^busy by pid {holder.split()[0]} on {holder.split()[1]}; wait for it"):
+            with common.pid_lock(str(lock), "busy"):
+                pass
+        assert lock.read_text() == holder and os.listdir(tmp_path) == ["lock"]
+
+
+def test_check_writable_makes_the_folder_and_leaves_nothing_in_it(tmp_path):
+    folder = tmp_path / "a" / "b"
+    common.check_writable(str(folder), "choose another --out_dir")
+    assert folder.is_dir() and os.listdir(folder) == []
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(common.DataError) as err:
+            common.check_writable(str(bad), "choose another --out_dir")
+        assert str(err.value).startswith(f"cannot write into {bad} (") and str(err.value).endswith("); choose another --out_dir")
+
+
+def test_read_json_is_strict(tmp_path):
+    path = tmp_path / "x.json"
+    for text, why in (('{"loss": NaN}', "NaN is not JSON"), ('[Infinity]', "Infinity is not JSON"),
+                      ('[-Infinity]', "-Infinity is not JSON"), ('{"a": 1', "Expecting"),
+                      ("[" * 100_000 + "]" * 100_000, "nested too deeply to read")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            common.read_json(str(path))
+    path.write_bytes(b'{"a": "caf\xe9"}')
+    with pytest.raises(ValueError):  # not UTF-8: a UnicodeDecodeError, which is a ValueError
+        common.read_json(str(path))
+    path.write_text('{"a": [1, 2.5, null]}')
+    assert common.read_json(str(path)) == {"a": [1, 2.5, None]}
+    with pytest.raises(FileNotFoundError):
+        common.read_json(str(tmp_path / "missing.json"))

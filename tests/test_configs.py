@@ -1,0 +1,87 @@
+"""
+The paper configs in config/ run: each trains every one of its arms for two steps at a tiny size on
+2 CPU processes (gloo), as torchrun runs it on GPUs, with every option it sets kept (fsdp, activation
+checkpointing, optimizer, schedule, each arm's residual options); only sizes, lengths and paths are
+overridden. And FSDP2 with activation checkpointing (config/dar_1b.py's setting) equals DDP with it.
+Driven through train.py's command line only, one torchrun per config.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_configs.py -q -p no:cacheprovider
+"""
+
+import glob
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import logged, result, torchrun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "config", "*.py")))
+STEPS = 2
+
+
+def settings_of(path):
+    """The keys a config file sets, as train.py reads them (the file is Python, run in a namespace)."""
+    namespace = {"__file__": os.path.join(ROOT, path)}
+    exec(open(os.path.join(ROOT, path)).read(), namespace)
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and k != "os"}
+
+
+def tiny_overrides(path, shards, out_dir):
+    """Sizes, lengths and paths only: a step of 8 sequences, 2 micro-batches per rank (accumulation),
+    both schedule phases (1 warmup step), one block of the config's attnres_block_size."""
+    layers = settings_of(path).get("attnres_block_size", 4) // 2
+    return {"data_dir": shards, "out_dir": str(out_dir), "seeds": "0", "n_layer": layers, "n_head": 2, "n_embd": 32,
+            "block_size": 16, "vocab_size": 64, "batch_size": 2, "gradient_accumulation_steps": 4,
+            "max_iters": STEPS, "warmup_iters": 1, "eval_interval": STEPS, "log_interval": 1, "eval_tokens": 65,
+            "eval_batch_size": 2, "device": "cpu", "compile": False}
+
+
+RUNS = {}
+
+
+def run_config(path, shards, tmp_path_factory, **extra):
+    """path trained at the tiny size under torchrun (2 processes), once per (path, extra): its out_dir."""
+    key = (path, tuple(sorted(extra.items())))
+    if key not in RUNS:
+        out_dir = tmp_path_factory.mktemp(os.path.basename(path)[:-3])
+        args = {**tiny_overrides(path, shards, out_dir), **extra}
+        proc = torchrun("train.py", [path] + [f"--{k}={v}" for k, v in args.items()])
+        assert proc.returncode == 0, f"{path} {extra}: {proc.stderr[-3000:]}"
+        RUNS[key] = out_dir
+    return RUNS[key]
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_config_trains_at_a_tiny_size(path, shards, tmp_path_factory):
+    settings = settings_of(path)
+    out_dir = run_config(path, shards, tmp_path_factory)
+    kept = {k: v for k, v in settings.items() if k not in tiny_overrides(path, shards, out_dir) and k != "arms"}
+    assert "arms" in settings and kept, path  # a config names its arms and sets options of its own
+    for arm, arm_settings in settings["arms"].items():
+        r = result(out_dir, arm)
+        assert r["status"] == "finished" and r["steps"] == STEPS and math.isfinite(r["val_loss"]), (path, arm)
+        assert all(math.isfinite(x) for x in logged(out_dir, arm)) and len(logged(out_dir, arm)) == STEPS
+        with open(os.path.join(out_dir, arm, "seed0", "config.json")) as f:
+            recorded = json.load(f)
+        # the cell ran with every option the config sets, its arm's own on top
+        assert {k: recorded[k] for k in kept} == {k: arm_settings.get(k, v) for k, v in kept.items()}, (path, arm)
+        assert {k: recorded["model"][k] for k in arm_settings} == arm_settings, (path, arm)
+        assert recorded["world_size"] == 2 and recorded["fsdp"] == settings.get("fsdp", False)
+
+
+def test_fsdp_with_activation_checkpointing_equals_ddp(shards, tmp_path_factory):
+    # config/dar_1b.py shards with FSDP2 and recomputes each sublayer in backward; the same grid under DDP
+    # (each sublayer still recomputed) must give the same losses within fp32 rounding (sums in another order)
+    path = "config/dar_1b.py"
+    settings = settings_of(path)
+    assert settings["fsdp"] and settings["activation_checkpointing"]
+    fsdp = run_config(path, shards, tmp_path_factory)
+    ddp = run_config(path, shards, tmp_path_factory, fsdp=False)
+    for arm in settings["arms"]:
+        np.testing.assert_allclose(logged(fsdp, arm), logged(ddp, arm), rtol=1e-5, err_msg=arm)
+        np.testing.assert_allclose(logged(fsdp, arm, key="val_loss"), logged(ddp, arm, key="val_loss"), rtol=1e-6,
+                                   err_msg=arm)

@@ -1,0 +1,649 @@
+"""
+downstream.py, the CORE in-context evaluator: its core.yaml reader, the prompts it assembles, each
+task type's scoring against hand-computed answers (a bigram model whose every loss is known), the
+left cut at block_size, 2 ranks == 1 process, bad bundles, the download and the CLI on tiny cells;
+and train.py's evaluation during training (what the CLI computes, resumed, 2 FSDP ranks, its settings).
+
+$ python -m pytest tests/test_downstream.py -q
+"""
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import zipfile
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn import functional as F
+
+import downstream
+import records
+import train
+from common import ConfigError, DataError
+from conftest import killed_at_step, log_records, result, tiny, torchrun, without_timings
+from data.shards import get_tokenizer, write_shard
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+torch.set_num_threads(1)
+BYTES = get_tokenizer("bytes")
+EOT = BYTES.eot
+
+
+class Bigram(nn.Module):
+    """The next token's logits from the current token alone (a table), called as GPT is: every loss is known."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = nn.Parameter(table)
+        self.calls = 0
+
+    def forward(self, idx, targets=None, reduction="mean"):
+        self.calls += 1
+        logits = self.table[idx]
+        if targets is None:
+            return logits[:, [-1]], None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=reduction)
+        return logits, loss.view(targets.shape) if reduction == "none" else loss
+
+
+def bigram(*favoured):
+    """A byte bigram model, uniform but for (pair, logit) entries: 'ab', 3.0 makes b likelier after a."""
+    table = torch.zeros(257, 257)
+    for pair, logit in favoured:
+        table[ord(pair[0]), ord(pair[1])] = logit
+    return Bigram(table)
+
+
+def token_loss(model, prev, nxt):
+    """The reference: -log p(nxt | prev) straight from the table."""
+    return -F.log_softmax(model.table[ord(prev)].double(), -1)[ord(nxt)].item()
+
+
+def write_bundle(root, tasks, baselines=None, yaml_text=None):
+    """A CORE bundle laid out as the public one: core.yaml, eval_meta_data.csv, eval_data/<group>/<label>.jsonl.
+    tasks: dicts of label, kind, items and optionally fewshot, delimiter."""
+    root = str(root)
+    os.makedirs(os.path.join(root, "eval_data", "group"), exist_ok=True)
+    lines = ["icl_tasks:"]
+    for t in tasks:
+        lines += ["-", f"  label: {t['label']}", f"  dataset_uri: group/{t['label']}.jsonl",
+                  f"  num_fewshot: [{t.get('fewshot', 0)}]", f"  icl_task_type: {t['kind']}"]
+        if "delimiter" in t:
+            lines.append(f"  continuation_delimiter: {json.dumps(t['delimiter'])} # between context and answer")
+        with open(os.path.join(root, "eval_data", "group", f"{t['label']}.jsonl"), "w") as f:
+            f.writelines(json.dumps(item) + "\n" for item in t["items"])
+    with open(os.path.join(root, "core.yaml"), "w") as f:
+        f.write(yaml_text or "\n".join(lines) + "\n")
+    with open(os.path.join(root, "eval_meta_data.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Eval Task", "Task Category", "Random baseline", "Description"])
+        for t in tasks:
+            writer.writerow([t["label"], "cat", (baselines or {}).get(t["label"], 25), "a task, with a comma"])
+    return root
+
+
+def evaluate(model, bundle_dir, block_size=1024, max_per_task=None, rank=0, world=1, batch_tokens=4096):
+    tasks = downstream.encode_tasks(downstream.load_bundle(bundle_dir).tasks, BYTES, block_size, max_per_task, rank, world)
+    return downstream.evaluate_tasks(model, tasks, "cpu", nullcontext(), world, batch_tokens)
+
+
+# -----------------------------------------------------------------------------
+# core.yaml
+
+REAL_LAYOUT = """\
+# the CORE tasks, as the public bundle lays them out
+icl_tasks:
+-
+  label: hellaswag_zeroshot
+  dataset_uri: language_understanding/hellaswag.jsonl
+  num_fewshot: [0]
+  icl_task_type: multiple_choice
+-
+  label: jeopardy
+  dataset_uri: world_knowledge/jeopardy_all.jsonl # the whole file
+  num_fewshot: [10]
+  icl_task_type: language_modeling
+  continuation_delimiter: "\\nAnswer: " # this separates questions from answers
+  has_categories: true
+-
+  label: winograd
+  dataset_uri: language_understanding/winograd_wsc.jsonl
+  num_fewshot:
+  - 0
+  icl_task_type: schema
+  continuation_delimiter: ' it''s # not a comment'
+  metric_names: [InContextLearningMultipleChoiceAccuracy, "a, b"]
+- label: boolq
+  dataset_uri: reading_comprehension/boolq.jsonl
+  num_fewshot: [10]
+  icl_task_type: multiple_choice
+  continuation_delimiter: "\\nAnswer: \\u00e9\\t"
+
+icl_seq_len: 2048
+"""
+
+
+def test_core_yaml_reader_reads_the_bundles_layout():
+    tasks = downstream.parse_core_yaml(REAL_LAYOUT, "core.yaml")
+    assert tasks == [
+        dict(label="hellaswag_zeroshot", dataset_uri="language_understanding/hellaswag.jsonl", num_fewshot=[0],
+             icl_task_type="multiple_choice"),
+        dict(label="jeopardy", dataset_uri="world_knowledge/jeopardy_all.jsonl", num_fewshot=[10],
+             icl_task_type="language_modeling", continuation_delimiter="\nAnswer: ", has_categories=True),
+        dict(label="winograd", dataset_uri="language_understanding/winograd_wsc.jsonl", num_fewshot=[0],
+             icl_task_type="schema", continuation_delimiter=" it's # not a comment",
+             metric_names=["InContextLearningMultipleChoiceAccuracy", "a, b"]),
+        dict(label="boolq", dataset_uri="reading_comprehension/boolq.jsonl", num_fewshot=[10],
+             icl_task_type="multiple_choice", continuation_delimiter="\nAnswer: \u00e9\t"),
+    ]
+    yaml = pytest.importorskip("yaml")  # where PyYAML happens to be installed: the same reading
+    assert yaml.safe_load(REAL_LAYOUT)["icl_tasks"] == tasks
+
+
+@pytest.mark.parametrize("text, match", [
+    ('icl_tasks:\n-\n  label: "open\n', r"core.yaml line 3: unterminated double-quoted string"),
+    ("icl_tasks:\n-\n\tlabel: x\n", r"core.yaml line 3: a tab in the indentation"),
+    ("icl_tasks:\n-\n  label: x\n  options:\n    deep: 1\n", r"core.yaml line 5: nested mappings"),
+    ("icl_tasks:\n- label: &name x\n", r"core.yaml line 2: '&' is beyond the YAML subset"),
+    ("icl_tasks:\n-\n  text: |\n", r"core.yaml line 3: '\|' is beyond the YAML subset"),
+    ("icl_tasks:\n-\n  label: x\n  label: y\n", r"core.yaml line 4: label given twice"),
+    ("icl_tasks: [a]\n", r"core.yaml line 1: icl_tasks must be a block list"),
+    ("other: 1\n", r"core.yaml lists no tasks"),
+])
+def test_core_yaml_errors_name_the_line(text, match):
+    with pytest.raises(DataError, match=match):
+        downstream.parse_core_yaml(text, "core.yaml")
+
+
+# -----------------------------------------------------------------------------
+# prompts
+
+def task_of(kind, items, fewshot=0, delimiter=" "):
+    return downstream.Task("t", kind, fewshot, delimiter, 0.25, items)
+
+
+def fewshot_order(index, n, k):
+    """The documented draw: random.Random(1234 + index).sample of the other items' indices."""
+    return random.Random(1234 + index).sample([i for i in range(n) if i != index], k)
+
+
+def test_prompts_are_assembled_exactly():
+    mc = [dict(query=f"Q{i}", choices=[f"a{i}", f"b{i}"], gold=i % 2) for i in range(3)]
+    first, second = fewshot_order(0, 3, 2)
+    shot = {j: f"Q{j}\nA: {['a', 'b'][j % 2]}{j}\n\n" for j in range(3)}
+    assert downstream.prompts(task_of("multiple_choice", mc, 2, "\nA: "), 0) == \
+        [shot[first] + shot[second] + "Q0\nA: a0", shot[first] + shot[second] + "Q0\nA: b0"]
+
+    schema = [dict(context_options=[f"x{i}", f"y{i}"], continuation=f"c{i}", gold=1) for i in range(3)]
+    first, = fewshot_order(1, 3, 1)
+    assert downstream.prompts(task_of("schema", schema, 1), 1) == \
+        [f"y{first} c{first}\n\nx1 c1", f"y{first} c{first}\n\ny1 c1"]
+
+    # contexts lose their surrounding whitespace; the context alone ends without any (the delimiter's
+    # trailing space then belongs to the continuation)
+    lm = [dict(context=f" C{i} \n", continuation=f"T{i}") for i in range(2)]
+    assert downstream.prompts(task_of("language_modeling", lm, 1, ": "), 0) == ["C1: T1\n\nC0:", "C1: T1\n\nC0: T0"]
+
+
+def test_fewshot_never_includes_the_item_and_repeats_with_its_seed():
+    items = [dict(query=f"Q{i}", choices=["a", "b"], gold=0) for i in range(8)]
+    task = task_of("multiple_choice", items, 7)
+    for index in range(8):  # 7 of 8 items: every other item exactly once, never the item itself
+        shots = downstream.fewshot_examples(task, index)
+        assert sorted(e["query"] for e in shots) == sorted(f"Q{i}" for i in range(8) if i != index)
+        assert [e["query"] for e in shots] == [f"Q{j}" for j in fewshot_order(index, 8, 7)]
+        assert downstream.prompts(task, index) == downstream.prompts(task, index)
+    orders = {tuple(e["query"] for e in downstream.fewshot_examples(task, i)) for i in range(8)}
+    assert len(orders) == 8  # each item draws its own examples
+
+
+def test_tasks_are_shuffled_with_a_fixed_seed_and_max_per_task_takes_the_first(tmp_path):
+    items = [dict(context=f"c{i}", continuation="x") for i in range(20)]
+    bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=items, fewshot=2)])
+    a, b = downstream.load_bundle(bundle).tasks[0], downstream.load_bundle(bundle).tasks[0]
+    expected = items[:]
+    random.Random(1337).shuffle(expected)
+    assert a.items == b.items == expected != items
+    full, cut = (downstream.encode_tasks([a], BYTES, 64, n)[0] for n in (None, 5))
+    assert cut.items == 5 and cut.sequences == {i: full.sequences[i] for i in range(5)}  # examples drawn from all items
+
+
+# -----------------------------------------------------------------------------
+# scoring, by task type, against hand-computed losses
+
+def test_multiple_choice_takes_the_lowest_mean_loss_not_the_sum(tmp_path):
+    # after "Q " the choices "ab" and "xyzw": uniform bytes cost log 257 each, but x->y, y->z, z->w are cheap.
+    # xyzw has the lower mean loss and the higher sum; item 1 asks for it, item 2 for ab
+    model = bigram(("xy", 3.0), ("yz", 3.0), ("zw", 3.0))
+    uniform, cheap = math.log(257), math.log(256 + math.exp(3)) - 3
+    assert token_loss(model, " ", "a") == pytest.approx(uniform) and token_loss(model, "x", "y") == pytest.approx(cheap)
+    mean_ab, mean_xyzw = uniform, (uniform + 3 * cheap) / 4
+    assert mean_xyzw < mean_ab and 4 * mean_xyzw > 2 * mean_ab
+    items = [dict(query="Q", choices=["ab", "xyzw"], gold=1), dict(query="Q", choices=["ab", "xyzw"], gold=0)]
+    bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=items)], baselines=dict(mc=50))
+    scores = evaluate(model, bundle)
+    assert scores["tasks"]["mc"] == dict(icl_task_type="multiple_choice", items=2, correct=1, accuracy=0.5,
+                                         random_baseline=0.5, centered=0.0)
+    # the scored span is the choice (after the shared "Q "), and its mean loss is the reference's
+    task = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 1024)[0]
+    assert [tokens for tokens, _, _ in task.sequences[0]] == [[EOT, *b"Q ab"], [EOT, *b"Q xyzw"]]  # a new document
+    losses, _ = downstream.forward_batch(model, [(0, c, *s) for c, s in enumerate(task.sequences[0])], "cpu", nullcontext())
+    assert losses == pytest.approx([mean_ab, mean_xyzw], rel=1e-6)
+    # a uniform model ties every choice: the first wins, as in nanochat
+    tie = write_bundle(tmp_path / "tie", [dict(label="mc", kind="multiple_choice", items=[
+        dict(query="Q", choices=["ab", "cd", "ef"], gold=g) for g in (0, 0, 1, 2)])])
+    assert evaluate(bigram(), tie)["tasks"]["mc"]["correct"] == 2
+
+
+def test_schema_takes_the_context_under_which_the_continuation_is_likeliest(tmp_path):
+    # options "ab" / "cd" before the shared " zz": only the first token of the shared suffix (" ",
+    # after b or d) differs, and b -> " " is favoured
+    model = bigram(("b ", 4.0))
+    items = [dict(context_options=["ab", "cd"], continuation="zz", gold=0),
+             dict(context_options=["ab", "cd"], continuation="zz", gold=1),
+             dict(context_options=["cd", "ab"], continuation="zz", gold=1)]
+    bundle = write_bundle(tmp_path, [dict(label="s", kind="schema", items=items)], baselines=dict(s=50))
+    task = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 1024)[0]
+    assert all(tokens[start:end] == list(b" zz") for item in task.sequences.values() for tokens, start, end in item)
+    assert evaluate(model, bundle)["tasks"]["s"] == dict(icl_task_type="schema", items=3, correct=2, accuracy=2 / 3,
+                                                         random_baseline=0.5, centered=(2 / 3 - 0.5) / 0.5)
+
+
+def test_language_modeling_needs_every_greedy_token(tmp_path):
+    # greedy after "Q:" is " abc" (each next byte favoured); " abd" misses only its last token
+    model = bigram((": ", 5.0), (" a", 5.0), ("ab", 5.0), ("bc", 5.0))
+    items = [dict(context="Q", continuation=" abc"), dict(context="Q", continuation=" abd"),
+             dict(context="Q", continuation=" xbc")]
+    bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=items, delimiter=":")],
+                          baselines=dict(lm=0))
+    assert evaluate(model, bundle)["tasks"]["lm"] == dict(icl_task_type="language_modeling", items=3, correct=1,
+                                                          accuracy=1 / 3, random_baseline=0.0, centered=1 / 3)
+
+
+def test_centered_accuracy_and_core(tmp_path):
+    model = bigram(("xy", 3.0), ("yz", 3.0), ("zw", 3.0))
+    mc = [dict(query="Q", choices=["ab", "xyzw"], gold=1)] * 3 + [dict(query="Q", choices=["ab", "xyzw"], gold=0)]
+    lm = [dict(context="Q", continuation=" q")] * 2
+    bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=mc),
+                                     dict(label="lm", kind="language_modeling", items=lm)],
+                          baselines=dict(mc=25, lm=0))
+    scores = evaluate(model, bundle)
+    assert scores["tasks"]["mc"]["accuracy"] == 0.75 and scores["tasks"]["lm"]["accuracy"] == 0.0
+    assert scores["tasks"]["mc"]["centered"] == pytest.approx((0.75 - 0.25) / 0.75)
+    assert scores["core"] == pytest.approx(((0.75 - 0.25) / 0.75 + 0.0) / 2) and scores["truncated"] == 0
+
+
+def test_long_sequences_lose_their_oldest_tokens_and_are_counted(tmp_path):
+    # 2-shot prompts far beyond block_size 12: the scored choice stays, the examples go first
+    items = [dict(query=f"question number {i}", choices=["ab", "xyzw"], gold=1) for i in range(3)]
+    bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=items, fewshot=2)])
+    task = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 12)[0]
+    assert task.truncated == 6
+    full = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 1024)[0]
+    for cut_item, full_item in zip(task.sequences.values(), full.sequences.values()):
+        for (tokens, start, end), (all_tokens, all_start, all_end) in zip(cut_item, full_item):
+            assert len(tokens) == 12 and tokens == all_tokens[-12:]  # cut from the left
+            assert tokens[start:end] == all_tokens[all_start:all_end]  # the same scored tokens
+    model = bigram(("xy", 3.0), ("yz", 3.0), ("zw", 3.0))  # a bigram model reads one token back: the same answers
+    assert evaluate(model, bundle, block_size=12)["truncated"] == 6
+    assert evaluate(model, bundle, block_size=12)["tasks"] == evaluate(model, bundle)["tasks"]
+
+
+def test_a_padded_batch_scores_each_row_as_alone():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=257)).eval()
+    rows = [(0, 0, [EOT, 1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 10), (0, 1, [EOT, 1, 2, 9], 2, 4), (1, 0, [EOT, 5, 5], 1, 3)]
+    with torch.no_grad():
+        together = downstream.forward_batch(gpt, rows, "cpu", nullcontext())
+        alone = [downstream.forward_batch(gpt, [row], "cpu", nullcontext()) for row in rows]
+        assert together[0] == pytest.approx([a[0][0] for a in alone], rel=1e-5)
+        assert together[1] == [a[1][0] for a in alone]
+        x = torch.tensor([rows[0][2]])  # the reference: the mean of the scored tokens' losses, one sequence
+        reference = F.cross_entropy(gpt(x, x)[0][0, 2:9], x[0, 3:10])
+    assert together[0][0] == pytest.approx(reference.item(), rel=1e-5)
+
+
+def test_batch_size_does_not_change_the_result(tmp_path):
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=257))
+    bundle = write_bundle(tmp_path, mixed_tasks())
+    assert evaluate(gpt, bundle, batch_tokens=1) == evaluate(gpt, bundle, batch_tokens=10 ** 6)
+    assert gpt.training  # the model's mode is restored
+
+
+def mixed_tasks(n=7):
+    """One small task of each type, items of varied lengths and answers."""
+    return [
+        dict(label="mc", kind="multiple_choice", fewshot=1, delimiter="\nA: ",
+             items=[dict(query="q" * (1 + i), choices=["yes", "no", "maybe"][:2 + i % 2], gold=i % 2) for i in range(n)]),
+        dict(label="schema", kind="schema", fewshot=2,
+             items=[dict(context_options=[f"a{i}", "bb" * i], continuation=" ends", gold=i % 2) for i in range(n)]),
+        dict(label="lm", kind="language_modeling", fewshot=1,
+             items=[dict(context=f"say {i}", continuation=f" {i % 3}") for i in range(n)]),
+    ]
+
+
+# -----------------------------------------------------------------------------
+# ranks
+
+def rank_worker(rank, bundle, rendezvous, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        model = bigram(("xy", 3.0), ("a ", 2.0), ("es", 1.0))
+        scores = evaluate(model, bundle, rank=rank, world=2, batch_tokens=64)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(dict(scores=scores, forwards=model.calls), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    bundle = write_bundle(tmp_path / "bundle", mixed_tasks(n=7))  # 7 items: the ranks take 4 and 3
+    # forked, not spawned: the ranks need not import torch again
+    mp.start_processes(rank_worker, args=(bundle, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    model = bigram(("xy", 3.0), ("a ", 2.0), ("es", 1.0))
+    single = evaluate(model, bundle, batch_tokens=64)
+    ranks = []
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            ranks.append(json.load(f))
+    assert ranks[0]["scores"] == ranks[1]["scores"] == single
+    # as many forwards on each rank (an FSDP forward is collective), though rank 1 has fewer items
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] and ranks[0]["forwards"] < model.calls
+    assert 0 < sum(t["correct"] for t in single["tasks"].values()) < 21  # not all wrong, not all right
+
+
+# -----------------------------------------------------------------------------
+# bad bundles
+
+def test_bad_bundles_are_one_line_naming_the_file(tmp_path):
+    good = [dict(label="mc", kind="multiple_choice", items=[dict(query="q", choices=["a", "b"], gold=0)] * 3)]
+
+    def bundle(tasks=good):
+        return write_bundle(tmp_path / f"b{len(os.listdir(tmp_path))}", tasks)
+
+    def refused(folder, match):
+        with pytest.raises(DataError, match=match) as err:
+            downstream.load_bundle(folder)
+        assert "\n" not in str(err.value)
+
+    folder = bundle()
+    os.remove(os.path.join(folder, "eval_data", "group", "mc.jsonl"))
+    refused(folder, r"task file .*group/mc.jsonl does not exist; restore the bundle")
+    folder = bundle()
+    with open(os.path.join(folder, "eval_data", "group", "mc.jsonl"), "a") as f:
+        f.write('{"query": \n')
+    refused(folder, r"group/mc.jsonl line 4 is not JSON")
+    folder = bundle([dict(good[0], items=good[0]["items"] + [dict(query="q", choices=["a", "b"], gold=2)])])
+    refused(folder, r"group/mc.jsonl line 4 is not a multiple_choice item: it needs query")
+    refused(bundle([dict(good[0], kind="question_answering")]),
+            r"core.yaml: task 1 \(mc\): unknown icl_task_type 'question_answering'")
+    folder = bundle()
+    with open(os.path.join(folder, "eval_meta_data.csv"), "w") as f:
+        f.write("Eval Task,Random baseline\nother,25\n")
+    refused(folder, r"eval_meta_data.csv has no random baseline for task 'mc'")
+    with open(os.path.join(folder, "eval_meta_data.csv"), "w") as f:
+        f.write("Eval Task,Random baseline\nmc,100\n")
+    refused(folder, r"eval_meta_data.csv line 2: the random baseline of mc must be a percent")
+    refused(bundle([dict(good[0], fewshot=3)]), r"mc asks for 3 few-shot examples but holds 3 items")
+    folder = bundle()
+    os.remove(os.path.join(folder, "core.yaml"))
+    refused(folder, r"core.yaml does not exist; get the CORE bundle with python downstream.py --download")
+
+
+def test_task_lines_split_at_line_ends_only(tmp_path):
+    items = [dict(context="a\u2028b\u0085c", continuation=" d")] * 2  # line separators inside a JSON string
+    bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=items)])
+    with open(os.path.join(bundle, "eval_data", "group", "lm.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
+    assert downstream.load_bundle(bundle).tasks[0].items == items
+
+
+def test_bundle_sha256_covers_every_file_and_its_name(tmp_path):
+    a = write_bundle(tmp_path / "a", mixed_tasks())
+    b = shutil.copytree(a, tmp_path / "b")
+    assert downstream.bundle_sha256(a) == downstream.bundle_sha256(b) == downstream.load_bundle(a).sha256
+    with open(os.path.join(b, "eval_data", "group", "lm.jsonl"), "a") as f:
+        f.write("\n")  # one blank line more: the same items, another bundle
+    assert downstream.bundle_sha256(b) != downstream.bundle_sha256(a)
+    c = shutil.copytree(a, tmp_path / "c")
+    os.rename(os.path.join(c, "eval_data", "group"), os.path.join(c, "eval_data", "other"))
+    assert downstream.bundle_sha256(c) != downstream.bundle_sha256(a)
+
+
+# -----------------------------------------------------------------------------
+# download
+
+def zipped(source, path):
+    with zipfile.ZipFile(path, "w") as z:
+        for folder, _, names in os.walk(source):
+            for name in names:
+                full = os.path.join(folder, name)
+                z.write(full, os.path.join("eval_bundle", os.path.relpath(full, source)))
+    return path
+
+
+def test_download_unpacks_once_and_offline_is_one_line(tmp_path, capsys):
+    source = write_bundle(tmp_path / "source", mixed_tasks())
+    url = "file://" + zipped(source, str(tmp_path / "eval_bundle.zip"))
+    target = str(tmp_path / "data" / "eval_bundle")
+    os.makedirs(tmp_path / "data")
+    assert downstream.download(target, url) == downstream.bundle_sha256(source) == downstream.bundle_sha256(target)
+    assert sorted(os.listdir(tmp_path / "data")) == ["eval_bundle"]  # no temporary left
+    assert downstream.download(target, "file:///nowhere.zip") == downstream.bundle_sha256(source)  # there already
+    assert "is there already" in capsys.readouterr().out
+
+    elsewhere = str(tmp_path / "data" / "other")
+    with pytest.raises(DataError, match=r"cannot download http://127.0.0.1:9/eval_bundle.zip \(.*\); without a "
+                                        r"network, fetch .* elsewhere and unzip it so that .*/other/core.yaml exists"):
+        downstream.download(elsewhere, "http://127.0.0.1:9/eval_bundle.zip", timeout=5)
+    (tmp_path / "junk.zip").write_text("not a zip")
+    with pytest.raises(DataError, match=r"junk.zip is not a readable zip"):
+        downstream.download(elsewhere, "file://" + str(tmp_path / "junk.zip"))
+    os.remove(os.path.join(source, "eval_meta_data.csv"))  # a zip of a broken bundle never takes the name
+    with pytest.raises(DataError, match=r"eval_meta_data.csv cannot be read"):
+        downstream.download(elsewhere, "file://" + zipped(source, str(tmp_path / "broken.zip")))
+    assert sorted(os.listdir(tmp_path / "data")) == ["eval_bundle"]
+
+
+# -----------------------------------------------------------------------------
+# the command line on cells
+
+def save_cell(cell_dir, seed, step, vocab_size=257):
+    """A cell as train.py leaves it (ckpt.pt, config.json, result.json), with an untrained tiny byte model."""
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab_size)
+    torch.manual_seed(seed)
+    gpt = GPT(config)
+    record = dict(arm="attnres", seed=seed, data_dir="data/shakespeare_bytes", tokenizer="bytes",
+                  model=dataclasses.asdict(config))
+    os.makedirs(cell_dir)
+    torch.save(dict(model=gpt.state_dict(), optimizer={}, step=step, rng=[], data_hash="", config=record, loss_sum=0.0,
+                    step_last=0, wall_time_s=0.0), os.path.join(cell_dir, "ckpt.pt"))
+    for name, obj in (("config.json", record), ("result.json", dict(val_loss=1.0))):
+        with open(os.path.join(cell_dir, name), "w") as f:
+            json.dump(obj, f)
+    return gpt
+
+
+def test_cli_writes_downstream_json_into_every_cell(tmp_path):
+    bundle = write_bundle(tmp_path / "bundle", mixed_tasks())
+    models = {seed: save_cell(tmp_path / "out" / "attnres" / f"seed{seed}", seed, step=3 + seed) for seed in (0, 1)}
+    result_before = (tmp_path / "out" / "attnres" / "seed0" / "result.json").read_bytes()
+    downstream.main([str(tmp_path / "out"), f"--bundle={bundle}", "--max_per_task=5", "--device=cpu"])
+    sha = downstream.bundle_sha256(bundle)
+    for seed, gpt in models.items():
+        cell = tmp_path / "out" / "attnres" / f"seed{seed}"
+        with open(cell / "downstream.json") as f:
+            got = json.load(f, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
+        assert list(got) == ["bundle_sha256", "max_per_task", "step", "core", "truncated", "tasks"]
+        assert (got["bundle_sha256"], got["max_per_task"], got["step"]) == (sha, 5, 3 + seed)
+        assert {k: got[k] for k in ("core", "truncated", "tasks")} == evaluate(gpt, bundle, 32, 5)
+        assert got["truncated"] > 0 and all(t["items"] == 5 for t in got["tasks"].values())
+        assert sorted(os.listdir(cell)) == ["ckpt.pt", "config.json", "downstream.json", "result.json"]
+    assert (tmp_path / "out" / "attnres" / "seed0" / "result.json").read_bytes() == result_before
+    downstream.main([str(tmp_path / "out" / "attnres" / "seed1"), f"--bundle={bundle}", "--device=cpu"])  # one cell
+    with open(tmp_path / "out" / "attnres" / "seed1" / "downstream.json") as f:
+        assert json.load(f)["max_per_task"] is None
+
+
+def test_cli_refusals_are_one_line(tmp_path):
+    bundle = write_bundle(tmp_path / "bundle", mixed_tasks())
+    save_cell(tmp_path / "out" / "attnres" / "seed0", 0, step=2)
+    os.makedirs(tmp_path / "out" / "attnres" / "seed1")  # begun, no checkpoint yet
+    proc = subprocess.run([sys.executable, "downstream.py", str(tmp_path / "out"), f"--bundle={bundle}"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: 1 cell(s) have no ckpt.pt yet") and "seed1" in proc.stderr
+    assert not os.path.exists(tmp_path / "out" / "attnres" / "seed0" / "downstream.json")
+    with pytest.raises(DataError, match=r"nowhere/core.yaml does not exist; get the CORE bundle"):
+        downstream.main([str(tmp_path / "out" / "attnres" / "seed0"), f"--bundle={tmp_path / 'nowhere'}"])
+    small = tmp_path / "small" / "seed0"
+    save_cell(small, 0, step=1, vocab_size=64)
+    with pytest.raises(DataError, match=r"vocab_size 64 is below its tokenizer's 257; it cannot read text"):
+        downstream.main([str(small), f"--bundle={bundle}"])
+    with pytest.raises(SystemExit, match=r"--max_per_task=0 must be >= 1"):
+        downstream.main([str(tmp_path / "out"), "--max_per_task=0"])
+
+
+# -----------------------------------------------------------------------------
+# during training: train.py's downstream_bundle, downstream_interval, downstream_max_per_task
+
+@pytest.fixture(scope="module")
+def byte_shards(tmp_path_factory):
+    """A byte-token corpus without a manifest (a model on it reads the tasks' text): validation and train shards."""
+    d = tmp_path_factory.mktemp("bytes")
+    text = np.frombuffer(b"say 1 or say 2; the answer: yes, no, maybe. " * 800, dtype=np.uint8)
+    write_shard(str(d / "val_000000.bin"), text[:3000], tokenizer="bytes")
+    write_shard(str(d / "train_000001.bin"), text[3000:], tokenizer="bytes")
+    return str(d)
+
+
+def with_core(shards, out_dir, bundle, *extra):
+    """train.py's arguments for a tiny byte-token grid (both arms, 8 steps) evaluated on bundle's first 5 items a task."""
+    return tiny(shards, out_dir, "--vocab_size=320", "--arms=attnres,rd_attnres", f"--downstream_bundle={bundle}",
+                "--downstream_max_per_task=5", *extra)
+
+
+@pytest.fixture(scope="module")
+def core_grid(byte_shards, tmp_path_factory):
+    """(out_dir, bundle) of a grid trained with the CORE tasks every 4 steps, report included."""
+    root = tmp_path_factory.mktemp("core")
+    bundle = write_bundle(root / "bundle", mixed_tasks())
+    train.main(with_core(byte_shards, root / "out", bundle, "--downstream_interval=4"))
+    return root / "out", bundle
+
+
+def read(path):
+    with open(path) as f:
+        return json.load(f, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
+
+
+@pytest.mark.parametrize("arm", ["attnres", "rd_attnres"])
+def test_training_writes_the_downstream_json_the_cli_computes(core_grid, arm, tmp_path):
+    out, bundle = core_grid
+    cell = tmp_path / arm
+    shutil.copytree(out / arm / "seed0", cell)
+    got = read(cell / "downstream.json")
+    assert list(got) == ["bundle_sha256", "max_per_task", "step", "core", "truncated", "tasks"]
+    assert (got["bundle_sha256"], got["max_per_task"], got["step"]) == (downstream.bundle_sha256(bundle), 5, 8)
+    assert read(cell / "result.json")["steps"] == 8 and all(t["items"] == 5 for t in got["tasks"].values())
+    # logged at every downstream_interval after step 0 and at the end, the last one as written
+    logged = [r for r in log_records(out, arm) if "core" in r]
+    assert [r["step"] for r in logged] == [4, 8] and logged[-1]["core"] == got["core"]
+    assert logged[-1]["centered"] == {label: t["centered"] for label, t in got["tasks"].items()}
+    # the command line on the cell's checkpoint (the last step's weights), in other batches: the same file
+    os.remove(cell / "downstream.json")
+    downstream.main([str(cell), f"--bundle={bundle}", "--max_per_task=5", "--device=cpu"])
+    assert read(cell / "downstream.json") == got
+
+
+def test_the_downstream_evaluation_changes_no_training_and_the_report_pairs_it(core_grid, byte_shards, tmp_path,
+                                                                               monkeypatch, capsys):
+    out, bundle = core_grid
+    off = tiny(byte_shards, tmp_path / "off", "--vocab_size=320", "--arms=attnres,rd_attnres")
+    train.main(off)
+    monkeypatch.setattr(train, "GPT", lambda *a: pytest.fail("a rerun with downstream settings trained"))
+    capsys.readouterr()
+    train.main(off + [f"--downstream_bundle={bundle}", "--downstream_interval=4"])  # not a change: the grid goes on
+    monkeypatch.undo()
+    cell = tmp_path / "off" / "attnres" / "seed0"  # finished without it: said, with the command that adds it
+    said = capsys.readouterr().out
+    assert f"has no downstream.json: python downstream.py {cell} --bundle={bundle} --max_per_task=500" in said
+    for arm in ("attnres", "rd_attnres"):
+        on = [r for r in log_records(out, arm) if "core" not in r]
+        assert without_timings(on) == without_timings(log_records(tmp_path / "off", arm))
+        assert result(out, arm)["pairing"] == result(tmp_path / "off", arm)["pairing"]
+        assert not os.path.exists(tmp_path / "off" / arm / "seed0" / "downstream.json")
+    report = (out / "report.md").read_text()
+    assert "CORE per cell" in report and "unreadable downstream.json" not in report
+
+
+def test_a_killed_cell_writes_downstream_json_when_it_resumes_to_the_end(core_grid, byte_shards, tmp_path, monkeypatch):
+    out, bundle = core_grid
+    args = with_core(byte_shards, tmp_path / "o", bundle, "--downstream_interval=4", "--arms=attnres")
+    cell, whole = tmp_path / "o" / "attnres" / "seed0", read(out / "attnres" / "seed0" / "downstream.json")
+    killed_at_step(6, monkeypatch, args)  # after step 4's checkpoint and CORE evaluation
+    assert not os.path.exists(cell / "downstream.json")
+    train.main(args)
+    assert read(cell / "downstream.json") == whole
+    # the resumed log redoes step 4's evaluations: it equals the uninterrupted one, CORE records included
+    assert without_timings(log_records(tmp_path / "o", "attnres")) == without_timings(log_records(out, "attnres"))
+    # killed once its last checkpoint and downstream.json are written, before result.json: done again on resume
+    os.remove(cell / "result.json")
+    os.remove(cell / "downstream.json")
+    train.main(args)
+    assert read(cell / "downstream.json") == whole and read(cell / "result.json")["steps"] == 8
+
+
+def test_two_ranks_sharded_write_what_one_process_computes(byte_shards, tmp_path):
+    bundle = write_bundle(tmp_path / "bundle", mixed_tasks())  # 5 items a task: the ranks take 3 and 2
+    args = with_core(byte_shards, tmp_path / "o", bundle, "--arms=rd_attnres", "--batch_size=8", "--fsdp=True")
+    proc = torchrun("train.py", args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cell = tmp_path / "o" / "rd_attnres" / "seed0"
+    sharded = read(cell / "downstream.json")
+    assert sharded["step"] == 8 and all(t["items"] == 5 for t in sharded["tasks"].values())
+    os.remove(cell / "downstream.json")
+    downstream.main([str(cell), f"--bundle={bundle}", "--max_per_task=5", "--device=cpu"])
+    assert read(cell / "downstream.json") == sharded
+
+
+def test_bad_downstream_settings_are_one_line(byte_shards, tmp_path):
+    base = dict(train.DEFAULTS, vocab_size=320, tokenizer="bytes")
+    bundle = write_bundle(tmp_path / "bundle", mixed_tasks())
+    for override, message in [
+            (dict(downstream_interval=10), "downstream_interval=10 must be 0 (each cell's last step only) or a "
+                                           "multiple of eval_interval=25"),
+            (dict(downstream_interval=-25), "downstream_interval=-25 must be 0"),
+            (dict(downstream_max_per_task=-1), "downstream_max_per_task=-1 must be at least 1, or 0 for every item"),
+            (dict(downstream_bundle=str(tmp_path / "nowhere")), "nowhere holds no core.yaml; get the CORE bundle with "
+                                                                "python downstream.py --download --bundle="),
+            (dict(downstream_bundle=bundle, tokenizer="gpt2"), "vocab_size=320 is below the 50257 ids of the data's "
+                                                               "gpt2 tokenizer")]:
+        with pytest.raises(ConfigError) as e:
+            records.check_config(dict(base, **override), 1)
+        assert message in str(e.value) and "\n" not in str(e.value)
+    records.check_config(dict(base, downstream_bundle=bundle, downstream_interval=50, downstream_max_per_task=0), 1)
+    with open(os.path.join(bundle, "eval_data", "group", "lm.jsonl"), "a") as f:
+        f.write("{not json\n")
+    proc = subprocess.run([sys.executable, "train.py", *with_core(byte_shards, tmp_path / "o", bundle)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and "lm.jsonl line 8 is not JSON" in proc.stderr
+    assert not os.path.exists(tmp_path / "o")  # before anything is written
