@@ -180,14 +180,20 @@ def markdown(a):
              + f"; device {a['device']}. NLL of the unmodified model: {a['base_nll']:.4f} nats/token"
              + (f" (the cell recorded {a['recorded_val_loss']:.4f})" if a["recorded_val_loss"] is not None else "")
              + ".", ""]
+    rep = a["representations"] or {}
+    if "expert_load" in rep:  # an MoE model, under any scheme: how each layer's router spreads the tokens
+        lines += ["## Experts", "", "Fraction of tokens that reach each expert (k/E each when balanced; they sum to k) "
+                  "and the entropy of the router's normalised scores (log E when uniform).", "",
+                  "| layer | load per expert | router entropy |", "|---|---|---|"]
+        lines += [f"| {name} | {' '.join(f'{v:.2f}' for v in load)} | {rep['router_entropy'][name]:.3f} |"
+                  for name, load in rep["expert_load"].items()] + [""]
     if not a["interventions"]:
         return "\n".join(lines + [f"residual={a['residual']!r} has no depth reads: no interventions and no routing "
-                                  f"representations; the NLL above is the whole analysis.", ""])
+                                  f"representations.", ""])
     lines += ["## Interventions", "", "NLL with the change minus NLL without it, on the same tokens "
               "(positive: the learned routing that the change removes was helping).", "",
               "| change | NLL | delta NLL |", "|---|---|---|"]
     lines += [f"| {describe(r['change'])} | {r['nll']:.4f} | {r['delta']:+.3g} |" for r in a["interventions"]]
-    rep = a["representations"]
     if rep["weights"]:
         lines += ["", "## Depth reads", "", "Effective number of sources: exp(entropy of the read's weights) per token, "
                   "averaged over tokens (1: one source; S: all S equally).", "",
@@ -296,7 +302,8 @@ def main(argv):
              capped=capped, base_nll=base, recorded_val_loss=recorded, code=code,
              trained_code=trained.get("fingerprint"),
              interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
-             representations=records.rounded(representations(model, val, evaluation, runtime)) if rows else None)
+             representations=records.rounded(representations(model, val, evaluation, runtime))
+             if rows or model.moes() else None)
     if model.config.residual == "dar":
         a["dar"] = dar_summary(a)
     write_json(os.path.join(args.cell, "analysis.json"), a)

@@ -962,6 +962,32 @@ def parse_cell(text, arms, seeds, results, logs):
     return cell
 
 
+SIZE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+MOE_KEYS = ("n_experts", "moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate")
+
+
+def shared_model(results):
+    """The model settings every counted cell records alike (its size; its MLP, dense or MoE), and the
+    keys among those that differ between cells: a reader of the report sees what was compared."""
+    settings = [r["pairing"]["settings"] for r in results.values()]
+    keys = [k for k in SIZE_KEYS + MOE_KEYS if any(k in s for s in settings)]
+    alike = {k: settings[0].get(k) for k in keys if all(s.get(k) == settings[0].get(k) for s in settings)}
+    return alike, [k for k in keys if k not in alike]
+
+
+def model_line(alike, differ):
+    size = ", ".join(f"{k} {alike[k]}" for k in SIZE_KEYS if k in alike)
+    if alike.get("n_experts", 1) == 1:
+        mlp = "dense MLP" if "n_experts" not in differ else ""
+    else:
+        width = alike.get("moe_expert_hidden")
+        mlp = (f"MoE MLP: {alike['n_experts']} experts, top-{alike.get('moe_top_k')}, "
+               f"{alike.get('moe_shared_experts', 0)} shared, expert width {width or 'auto'}, "
+               f"balancing bias rate {alike.get('moe_bias_rate')}")
+    parts = [p for p in (size, mlp) if p] + ([f"differing between cells: {', '.join(differ)}"] if differ else [])
+    return "Model shared by every cell: " + "; ".join(parts) + "."
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
@@ -1001,6 +1027,9 @@ def main(argv):
              f"Reference arm: {md(reference)}. delta = NLL(arm) - NLL(reference) on the fixed validation set "
              f"(nats/token; negative = better). Each arm is paired with the reference seed by seed: a seed counts "
              f"for an arm when both cells finished and their pairing records agree.", ""]
+    model, differ = shared_model(results) if results else ({}, [])
+    if results:
+        lines += [md(model_line(model, differ)), ""]
     if any(left_out.values()):
         lines += ["**Seeds left out** (not counted in that arm's n):", "",
                   *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()), ""]
@@ -1074,7 +1103,7 @@ def main(argv):
         lines += [f"### {md(title)}", "", f"![{md(title)}]({name})", ""]
     write_text(os.path.join(args.out_dir, "report.md"), "\n".join(lines))
     write_text(os.path.join(args.out_dir, "paired.json"), json.dumps(strict(
-        dict(reference=reference, arms=paired, diverged=diverged, downstream=compared and dict(
+        dict(reference=reference, model=dict(model, differing=differ), arms=paired, diverged=diverged, downstream=compared and dict(
             core={f"{a}/seed{s}": r["core"] for (a, s), r in downstream.items()}, arms=compared),
              tuning=tuning_summary(tuning, tuning_why, tuning_notes), learning_rates={
                  arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})

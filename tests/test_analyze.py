@@ -375,3 +375,23 @@ def test_not_a_cell_folder_is_one_line(tmp_path):
     run = subprocess.run([sys.executable, "analyze.py", str(tmp_path / "file")], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 1 and run.stderr.count("\n") == 1 and run.stderr.startswith("error: ")
+
+
+def test_an_moe_cell_shows_each_layers_expert_load_and_router_entropy(grid, tmp_path):
+    # standard under MoE has no depth reads, yet its routers are worth reading: loads sum to k per token
+    data = os.path.dirname(grid)
+    out = str(tmp_path / "out")
+    train.main([f"--data_dir={data}", f"--out_dir={out}", "--n_layer=2", "--n_head=2", "--n_embd=32",
+                "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=4", "--eval_interval=4",
+                "--eval_tokens=500", "--compile=False", "--seeds=0", "--warmup_iters=0", "--device=cpu",
+                "--arms=standard", "--n_experts=4", "--moe_top_k=2"])
+    cell = os.path.join(out, "standard", "seed0")
+    analyze.main([cell, "--device=cpu"])
+    with open(os.path.join(cell, "analysis.json")) as f:
+        rep = json.load(f)["representations"]
+    assert set(rep["expert_load"]) == set(rep["router_entropy"]) == {"mlp.0", "mlp.1"}
+    for name, load in rep["expert_load"].items():
+        assert len(load) == 4 and abs(sum(load) - 2) < 1e-3, (name, load)  # every token reaches its 2 experts
+        assert 0 < rep["router_entropy"][name] <= np.log(4) + 1e-6
+    text = open(os.path.join(cell, "analysis.md")).read()
+    assert "## Experts" in text and "| mlp.1 | " + " ".join(f"{v:.2f}" for v in rep["expert_load"]["mlp.1"]) in text

@@ -505,3 +505,18 @@ def test_damaged_or_foreign_init_from_files_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"untied.pt has an embedding \(transformer.wte.weight\) and a head "
                                           r"\(lm_head.weight\) that differ; this model ties them"):
         records.load_init_from(dict(cfg, init_from=str(tmp_path / "untied.pt")))
+
+
+def test_a_grid_made_between_the_look_and_the_write_is_checked_not_overwritten(tmp_path, monkeypatch):
+    first = records.GridRecord(grid_cfg(tmp_path, seeds=[0]), CODE)
+    other = records.GridRecord(grid_cfg(tmp_path, seeds=[1], learning_rate=1e-2), CODE)
+    first.write_once()
+    recorded = (tmp_path / "config.json").read_text()
+    looks, exists = [], os.path.exists
+    # other's write looks once and sees no config.json: first made it just after that look (the race
+    # that the exclusive creation exists for)
+    monkeypatch.setattr(records.os.path, "exists",
+                        lambda p: exists(p) if p != other.path or looks.append(p) or len(looks) > 1 else False)
+    with pytest.raises(ConfigError, match=r"config.json was made with other settings: learning_rate \(0.003 -> 0.01\)"):
+        other.write_once()
+    assert (tmp_path / "config.json").read_text() == recorded

@@ -959,3 +959,18 @@ def test_a_malformed_choice_json_is_a_named_problem(tmp_path, no_matplotlib, cho
     assert paired["tuning"] == dict(problem=problem)
     assert f"tune/choice.json: unreadable ({in_markdown(problem)}); the arms' rates cannot be traced" in text
     assert paired["arms"]["rd"]["n"] == 4 and "| rd | 2.9700 | 3.0800 | 3.0100 | 3.1600 | 0.001 |" in text
+
+
+def test_the_report_says_the_model_every_cell_shares_dense_or_moe(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    paired, text = run(out)
+    assert "Model shared by every cell: n_layer 2; dense MLP." in text and paired["model"] == dict(n_layer=2, differing=[])
+    moe = dict(n_experts=8, moe_top_k=2, moe_shared_experts=1, moe_expert_hidden=0, moe_bias_rate=0.01)
+    for arm, seed in LOSSES:
+        edit(out, arm, seed, lambda r: r["pairing"]["settings"].update(moe))
+    paired, text = run(out)
+    assert "MoE MLP: 8 experts, top-2, 1 shared, expert width auto, balancing bias rate 0.01." in text
+    assert paired["model"] == dict(n_layer=2, **moe, differing=[])
+    edit(out, "rd", 0, lambda r: r["pairing"]["settings"].update(n_experts=4))  # a cell of another MLP: named
+    paired, text = run(out)
+    assert "differing between cells: n_experts" in text and paired["model"]["differing"] == ["n_experts"]
