@@ -98,14 +98,14 @@ def write_text(path, text):
     write_atomic(path, write)
 
 
-def read_json(path):
-    """The file's JSON value, strictly (NaN and Infinity are not JSON); OSError, or ValueError naming why
-    it is not JSON (torn, not UTF-8, NaN, nested past Python's stack)."""
+def read_json(path, strict=True):
+    """The file's JSON value, strictly (NaN and Infinity are not JSON) unless strict=False; OSError, or
+    ValueError naming why it is not JSON (torn, not UTF-8, NaN, nested past Python's stack)."""
     def refuse(name):
         raise ValueError(f"{name} is not JSON")
     with open(path) as f:
         try:
-            return json.load(f, parse_constant=refuse)
+            return json.load(f, parse_constant=refuse if strict else None)
         except RecursionError:
             raise ValueError("nested too deeply to read") from None
 

@@ -53,7 +53,7 @@ import unicodedata
 import numpy as np
 from scipy import optimize, stats
 
-from common import DataError, write_atomic, write_text
+from common import DataError, read_json, write_atomic, write_text
 
 MISSING = object()  # a pairing key one cell does not record
 CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
@@ -90,16 +90,15 @@ def file_problem(path):
     return None if os.path.isfile(path) else "not a regular file"
 
 
-def read_json(path):
+def json_object(path):
     """(the file's dict, None), or (None, why it cannot be used: not a file, unreadable, not JSON, not a dict)."""
     if problem := file_problem(path):
         return None, problem
     try:
-        with open(path) as f:
-            obj = json.load(f)
+        obj = read_json(path, strict=False)  # older versions wrote NaN for a diverged loss: read as diverged
     except OSError as e:
         return None, (e.strerror or str(e)).lower()
-    except (ValueError, RecursionError):  # half-written, not UTF-8, or nested past Python's stack
+    except ValueError:  # half-written, not UTF-8, NaN, or nested past Python's stack
         return None, "not JSON"
     return (obj, None) if isinstance(obj, dict) else (None, f"{described(obj)}, not a JSON object")
 
@@ -206,7 +205,7 @@ def load_grid(out_dir):
     a folder listed in config.json or holding a cell of its own; a seed is one of those cells' or listed."""
     notes, config = [], {}
     if os.path.lexists(os.path.join(out_dir, "config.json")):
-        config, why = read_json(os.path.join(out_dir, "config.json"))
+        config, why = json_object(os.path.join(out_dir, "config.json"))
         if why:
             notes.append(f"config.json: unreadable ({why}); arms and seeds taken from the folders")
             config = {}
@@ -246,7 +245,7 @@ def load_grid(out_dir):
                 arm_notes.append(f"folder {where}/: no result.json or log.jsonl (not started)")
                 continue
             if os.path.lexists(result_path):
-                result, why = read_json(result_path)
+                result, why = json_object(result_path)
                 why = why or result_problem(result)
                 if why:
                     unusable[arm, seed] = "unreadable result.json"
@@ -524,7 +523,7 @@ def load_downstream(out_dir, results):
         path = os.path.join(out_dir, arm, f"seed{seed}", "downstream.json")
         if not os.path.lexists(path):
             continue
-        record, why = read_json(path)
+        record, why = json_object(path)
         if why := why or downstream_problem(record):
             problems[arm, seed] = "unreadable downstream.json"
             notes.append(f"{arm}/seed{seed}/downstream.json: unreadable ({why})")
@@ -894,7 +893,7 @@ def read_tuning(out_dir):
     path = os.path.join(out_dir, TUNE_DIR, "choice.json")
     if not os.path.lexists(path):
         return None, None
-    record, why = read_json(path)
+    record, why = json_object(path)
     why = why or tuning_problem(record)
     return (None, why) if why else (record, None)
 
@@ -969,7 +968,9 @@ MOE_KEYS = ("n_experts", "moe_top_k", "moe_shared_experts", "moe_expert_hidden",
 def shared_model(results):
     """The model settings every counted cell records alike (its size; its MLP, dense or MoE), and the
     keys among those that differ between cells: a reader of the report sees what was compared."""
-    settings = [r["pairing"]["settings"] for r in results.values()]
+    settings = [s for r in results.values() if (s := (r.get("pairing") or {}).get("settings"))]  # an old cell may have none
+    if not settings:
+        return {}, []
     keys = [k for k in SIZE_KEYS + MOE_KEYS if any(k in s for s in settings)]
     alike = {k: settings[0].get(k) for k in keys if all(s.get(k) == settings[0].get(k) for s in settings)}
     return alike, [k for k in keys if k not in alike]

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import common
 import report
 
 DELTAS = [-0.03, -0.02, -0.04, 0.01, -0.025]
@@ -514,6 +515,7 @@ def test_hostile_files_and_folders_are_skipped_with_a_note(tmp_path, monkeypatch
             return call(path, *args, **kwargs)
         return refuse
 
+    monkeypatch.setattr(common, "open", refusing(real_open), raising=False)  # report reads JSON through common
     monkeypatch.setattr(report, "open", refusing(real_open), raising=False)
     monkeypatch.setattr(os, "listdir", refusing(real_listdir))
     paired, text = run(out)
