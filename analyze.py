@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
+import machine
 import records
 import train
 from common import ConfigError, UserError, check_writable, write_atomic, write_json, write_text
@@ -273,7 +274,7 @@ def main(argv):
     parser.add_argument("--dtype", default="", help="auto, bfloat16 or float32 (default: the cell's)")
     args = parser.parse_args(argv)
     cfg, model, step = load_cell(args.cell)
-    runtime = train.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
+    runtime = machine.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
     data_dir = train.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = model.config.block_size

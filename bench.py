@@ -32,6 +32,7 @@ import time
 
 import torch
 
+import machine
 import records
 import train
 from common import ConfigError, DataError, UserError, check_writable, write_json
@@ -147,7 +148,7 @@ def peak_memory(name, cfg, argv, device, step):
 
 
 def bench_models(cfg, argv):
-    runtime = train.setup(cfg)
+    runtime = machine.setup(cfg)
     device, autocast = runtime.device, runtime.autocast
     if cfg["one_variant"]:  # the peak-RSS subprocess
         _, step, _ = setup_variant(cfg["one_variant"], cfg, device, autocast)

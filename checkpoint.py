@@ -1,11 +1,13 @@
 """
 A cell's checkpoint, ckpt.pt: where its training stands (CellState), its model and optimizer state
 and every rank's RNG, saved so that a kill or a full disk never loses the last good one, and resumed
-so that the cell goes on line for line as if never stopped. docs/protocol.md says what is checked
-before a checkpoint is resumed.
+so that the cell goes on line for line as if never stopped; and init_from, another grid's checkpoint
+as every cell's starting weights (the warm start). docs/protocol.md says what is checked before a
+checkpoint is resumed or warm-started from.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+import records
 from common import ConfigError, DataError, write_atomic, write_text
 from model import GPT, GPTConfig
 
@@ -45,7 +48,7 @@ def save_atomically(path, obj, writer=torch.save):
     except RuntimeError as e:
         full = shutil.disk_usage(os.path.dirname(path) or ".").free < 1 << 26
         why = "no space left on device" if full else str(e).splitlines()[0]
-        raise ConfigError(f"could not write {path} ({why}); the last good copy is kept: "
+        raise DataError(f"could not write {path} ({why}); the last good copy is kept: "
                           f"free disk space and rerun to resume") from None
 
 
@@ -55,7 +58,7 @@ def save_checkpoint(path, model, optimizer, state, record, runtime):
     gathered); rank 0 writes."""
     rng = gather_rng(runtime)
     weights, moments = training_state(model, optimizer, runtime)
-    if runtime.rank == 0:
+    if runtime.master:
         ckpt = dict(model=weights, optimizer=moments, rng=rng, config=record, **dataclasses.asdict(state))
         save_atomically(path, ckpt)
 
@@ -130,7 +133,7 @@ def load_checkpoint(path, device):
     try:
         ckpt = load_tensors(path, device)
     except ValueError as e:
-        raise ConfigError(f"{path} is unreadable, truncated or empty ({e}); {REMEDY}") from None
+        raise DataError(f"{path} is unreadable, truncated or empty ({e}); {REMEDY}") from None
     if isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict):  # older checkpoints: no wandb run, and
         ckpt.setdefault("wandb_id", None)  # their accepted changes in their record only
         ckpt.setdefault("changes", ckpt["config"].get("changes", []))
@@ -138,12 +141,12 @@ def load_checkpoint(path, device):
         {f.name: (int, float) if f.type is float else f.type for f in dataclasses.fields(CellState)}
     missing = [k for k in kinds if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
-        raise ConfigError(f"{path} was written by an older train.py (no {', '.join(missing)}); {REMEDY}")
+        raise DataError(f"{path} was written by an older train.py (no {', '.join(missing)}); {REMEDY}")
     wrong = [k for k, kind in kinds.items() if not isinstance(ckpt[k], kind) or isinstance(ckpt[k], bool)]
     if "rng" not in wrong and not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) for r in ckpt["rng"]):
         wrong.append("rng")
     if wrong or ckpt["step"] < 0 or not 0 <= ckpt["step_last"] <= ckpt["step"]:
-        raise ConfigError(f"{path} is not a checkpoint train.py wrote ({', '.join(wrong) or 'step'} of the wrong "
+        raise DataError(f"{path} is not a checkpoint train.py wrote ({', '.join(wrong) or 'step'} of the wrong "
                           f"type or value); {REMEDY}")
     return ckpt
 
@@ -153,10 +156,9 @@ def resume(cell_dir, record, allow, model, optimizer, runtime):
     returns its CellState. The checkpoint's record is checked as config.json is (records.check_rerun):
     it must be this cell's and made with the same settings and code unless allow (then the change joins
     state.changes); its step must be within max_iters."""
-    import records  # here, not at the top: records imports this module (load_tensors)
     path = os.path.join(cell_dir, "ckpt.pt")
     if not os.path.exists(os.path.join(cell_dir, "config.json")):
-        raise ConfigError(f"{cell_dir} has ckpt.pt but no config.json to check it against; restore config.json, "
+        raise DataError(f"{cell_dir} has ckpt.pt but no config.json to check it against; restore config.json, "
                           f"or delete ckpt.pt to train the cell from scratch")
     ckpt = load_checkpoint(path, runtime.device)
     saved = ckpt["config"]
@@ -173,7 +175,7 @@ def resume(cell_dir, record, allow, model, optimizer, runtime):
     except RuntimeError as e:  # a state_dict of another model
         raise ConfigError(f"{path} does not fit this cell's model ({str(e).splitlines()[0]}); {REMEDY}") from None
     restore_rng(ckpt["rng"], runtime)
-    if runtime.rank == 0:
+    if runtime.master:
         write_text(os.path.join(cell_dir, "log.jsonl"), kept_log)
     state = CellState(**{f.name: ckpt[f.name] for f in dataclasses.fields(CellState)})
     if runtime.rank != 0:
@@ -210,13 +212,13 @@ def log_until(log_path, step):
     """The cell's log records before a checkpoint at step (its own evaluation is redone); a
     half-written last line (a kill or a full disk mid-write) is dropped."""
     if not os.path.isfile(log_path):
-        raise ConfigError(f"{log_path} is missing beside its ckpt.pt; restore it, or delete ckpt.pt to train the cell "
+        raise DataError(f"{log_path} is missing beside its ckpt.pt; restore it, or delete ckpt.pt to train the cell "
                           f"from scratch")
     try:
         with open(log_path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except UnicodeDecodeError:
-        raise ConfigError(f"{log_path} is not text; restore it, or delete ckpt.pt to train the cell from scratch") from None
+        raise DataError(f"{log_path} is not text; restore it, or delete ckpt.pt to train the cell from scratch") from None
     kept = []
     for i, line in enumerate(lines):
         try:
@@ -226,8 +228,72 @@ def log_until(log_path, step):
         except ValueError:
             if i == len(lines) - 1:
                 break
-            raise ConfigError(f"{log_path} line {i + 1} is not a log record; repair it, or delete ckpt.pt to train "
+            raise DataError(f"{log_path} line {i + 1} is not a log record; repair it, or delete ckpt.pt to train "
                               f"the cell from scratch") from None
         if r["step"] < step or (r["step"] == step and "loss" in r):
             kept.append(line + "\n")
     return "".join(kept)
+
+
+# -----------------------------------------------------------------------------
+# warm start
+
+# the model keys that give the shared weights their meaning (n_head: not visible in the shapes)
+ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")
+
+
+def load_init_from(cfg):
+    """
+    The weights every cell starts from when init_from is set, the sha256 of their file and the
+    tokenizer of the data they were trained on (None for a plain state_dict, which cannot say): a
+    train.py ckpt.pt of a residual='standard' arm, or a file holding a state_dict of one. Checked
+    against every arm before anything runs; each cell then copies them by name over its seed's
+    init, leaving its routing parameters (residual.*) at their init, which is the standard residual.
+    """
+    path = cfg["init_from"]
+    if not path:
+        return None, None, None
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        ckpt = load_tensors(path, "cpu")
+    except (OSError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"init_from={path} is missing or unreadable ({why}); give a train.py ckpt.pt of a "
+                          f"residual='standard' arm") from None
+    weights = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
+    if (not isinstance(weights, dict) or not weights or not all(isinstance(v, torch.Tensor) for v in weights.values())
+            or not all(isinstance(k, str) for k in weights)):
+        raise ConfigError(f"init_from={path} holds neither a train.py ckpt.pt nor a state_dict")
+    record = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}  # a train.py checkpoint says what it is
+    source = record.get("model") if isinstance(record.get("model"), dict) else {}
+    routing = [k for k in weights if k.startswith("residual.")]
+    if routing:
+        raise ConfigError(f"init_from={path} is not a standard checkpoint (residual={source.get('residual', '?')!r}, "
+                          f"routing parameters {routing[0]}, ...); warm starts begin from a residual='standard' model")
+    broken = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if broken:  # every cell would diverge at its first step
+        raise ConfigError(f"init_from={path} holds non-finite values (NaN or inf) in {broken[0]}"
+                          f"{f' and {len(broken) - 1} more' if len(broken) > 1 else ''}; warm-start from a checkpoint "
+                          f"saved before its run diverged")
+    embedding, head = weights.get("transformer.wte.weight"), weights.get("lm_head.weight")
+    if embedding is not None and head is not None and not torch.equal(embedding, head):  # one tensor here
+        raise ConfigError(f"init_from={path} has an embedding (transformer.wte.weight) and a head (lm_head.weight) "
+                          f"that differ; this model ties them, so one would be lost: give a tied checkpoint")
+    for arm, settings in cfg["arms"].items():
+        config = records.model_config(cfg, settings)
+        for key in ARCHITECTURE_KEYS:
+            if key in source and source[key] != getattr(config, key):
+                raise ConfigError(f"init_from={path} has {key}={source[key]}, arm {arm!r} has {key}="
+                                  f"{getattr(config, key)}; set --{key}={source[key]} or use another checkpoint")
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in GPT(config).state_dict().items() if not k.startswith("residual.")}
+        for name in sorted(set(shapes) | set(weights)):
+            have = tuple(weights[name].shape) if name in weights else "absent"
+            want = tuple(shapes[name]) if name in shapes else "absent"
+            if have != want:
+                raise ConfigError(f"init_from={path} does not fit arm {arm!r}: {name} is {have} there, {want} in "
+                                  f"the arm (n_layer, n_embd, vocab_size must be the checkpoint's)")
+    return weights, h.hexdigest(), record.get("tokenizer")

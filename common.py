@@ -1,6 +1,6 @@
 """
 What every script shares: the one-line error a user sees, and files written so that a reader never
-sees half of one (atomic writes, strict JSON, one process at a time through a pid lock).
+sees half of one (atomic writes, strict JSON, one process at a time through a pid lock, a cell's lock).
 """
 
 import errno
@@ -156,6 +156,22 @@ def pid_lock(path, busy):
         yield
     finally:
         os.remove(path)
+
+
+@contextmanager
+def cell_lock(cell_dir, master):
+    """One process at a time trains a cell: cell_dir/lock (pid_lock: pid and host, a killed
+    run's lock taken over). Under DDP rank 0 holds it."""
+    if not master:
+        yield
+        return
+    try:
+        os.makedirs(cell_dir, exist_ok=True)
+    except OSError as e:  # a file where the arm's or the cell's folder should be, a read-only disk
+        raise ConfigError(f"cannot create the cell folder {cell_dir} ({e.strerror}); move away the file in its "
+                          f"place, or choose another --out_dir") from None
+    with pid_lock(os.path.join(cell_dir, "lock"), f"cell {cell_dir} is being trained"):
+        yield
 
 
 def read_lock(path):

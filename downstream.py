@@ -6,14 +6,14 @@ $ python downstream.py --download                                  # the public 
 $ python downstream.py out/rd_attnres/seed0                        # one cell
 $ python downstream.py out --max_per_task=500                      # every cell of a grid, 500 items per task
 $ torchrun --standalone --nproc_per_node=8 downstream.py out       # the items split over 8 GPUs
-$ python train.py --downstream_bundle=data/eval_bundle             # during training (train.evaluate_downstream)
+$ python train.py --downstream_bundle=data/eval_bundle             # during training (cells.evaluate_downstream)
 
 A task scores each item by the cell's own losses: multiple_choice picks the choice whose
 continuation has the lowest mean token loss, schema the context option under which the shared
 continuation has the lowest mean loss, language_modeling asks the greedy continuation to equal the
 target token for token. CORE is the mean over tasks of (accuracy - b) / (1 - b), b the task's
-random baseline. downstream.json records the bundle's sha256: results from different bundles never
-pair. docs/downstream.md describes the bundle format, the prompts and the cost.
+random baseline. downstream.json records the bundle's sha256 and this file's code fingerprint:
+results from different bundles or scoring code never pair. docs/downstream.md describes the bundle format, the prompts and the cost.
 """
 
 import argparse
@@ -35,7 +35,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+import machine
 from checkpoint import load_cell
+from records import code_fingerprint
 from common import DataError, UserError, check_writable, write_json
 from data.shards import get_tokenizer, tokenizer_of
 
@@ -480,9 +482,12 @@ def evaluate_tasks(model, tasks, device, autocast, world=1, batch_tokens=BATCH_T
 
 def write_scores(cell_dir, bundle, max_per_task, step, scores):
     """cell_dir/downstream.json (atomically): evaluate_tasks' scores of the checkpoint of step, with
-    what they were measured on (the bundle's sha256, max_per_task: None for every item)."""
-    write_json(os.path.join(cell_dir, "downstream.json"),
-               dict(bundle_sha256=bundle.sha256, max_per_task=max_per_task, step=step, **scores))
+    what they were measured on (the bundle's sha256, max_per_task: None for every item, and the
+    fingerprint of this file, which scores: the report pairs none scored by other code)."""
+    with open(os.path.abspath(__file__), "rb") as f:
+        scoring_code = code_fingerprint(f.read())
+    write_json(os.path.join(cell_dir, "downstream.json"), dict(bundle_sha256=bundle.sha256, max_per_task=max_per_task,
+                                                             scoring_code=scoring_code, step=step, **scores))
 
 
 # -----------------------------------------------------------------------------
@@ -582,8 +587,7 @@ def main(argv):
         return
     cells = find_cells(args.path)
     bundle = load_bundle(args.bundle)
-    import train  # train.py imports this file: the one runtime setup (device, precision, processes)
-    runtime = train.setup(dict(device=args.device, dtype=args.dtype, fsdp=False))
+    runtime = machine.setup(dict(device=args.device, dtype=args.dtype, fsdp=False))
     device, autocast, rank, world = runtime.device, runtime.autocast, runtime.rank, runtime.world
     for cell_dir in cells:
         t0 = time.time()

@@ -8,6 +8,7 @@ import json
 import os
 import time
 
+import records
 from common import DataError
 
 
@@ -25,7 +26,7 @@ class CellLog:
         self.flops_per_step = model.flops_per_token(cell.block_size) * self.tokens_per_step
         self.time_left = TimeLeft(cell, grid.todo, grid.rates)
         self.wall_before, self.file, self.run = state.wall_time_s, None, None
-        self.path = os.path.join(cell.out_dir, cell.arm, f"seed{cell.seed}", "log.jsonl")
+        self.path = os.path.join(records.cell_dir(cell.out_dir, cell.arm, cell.seed), "log.jsonl")
         if runtime.master:
             try:
                 # a resumed log was cut back to its checkpoint
@@ -125,8 +126,9 @@ class TimeLeft:
             self.train_s, self.train_steps = self.train_s + seconds, self.train_steps + steps
         step_s = self.train_s / self.train_steps if self.train_steps else seconds / steps
         arm, n, k = self.cell.arm, self.cell.max_iters, self.cell.eval_interval
-        self.rates[arm] = (step_s, min(self.eval_s))
-        cell = (n - step) * step_s + evals_after(step, n, k) * min(self.eval_s)
+        eval_s = min(self.eval_s, default=0.0)  # a resumed cell may log before its first evaluation
+        self.rates[arm] = (step_s, eval_s)
+        cell = (n - step) * step_s + evals_after(step, n, k) * eval_s
         here = (arm, self.cell.seed)
         later = self.todo[self.todo.index(here) + 1:] if here in self.todo else []
         grid = cell + sum(self.rates.get(a, self.rates[arm])[0] * n + self.rates.get(a, self.rates[arm])[1]

@@ -21,11 +21,10 @@ import urllib.parse
 import numpy as np
 import torch
 
-from checkpoint import load_tensors
 from common import ConfigError, cannot_write, read_json, temporary_name, write_json
 from configurator import coerce
 from data.shards import TOKENIZERS
-from model import GPT, RESIDUALS, GPTConfig, option_owners
+from model import RESIDUALS, GPTConfig, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
@@ -45,11 +44,16 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "data_dir", "log_interval",
                    "eval_batch_size", "verify_shards", "allow_changes", "wandb_log", "wandb_project", "wandb_run_name",
                    "downstream_bundle", "downstream_interval", "downstream_max_per_task")
-# the code that computes a result: the model, the step, the data order and what a resume restores
-# (fingerprinted without comments, docstrings and messages). Reports, checks, downloads, logs and
-# these records are not in it.
-CODE_FILES = ("model.py", "train.py", "checkpoint.py", "data/shards.py")
+# the code that computes a result: the model, the runtime (TF32, deterministic kernels), the step, the data
+# order, a cell's init and what a resume restores (fingerprinted without comments, docstrings and messages).
+# The report, the config checks here, downloads, the log (progress.py) and these records are not in it.
+CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py")
 RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or delete the cell's folder to retrain it"
+
+
+def cell_dir(out_dir, arm, seed):
+    """A cell's folder: out_dir/<arm>/seed<k>."""
+    return os.path.join(out_dir, arm, f"seed{seed}")
 
 
 # -----------------------------------------------------------------------------
@@ -355,19 +359,19 @@ def check_rerun(path, old, new, allow):
 
 def check_cell(cfg, arm, seed, code, val):
     """check_rerun for a cell with something to protect, a checkpoint or a result (which must be
-    readable and this cell's); returns (its config.json record or None, the difference)."""
-    cell_dir = os.path.join(cfg["out_dir"], arm, f"seed{seed}")
-    result_path, config_path = os.path.join(cell_dir, "result.json"), os.path.join(cell_dir, "config.json")
-    if not any(os.path.exists(os.path.join(cell_dir, f)) for f in ("ckpt.pt", "result.json")):
-        return None, {}  # nothing trained yet: the cell starts from scratch
+    readable and this cell's); returns how its config.json differs from this run ({} when it has none)."""
+    folder = cell_dir(cfg["out_dir"], arm, seed)
+    result_path, config_path = os.path.join(folder, "result.json"), os.path.join(folder, "config.json")
+    if not any(os.path.exists(os.path.join(folder, f)) for f in ("ckpt.pt", "result.json")):
+        return {}  # nothing trained yet: the cell starts from scratch
     if os.path.exists(result_path):
         check_owner(result_path, check_result(read_record(result_path, RESULT_REMEDY), result_path), arm, seed)
     if not os.path.exists(config_path):
-        return None, {}  # a checkpoint alone: resume refuses it, naming what to do
+        return {}  # a checkpoint alone: resume refuses it, naming what to do
     cell = cell_config(cfg, arm, seed)
     new = dict(cell, code=code, val_hash=validation_hash(val, cell["eval_tokens"], cell["block_size"]))
     recorded = read_record(config_path, "restore it, or delete the folder to start it again")
-    return recorded, check_rerun(config_path, recorded, new, cfg["allow_changes"])
+    return check_rerun(config_path, recorded, new, cfg["allow_changes"])
 
 
 class GridRecord:
@@ -516,67 +520,3 @@ def train_data_fingerprint(train_paths, manifest):
                 f.seek(max(0, size - (1 << 16)))
                 h.update(f.read(1 << 16))
     return h.hexdigest()
-
-
-# -----------------------------------------------------------------------------
-# warm start
-
-# the model keys that give the shared weights their meaning (n_head: not visible in the shapes)
-ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")
-
-
-def load_init_from(cfg):
-    """
-    The weights every cell starts from when init_from is set, the sha256 of their file and the
-    tokenizer of the data they were trained on (None for a plain state_dict, which cannot say): a
-    train.py ckpt.pt of a residual='standard' arm, or a file holding a state_dict of one. Checked
-    against every arm before anything runs; each cell then copies them by name over its seed's
-    init, leaving its routing parameters (residual.*) at their init, which is the standard residual.
-    """
-    path = cfg["init_from"]
-    if not path:
-        return None, None, None
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-        ckpt = load_tensors(path, "cpu")
-    except (OSError, ValueError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"init_from={path} is missing or unreadable ({why}); give a train.py ckpt.pt of a "
-                          f"residual='standard' arm") from None
-    weights = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
-    if (not isinstance(weights, dict) or not weights or not all(isinstance(v, torch.Tensor) for v in weights.values())
-            or not all(isinstance(k, str) for k in weights)):
-        raise ConfigError(f"init_from={path} holds neither a train.py ckpt.pt nor a state_dict")
-    record = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}  # a train.py checkpoint says what it is
-    source = record.get("model") if isinstance(record.get("model"), dict) else {}
-    routing = [k for k in weights if k.startswith("residual.")]
-    if routing:
-        raise ConfigError(f"init_from={path} is not a standard checkpoint (residual={source.get('residual', '?')!r}, "
-                          f"routing parameters {routing[0]}, ...); warm starts begin from a residual='standard' model")
-    broken = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if broken:  # every cell would diverge at its first step
-        raise ConfigError(f"init_from={path} holds non-finite values (NaN or inf) in {broken[0]}"
-                          f"{f' and {len(broken) - 1} more' if len(broken) > 1 else ''}; warm-start from a checkpoint "
-                          f"saved before its run diverged")
-    embedding, head = weights.get("transformer.wte.weight"), weights.get("lm_head.weight")
-    if embedding is not None and head is not None and not torch.equal(embedding, head):  # one tensor here
-        raise ConfigError(f"init_from={path} has an embedding (transformer.wte.weight) and a head (lm_head.weight) "
-                          f"that differ; this model ties them, so one would be lost: give a tied checkpoint")
-    for arm, settings in cfg["arms"].items():
-        config = model_config(cfg, settings)
-        for key in ARCHITECTURE_KEYS:
-            if key in source and source[key] != getattr(config, key):
-                raise ConfigError(f"init_from={path} has {key}={source[key]}, arm {arm!r} has {key}="
-                                  f"{getattr(config, key)}; set --{key}={source[key]} or use another checkpoint")
-        with torch.device("meta"):
-            shapes = {k: v.shape for k, v in GPT(config).state_dict().items() if not k.startswith("residual.")}
-        for name in sorted(set(shapes) | set(weights)):
-            have = tuple(weights[name].shape) if name in weights else "absent"
-            want = tuple(shapes[name]) if name in shapes else "absent"
-            if have != want:
-                raise ConfigError(f"init_from={path} does not fit arm {arm!r}: {name} is {have} there, {want} in "
-                                  f"the arm (n_layer, n_embd, vocab_size must be the checkpoint's)")
-    return weights, h.hexdigest(), record.get("tokenizer")

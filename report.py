@@ -51,14 +51,13 @@ import sys
 import unicodedata
 
 import numpy as np
-from scipy import optimize, stats
+from scipy import stats
 
-from common import DataError, read_json, write_atomic, write_text
+from common import DataError, UserError, read_json, write_atomic, write_text
+from paired_stats import ALPHA, POWER, paired_statistics, perplexity_change, power_analysis
 
 MISSING = object()  # a pairing key one cell does not record
 CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
-ALPHA, POWER = 0.05, 0.8  # the paired tests' two-sided level, and the power a grid is sized for
-MAX_SEEDS = 2 ** 30  # the seeds needed to detect an effect are searched no further
 TUNE_DIR = "tune"  # the tuned protocol's tuning grid inside out_dir, with its choice.json (tune.py)
 
 
@@ -362,105 +361,6 @@ def mixed_versions(results, arms, seeds):
     return notes
 
 
-def paired_statistics(deltas, higher_is_better=False):
-    """Statistics of per-seed deltas (arm - reference): a win is a delta below 0 (a loss), or above 0 when
-    higher_is_better (an accuracy). Computed on the deltas scaled by a power of two (exact), so a diverging arm's
-    deltas near the float limit give finite statistics wherever the true value is a float."""
-    d = np.asarray(deltas, dtype=np.float64)
-    n = len(d)
-    exponent = math.frexp(float(np.abs(d).max()))[1] if n and np.isfinite(d).all() else 0
-    u = np.ldexp(d, -exponent)  # |u| < 1: no sum of n of them overflows
-    with np.errstate(over="ignore", invalid="ignore"):  # an infinite delta (a float's limit passed) gives inf or nan
-        mean = float(np.ldexp(u.mean(), exponent)) if n else float("nan")
-        std = float(np.ldexp(u.std(ddof=1), exponent)) if n > 1 else float("nan")
-        if n > 1:
-            half = stats.t.ppf(0.975, n - 1) * u.std(ddof=1) / math.sqrt(n)
-            ci95 = [float(np.ldexp(u.mean() - half, exponent)), float(np.ldexp(u.mean() + half, exponent))]
-            if np.all(d == d[0]):  # no spread: the t statistic is infinite (or 0/0 for all-zero deltas)
-                p_ttest = 0.0 if mean != 0 else 1.0
-            else:
-                p_ttest = float(stats.ttest_1samp(u, 0.0).pvalue)  # t is the same for any scale
-        else:
-            ci95, p_ttest = [float("nan")] * 2, float("nan")
-    wins, losses = int((d > 0).sum()), int((d < 0).sum())
-    if not higher_is_better:
-        wins, losses = losses, wins
-    if wins + losses:  # ties dropped
-        p_sign = float(stats.binomtest(wins, wins + losses, 0.5).pvalue)
-    else:  # all ties: no evidence either way; no seeds: nothing to test
-        p_sign = 1.0 if n else float("nan")
-    return dict(deltas=d.tolist(), n=n, wins=wins, mean=mean, std=std, ci95=ci95, p_ttest=p_ttest, p_sign=p_sign)
-
-
-def perplexity_change(mean):
-    """exp(mean delta) - 1, or inf where that is past a float (a mean delta above ~709 nats: a diverging arm)."""
-    return math.expm1(mean) if not mean > math.log(sys.float_info.max) else math.inf
-
-
-def t_test_power(effect_in_sd, n):
-    """Power of the two-sided paired t-test (level ALPHA) over n seeds when the true mean delta is effect_in_sd
-    standard deviations of the deltas: P(|T| > critical t) for T noncentral t with n - 1 degrees of freedom."""
-    df, critical = n - 1, stats.t.ppf(1 - ALPHA / 2, n - 1)
-    noncentrality = min(effect_in_sd * math.sqrt(n), 1e3)  # power is 1.0 past it; scipy's nct turns nan far out
-    # the lower tail by symmetry: nct.cdf(-critical) turns nan where it is below 1e-18
-    return float(stats.nct.sf(critical, df, noncentrality) + stats.nct.sf(critical, df, -noncentrality))
-
-
-def detectable_effect_in_sd(n):
-    """The smallest true mean delta, in s.d. of the deltas, that the paired t-test over n seeds detects with power
-    POWER."""
-    high = 1.0
-    while t_test_power(high, n) < POWER:
-        high *= 2
-    return optimize.brentq(lambda e: t_test_power(e, n) - POWER, 0.0, high)
-
-
-def seeds_needed(effect_in_sd):
-    """The fewest seeds with which the paired t-test detects a true mean delta of effect_in_sd s.d. with power
-    POWER, or None past MAX_SEEDS."""
-    if t_test_power(effect_in_sd, MAX_SEEDS) < POWER:
-        return None
-    low, high = 1, MAX_SEEDS  # power grows with n: too few at low (no test at one seed), enough at high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if t_test_power(effect_in_sd, middle) >= POWER else (middle, high)
-    return high
-
-
-def sign_test_min_p(untied):
-    """The smallest two-sided p the sign test can give with this many untied seeds (all of them wins)."""
-    return min(1.0, 2 * 0.5 ** untied) if untied else float("nan")
-
-
-SIGN_TEST_SEEDS = next(k for k in itertools.count(1) if sign_test_min_p(k) < ALPHA)  # 6 at ALPHA = 0.05
-
-
-def power_analysis(st, effect):
-    """What a comparison's n can detect, sized from the s.d. of its deltas (itself an estimate from n seeds): the
-    smallest true mean delta the paired t-test detects with power POWER, the seeds it needs to detect a delta of
-    size effect, and the smallest p the sign test can reach; notes say what cannot be computed and why."""
-    n, std = st["n"], st["std"]
-    untied = sum(d != 0 for d in st["deltas"])
-    power = dict(effect=effect, alpha=ALPHA, power=POWER, std=std, detectable_effect=None, seeds_needed=None,
-                 sign_test_min_p=sign_test_min_p(untied), notes=[])
-    if n < 2:
-        power["notes"].append(f"n = {n}: no s.d. of the deltas to size the t-test from")
-    elif std == 0:
-        power["notes"].append("every seed has the same delta (s.d. 0): power cannot be estimated from it")
-    elif not math.isfinite(std):
-        power["notes"].append("the deltas' s.d. is past a float: power cannot be estimated from it")
-    else:
-        power["detectable_effect"] = detectable_effect_in_sd(n) * std
-        power["seeds_needed"] = seeds_needed(effect / std)
-        if power["seeds_needed"] is None:
-            power["notes"].append(f"a delta of {effect:g} nats needs more than {MAX_SEEDS} seeds at this s.d.")
-    if untied and untied < SIGN_TEST_SEEDS:
-        power["notes"].append(f"the sign test cannot reach p < {ALPHA:g} at {untied} seed{'s' * (untied > 1)}"
-                              f"{' (ties left out)' if untied < n else ''}: its smallest p is "
-                              f"{power['sign_test_min_p']:.3g}; it needs {SIGN_TEST_SEEDS}")
-    return power
-
-
 def is_finite(x):
     return is_number(x) and math.isfinite(x)
 
@@ -535,12 +435,13 @@ def load_downstream(out_dir, results):
 def evaluation(record):
     """What a downstream result was measured on: two results pair only when this agrees key by key."""
     return dict(bundle_sha256=record["bundle_sha256"], max_per_task=record["max_per_task"],
+                scoring_code=record.get("scoring_code"),  # None: written before downstream.json recorded it
                 **{f"tasks.{label}.items": task["items"] for label, task in record["tasks"].items()})
 
 
 def downstream_unpaired_reason(reference, arm, seed, results, downstream, problems):
     """Why two cells' downstream results of one seed cannot be paired, or None: each must be of its cell's final
-    step, and both of one evaluation (task bundle, max_per_task, tasks and their items)."""
+    step, and both of one evaluation (task bundle, max_per_task, scoring code, tasks and their items)."""
     reasons = []
     for a in (reference, arm):
         where = f"{a}/seed{seed}"
@@ -1115,5 +1016,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except DataError as e:  # a file that could not be written (full disk): one line
+    except UserError as e:  # a file that could not be written (full disk), or read: one line
         sys.exit(f"error: {e}")

@@ -15,9 +15,10 @@ import sys
 
 import torch
 
+import machine
 import records
 from checkpoint import load_cell
-from common import DataError
+from common import DataError, UserError
 from data.shards import get_tokenizer, tokenizer_of
 
 
@@ -48,7 +49,9 @@ def main(argv):
             parser.error(f"--{name}={getattr(args, name)} must be {'> 0' if name == 'temperature' else '>= 1'}")
     if not 0 <= args.seed < 2 ** 63:
         parser.error(f"--seed={args.seed} must be in [0, 2^63)")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    # auto as train.py resolves it (cuda, then mps, then cpu); any other name as torch takes it
+    device = machine.resolve_device("auto", 1, 0, torch.cuda.device_count(), torch.backends.mps.is_available()) \
+        if args.device == "auto" else args.device
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:  # an unknown name, or a device this torch cannot use
@@ -93,5 +96,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except DataError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

@@ -14,22 +14,19 @@ Each cell writes out_dir/<arm>/seed<k>/: config.json, log.jsonl, ckpt.pt and, wh
 result.json. Run the same command again: finished cells are skipped, a killed cell resumes from
 its last checkpoint (checkpoint.py), and a cell recorded with other settings, data or code is
 refused unless allow_changes=True (records.py; docs/protocol.md says what is recorded). This file
-is the runtime, the data order, the step and the loop. The grid ends with the paired report (report.py).
+is the config, the data order, the step and the loop; machine.py sets up the processes and device,
+cells.py opens, checkpoints and finishes a cell. The grid ends with the paired report (report.py).
 """
 
-import dataclasses
 import hashlib
 import math
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -37,13 +34,13 @@ import checkpoint
 import downstream
 import records
 import tune
-from progress import CellLog
-from checkpoint import CellState
-from common import ConfigError, DataError, UserError, check_writable, pid_lock, write_json
+from cells import DATA_ORDER, Grid, evaluate_downstream, finish_cell, open_cell, save_cell, seed_for
+from common import ConfigError, DataError, UserError, cell_lock, check_writable
 from configurator import configure
 from data.prepare import prepare_bundled
-from data.shards import BUNDLED, TOKENIZERS, find_shards, get_tokenizer, open_shard, shard_tokenizer, verify_manifest
-from model import GPT, RESIDUALS, GPTConfig
+from data.shards import BUNDLED, TOKENIZERS, find_shards, open_shard, shard_tokenizer, verify_manifest
+from machine import cpu_threads, resolve_compile, setup
+from model import RESIDUALS
 
 _before_config = set(globals())
 # -----------------------------------------------------------------------------
@@ -111,114 +108,7 @@ SCHEME_ARMS = {name: {"residual": name} for name in RESIDUALS}
 
 
 # -----------------------------------------------------------------------------
-# the runtime: processes, device, precision
-
-@dataclasses.dataclass
-class Runtime:
-    """Where this process trains: its place among the processes, its device and precision."""
-    world: int
-    rank: int
-    local_rank: int
-    device: str  # 'cpu', 'mps' or 'cuda:N'
-    dtype: str  # as used: 'bfloat16' or 'float32'
-    autocast: object  # torch.autocast for bfloat16, else a null context
-    peak_flops: float | None  # the GPU's dense bf16 peak FLOP/s, for MFU
-    fsdp: bool
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-
-# dense bf16 peak FLOP/s per GPU, for MFU (matched against torch.cuda.get_device_name)
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
-              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12}
-
-
-def setup(cfg):
-    """The Runtime of this process from cfg's device, dtype and fsdp (and torchrun's environment)."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    device = resolve_device(cfg["device"], world, local_rank, torch.cuda.device_count(),
-                            torch.backends.mps.is_available())
-    dtype = cfg["dtype"]
-    if dtype not in ("auto", "bfloat16", "float32"):
-        raise ConfigError(f"dtype={dtype!r}: choose auto, bfloat16 or float32")
-    if device == "cpu":
-        # compiled CPU kernels are otherwise not run-to-run repeatable on several threads (the
-        # default 2-seed run moved by up to 0.1 nats); the deterministic ones cost nothing measurable
-        torch.use_deterministic_algorithms(True)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if world > 1:
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    peak = None
-    if device.startswith("cuda") and dtype == "bfloat16":
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return Runtime(world=world, rank=rank, local_rank=local_rank, device=device, dtype=dtype, autocast=autocast,
-                   peak_flops=peak, fsdp=cfg["fsdp"])
-
-
-def resolve_device(requested, world, local_rank, cuda_count, mps_available):
-    """The device this process trains on: 'auto' picks cuda, then mps, then cpu; 'cuda' is the
-    process's own GPU (cuda:LOCAL_RANK under torchrun, cuda:0 alone); 'cuda:N' names one GPU, so
-    only one process may use it."""
-    kind, _, index = requested.partition(":")
-    if requested == "auto":
-        kind, index = "cuda" if cuda_count else "mps" if mps_available else "cpu", ""
-    if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
-        raise ConfigError(f"device={requested!r}: choose auto, cpu, cuda, cuda:N or mps")
-    if kind == "mps" and not mps_available:
-        raise ConfigError(f"device={requested!r} but this torch sees no MPS device; use --device=auto or cpu")
-    if kind != "cuda":
-        return kind
-    if not cuda_count:
-        raise ConfigError(f"device={requested!r} but this torch sees no CUDA GPU; use --device=auto or cpu")
-    if index and world > 1:
-        raise ConfigError(f"device={requested!r} names one GPU for {world} processes; use --device=cuda "
-                          f"(each process takes cuda:LOCAL_RANK)")
-    gpu = int(index) if index else local_rank
-    if gpu >= cuda_count:
-        raise ConfigError(f"device cuda:{gpu} does not exist: this machine shows {cuda_count} GPU(s)")
-    return f"cuda:{gpu}"
-
-
-def resolve_compile(requested, device):
-    """compile as used: 'auto' compiles on CUDA only (on a CPU, compiling a small model costs more
-    than it saves), else True or False as asked (--compile=True arrives as the string 'True')."""
-    choice = str(requested).lower()
-    if choice not in ("auto", "true", "false"):
-        raise ConfigError(f"compile={requested!r}: choose auto, True or False")
-    return device.startswith("cuda") if choice == "auto" else choice == "true"
-
-
-def cpu_threads(runtime):
-    """The CPU threads this process computes with, said on rank 0; and a warning when the machine
-    is busier than its cores (threads then wait on each other: 2 threads on 2 busy cores ran 13x slower)."""
-    threads = torch.get_num_threads()
-    if runtime.master:
-        print(f"cpu: {threads} thread(s) per process (set with OMP_NUM_THREADS)")
-        load, cores = os.getloadavg()[0], os.cpu_count()
-        if load > cores:
-            print(f"warning: this machine's load ({load:.1f}) exceeds its {cores} cores: training will be slow; "
-                  f"with OMP_NUM_THREADS=1 it waits least")
-    return threads
-
-
-# -----------------------------------------------------------------------------
 # data: the same batches for every arm of a seed, the same validation tokens for every cell
-
-def seed_for(seed, purpose, rank=0):
-    """Independent integer seeds per run seed: init (0), data order (1), dropout (2, per rank)."""
-    return int(np.random.SeedSequence([seed, purpose, rank]).generate_state(1)[0])
-
 
 def resolve_data_dir(path):
     """data_dir as an absolute path: a relative one is taken from the working directory when it is
@@ -401,147 +291,8 @@ def routing_summary(model, val, cell, runtime):
     return records.rounded(diag)
 
 
-def apply_fsdp(model):
-    """FSDP2 over the processes: each sublayer's weights a unit (the scheme calls attention and MLP
-    apart, so they are gathered apart), then the root with the rest (embedding, norms, routing)."""
-    for block in model.transformer.h:
-        fully_shard(block.attn)
-        fully_shard(block.mlp)
-    fully_shard(model)
-    register_fsdp_forward_method(model, "routing_diagnostics")  # gathers the root's weights, as forward does
-
-
 # -----------------------------------------------------------------------------
-# the life of one cell
-
-@dataclasses.dataclass
-class Grid:
-    """What the cells of one run share."""
-    code: dict  # records.code_record()
-    record: records.GridRecord  # out_dir/config.json: written once, when the first cell trains
-    differences: dict  # (arm, seed) -> how the cell's config.json differs from this run (records.check_cell)
-    todo: list  # the cells without a result, in order: for time left
-    init: dict | None  # the warm start's weights (init_from), or None
-    bundle: downstream.Bundle | None  # the CORE tasks (downstream_bundle), or None
-    rates: dict = dataclasses.field(default_factory=dict)  # arm -> (s/step, s/evaluation), for time left
-
-
-@dataclasses.dataclass
-class Cell:
-    """A cell ready to train (open_cell)."""
-    settings: SimpleNamespace  # the cell's config (records.cell_config) as attributes
-    record: dict  # its config.json
-    model: GPT
-    compiled: torch.nn.Module  # the model as it runs: compiled, or the model itself
-    train_model: torch.nn.Module  # the compiled model under DDP, or the compiled model
-    optimizer: object
-    state: CellState
-    log: CellLog
-    init_hash: str
-    tasks: list | None  # this rank's share of the CORE tasks, encoded for the cell (downstream.encode_tasks)
-
-    @property
-    def dir(self):
-        return os.path.join(self.settings.out_dir, self.settings.arm, f"seed{self.settings.seed}")
-
-
-def open_cell(arm, seed, cfg, grid, val, runtime):
-    """A cell ready to train, or None when it is done already (said on rank 0): its model at the
-    seed's shared init (or the warm start's weights), resumed from its checkpoint when it has one,
-    its config.json written and its log opened."""
-    cell = SimpleNamespace(**records.cell_config(cfg, arm, seed))
-    cell_dir, prefix = os.path.join(cell.out_dir, arm, f"seed{seed}"), f"[{arm} seed{seed}]"
-    change = grid.differences[arm, seed]
-    if os.path.exists(os.path.join(cell_dir, "result.json")):
-        if runtime.master:
-            print(f"{prefix} done already: {records.describe_done(os.path.join(cell_dir, 'result.json'), change)}")
-            if grid.bundle and not os.path.exists(os.path.join(cell_dir, "downstream.json")):  # trained without it
-                most = f" --max_per_task={cell.downstream_max_per_task}" if cell.downstream_max_per_task else ""
-                print(f"{prefix} has no downstream.json: python downstream.py {cell_dir} "
-                      f"--bundle={cell.downstream_bundle}{most}")
-        return None
-    config = GPTConfig(**{k: getattr(cell, k) for k in records.MODEL_KEYS})
-    record = dict(vars(cell), model=dataclasses.asdict(config), code=grid.code,
-                  val_hash=records.validation_hash(val, cell.eval_tokens, cell.block_size))
-    torch.manual_seed(seed_for(seed, 0))  # the seed's shared init, bit-identical across arms
-    model = GPT(config)
-    if grid.init is not None:  # every shared weight replaced, routing left at its init
-        model.load_state_dict(grid.init, strict=False)
-    init_hash = records.shared_init_hash(model)
-    model.to(runtime.device)
-    model.activation_checkpointing = cell.activation_checkpointing
-    if runtime.fsdp:
-        apply_fsdp(model)
-    optimizer = model.configure_optimizers(cell.weight_decay, cell.learning_rate, (cell.beta1, cell.beta2),
-                                           runtime.device.split(":")[0], cell.optimizer, cell.muon_learning_rate)
-    torch.manual_seed(seed_for(seed, 2, runtime.rank))  # dropout masks: paired across arms, distinct per rank
-    state = CellState()
-    if os.path.exists(os.path.join(cell_dir, "ckpt.pt")):
-        state = checkpoint.resume(cell_dir, record, cell.allow_changes, model, optimizer, runtime)
-        if runtime.master:
-            print(f"{prefix} resuming from step {state.step}" + (f" with changes: {', '.join(change)}" if change else ""))
-    if state.changes:
-        record["changes"] = state.changes
-    if runtime.master:
-        write_json(os.path.join(cell_dir, "config.json"), record)
-    torch._dynamo.reset()  # a new cell is a new model: compile afresh, not as the 9th recompile of forward
-    # one graph per batch shape (training micro-batches, evaluation batches), never a dynamic one
-    compiled = torch.compile(model, dynamic=False) if cell.compile else model
-    train_model = DDP(compiled, device_ids=[runtime.local_rank] if runtime.device.startswith("cuda") else None) \
-        if runtime.world > 1 and not runtime.fsdp else compiled
-    log = CellLog(cell, state, dict(record, init_hash=init_hash), model, grid, runtime)
-    tasks = None if grid.bundle is None else downstream.encode_tasks(
-        grid.bundle.tasks, get_tokenizer(cell.tokenizer), cell.block_size, cell.downstream_max_per_task or None,
-        runtime.rank, runtime.world)
-    return Cell(cell, record, model, compiled, train_model, optimizer, state, log, init_hash, tasks)
-
-
-def save_cell(cell, data, loss_sum, grid, runtime):
-    """The cell's checkpoint at its state's step. The log interval's loss so far is summed onto rank
-    0 (the others' zeroed), which holds it in the checkpoint, so a resume restores it exactly."""
-    if runtime.world > 1:
-        dist.all_reduce(loss_sum)
-        if not runtime.master:
-            loss_sum.zero_()
-    state = cell.state
-    state.data_hash, state.loss_sum, state.wall_time_s = data.hash, loss_sum.item(), cell.log.wall_time_s()
-    if runtime.master:
-        grid.record.write_once()
-    checkpoint.save_checkpoint(os.path.join(cell.dir, "ckpt.pt"), cell.model, cell.optimizer, state, cell.record, runtime)
-
-
-def evaluate_downstream(cell, grid, runtime):
-    """The CORE tasks on the cell's model when due (downstream_interval, and the cell's last step),
-    on every rank, logged; at the last step rank 0 writes downstream.json (before result.json, so a
-    finished cell has both). The uncompiled model: its batches vary in shape. Eval mode draws no
-    random numbers, so training goes on as without it."""
-    s, step = cell.settings, cell.state.step
-    due = step == s.max_iters or (s.downstream_interval and step > 0 and step % s.downstream_interval == 0)
-    if cell.tasks is None or not due:
-        return
-    t0 = time.time()
-    # eval_batch_size sequences of block_size per forward: the memory of a validation batch
-    scores = downstream.evaluate_tasks(cell.model, cell.tasks, runtime.device, runtime.autocast, runtime.world,
-                                       s.eval_batch_size * s.block_size)
-    cell.log.downstream(step, scores, time.time() - t0)
-    if step == s.max_iters and runtime.master:
-        downstream.write_scores(cell.dir, grid.bundle, s.downstream_max_per_task or None, step, scores)
-
-
-def finish_cell(cell, data, val_loss, diverged, routing, grid, runtime):
-    """result.json: how the cell ended (rank 0)."""
-    if not runtime.master:
-        return
-    s, state = cell.settings, cell.state
-    if diverged:
-        print(f"[{s.arm} seed{s.seed}] diverged: {diverged}; the cell stops here, the grid goes on")
-    grid.record.write_once()
-    cell.log.close(records.write_result(
-        os.path.join(cell.dir, "result.json"), vars(s), cell.record, cell.model, grid.code, steps=state.step,
-        tokens=state.step * cell.log.tokens_per_step, val_loss=val_loss, diverged=diverged, routing=routing,
-        init_hash=cell.init_hash, data_hash=data.hash, eval_tokens=(s.eval_tokens - 1) // s.block_size * s.block_size,
-        changes=state.changes, wall_time_s=cell.log.wall_time_s()))
-
+# one cell, the grid
 
 def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     """Train (or resume, or skip) one cell of the grid; a finished or diverged cell has result.json."""
@@ -549,7 +300,7 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     if cell is None:
         return
     s, model, optimizer, state, log = cell.settings, cell.model, cell.optimizer, cell.state, cell.log
-    data = TrainData(train_shards, s.block_size, seed_for(seed, 1), state.data_hash)
+    data = TrainData(train_shards, s.block_size, seed_for(seed, DATA_ORDER), state.data_hash)
     step_sequences = s.gradient_accumulation_steps * s.batch_size  # all ranks together
     per_rank = step_sequences // runtime.world
     sizes = micro_batches(per_rank, s.batch_size)
@@ -595,23 +346,22 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     finish_cell(cell, data, val_loss, diverged, routing, grid, runtime)
 
 
-# -----------------------------------------------------------------------------
-# the grid
-
-@contextmanager
-def cell_lock(cell_dir, master):
-    """One process at a time trains a cell: cell_dir/lock (common.pid_lock: pid and host, a killed
-    run's lock taken over). Under DDP rank 0 holds it."""
-    if not master:
-        yield
-        return
-    try:
-        os.makedirs(cell_dir, exist_ok=True)
-    except OSError as e:  # a file where the arm's or the cell's folder should be, a read-only disk
-        raise ConfigError(f"cannot create the cell folder {cell_dir} ({e.strerror}); move away the file in its "
-                          f"place, or choose another --out_dir") from None
-    with pid_lock(os.path.join(cell_dir, "lock"), f"cell {cell_dir} is being trained"):
-        yield
+def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime):
+    """Train every cell of cfg's grid (arms x seeds) in turn: finished cells skipped, killed ones resumed."""
+    # a rerun goes on only with the recorded settings, data and code (or allow_changes=True)
+    grid_record = records.GridRecord(cfg, code)
+    cells = [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
+    differences = {(arm, seed): records.check_cell(cfg, arm, seed, code, val) for arm, seed in cells}
+    if runtime.master:
+        check_writable(cfg["out_dir"], "choose another --out_dir")
+    todo = [(arm, seed) for arm, seed in cells
+            if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
+    grid = Grid(code=code, record=grid_record, differences=differences, todo=todo, init=init_weights, bundle=bundle)
+    for arm, seed in cells:
+        with cell_lock(records.cell_dir(cfg["out_dir"], arm, seed), runtime.master):
+            train_cell(arm, seed, cfg, grid, train_shards, val, runtime)
+    if runtime.world > 1:
+        dist.barrier()  # every result.json (rank 0's) written before any rank reads one
 
 
 def main(argv):
@@ -634,7 +384,7 @@ def main(argv):
                world_size=runtime.world, compile=resolve_compile(cfg["compile"], runtime.device),
                cpu_threads=cpu_threads(runtime) if runtime.device == "cpu" else None)
     # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
-    init_weights, cfg["init_from_sha256"], init_tokenizer = records.load_init_from(cfg)
+    init_weights, cfg["init_from_sha256"], init_tokenizer = checkpoint.load_init_from(cfg)
     bundle = downstream.load_bundle(cfg["downstream_bundle"]) if cfg["downstream_bundle"] else None  # every rank
     val, train_shards = open_data(cfg, data, min(m.vocab_size for m in models.values()), init_tokenizer)
     for config in models.values():  # enough tokens for a sequence of every arm, before anything is written
@@ -644,30 +394,13 @@ def main(argv):
         tuning = tune.tuning_config(cfg)
         records.check_config(tuning, runtime.world)  # its arms' rates, as any arm's
         train_grid(tuning, code, val, train_shards, init_weights, None, runtime)  # no downstream tasks: tune.py
-        cfg["arms"] = tune.tuned_arms(cfg, tune.choose(cfg, tuning["out_dir"]))
+        cfg["arms"] = tune.tuned_arms(cfg, tune.choose(cfg, tuning["out_dir"], runtime.master))
     train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime)
     if runtime.world > 1:
         dist.destroy_process_group()
     if runtime.master:
         import report
         report.main([cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else []))
-
-
-def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime):
-    """Train every cell of cfg's grid (arms x seeds) in turn: finished cells skipped, killed ones resumed."""
-    # a rerun goes on only with the recorded settings, data and code (or allow_changes=True)
-    grid_record = records.GridRecord(cfg, code)
-    cells = [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
-    differences = {(arm, seed): records.check_cell(cfg, arm, seed, code, val)[1] for arm, seed in cells}
-    if runtime.master:
-        check_writable(cfg["out_dir"], "choose another --out_dir")
-    todo = [c for c in cells if not os.path.exists(os.path.join(cfg["out_dir"], c[0], f"seed{c[1]}", "result.json"))]
-    grid = Grid(code=code, record=grid_record, differences=differences, todo=todo, init=init_weights, bundle=bundle)
-    for arm, seed in cells:
-        with cell_lock(os.path.join(cfg["out_dir"], arm, f"seed{seed}"), runtime.master):
-            train_cell(arm, seed, cfg, grid, train_shards, val, runtime)
-    if runtime.world > 1:
-        dist.barrier()  # every result.json (rank 0's) written before any rank reads one
 
 
 if __name__ == "__main__":

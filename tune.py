@@ -98,13 +98,14 @@ def tuning_config(cfg):
 def tuning_loss(tune_dir, name, seed, rate, budget):
     """A tuning cell's final validation loss, or None when it diverged; one line when it has no result or
     one of other settings (a copy, a rate or budget not this tuning's)."""
-    path = os.path.join(tune_dir, name, f"seed{seed}", "result.json")
+    path = os.path.join(records.cell_dir(tune_dir, name, seed), "result.json")
     if not os.path.exists(path):
         raise ConfigError(f"tuning cell {name}/seed{seed} has no result ({path} missing); run the same command "
                           f"to train it")
     result = records.check_result(records.read_record(path, records.RESULT_REMEDY), path)
     records.check_owner(path, result, name, seed)
-    own = (result.get("pairing") or {}).get("arm_settings") or {}
+    pairing = result.get("pairing") if isinstance(result.get("pairing"), dict) else {}
+    own = pairing.get("arm_settings") if isinstance(pairing.get("arm_settings"), dict) else {}  # damaged: not this tuning's
     if own.get("learning_rate") != rate or result["status"] == "finished" and result.get("steps") != budget:
         raise ConfigError(f"{path} is not of this tuning (learning_rate {own.get('learning_rate')!r}, "
                           f"{result.get('steps')!r} steps; this tuning: {rate:g}, {budget} steps); delete "
@@ -112,10 +113,10 @@ def tuning_loss(tune_dir, name, seed, rate, budget):
     return result["val_loss"] if result["status"] == "finished" else None
 
 
-def choose(cfg, tune_dir):
+def choose(cfg, tune_dir, master=True):
     """{arm: learning rate}: per arm, the rate with the lowest mean final validation loss over the tuning seeds
-    (a rate with a diverged seed never wins; an exact tie goes to the smaller rate, the safer one). Writes
-    tune_dir/choice.json: every arm's per-seed losses and mean per rate, and the choice."""
+    (a rate with a diverged seed never wins; an exact tie goes to the smaller rate, the safer one). The master
+    process writes tune_dir/choice.json: every arm's per-seed losses and mean per rate, and the choice."""
     check(cfg)
     rates, seeds, budget = [float(r) for r in cfg["tune_learning_rates"]], cfg["tune_seeds"], iters(cfg)
     table, choice = {}, {}
@@ -131,10 +132,11 @@ def choose(cfg, tune_dir):
             raise ConfigError(f"arm {arm!r} diverged at every tuning rate ({', '.join(map(rate_name, rates))}); "
                               f"add smaller rates to tune_learning_rates")
         choice[arm] = ranked[0][1]
-    write_json(os.path.join(tune_dir, "choice.json"), dict(
-        tune_seeds=list(seeds), tune_iters=budget, max_iters=cfg["max_iters"], seeds=list(cfg["seeds"]),
-        learning_rates=rates, min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"), table=table,
-        choice=choice))
+    if master:
+        write_json(os.path.join(tune_dir, "choice.json"), dict(
+            tune_seeds=list(seeds), tune_iters=budget, max_iters=cfg["max_iters"], seeds=list(cfg["seeds"]),
+            learning_rates=rates, min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"), table=table,
+            choice=choice))
     return choice
 
 

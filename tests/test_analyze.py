@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import analyze
 import common
+import machine
 import train
 from common import ConfigError, DataError
 from data.shards import write_shard
@@ -31,8 +32,8 @@ torch.set_num_threads(1)  # tiny models: threads only contend with each other on
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {"attnres_full": dict(residual="attnres",
                                                                                       attnres_block_size=1)}
-CPU = train.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None,
-                    fsdp=False)
+CPU = machine.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None,
+                      fsdp=False)
 EVAL = SimpleNamespace(block_size=16, eval_tokens=400, eval_batch_size=8)
 # at init these equal the unmodified model in exact arithmetic, but sum in another order
 ROUNDED = {("dar", ("one_stream", 0)), ("dar", ("one_stream", 1)), ("mhc", ("identity_mixing",))}
@@ -342,7 +343,7 @@ def test_a_bad_cell_is_one_line_and_writes_nothing(grid, tmp_path, problem):
     spoil, message = BAD_CELLS[problem]
     spoil(cell)
     before = sorted(os.listdir(cell))
-    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+    with pytest.raises(common.UserError, match=re.escape(message)) as e:  # a bad setting or a damaged file
         analyze.main([cell, "--device=cpu"])
     assert "\n" not in str(e.value) and sorted(os.listdir(cell)) == before
     assert open(os.path.join(cell, "analysis.json")).read() == "the last analysis"

@@ -18,16 +18,17 @@ import pytest
 import torch
 
 import checkpoint
+import machine
 import train
 from checkpoint import CellState
-from common import ConfigError
+from common import ConfigError, DataError
 from conftest import killed_at_step, log_records, logged, result, tiny, torchrun, without_timings
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)  # tiny models: threads only contend with each other on a shared machine
-ONE_PROCESS = train.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=None,
-                            peak_flops=None, fsdp=False)
+ONE_PROCESS = machine.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=None,
+                              peak_flops=None, fsdp=False)
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +79,7 @@ def test_a_checkpoint_with_a_field_of_the_wrong_type_or_value_is_one_line(tmp_pa
     good = dict(model={}, optimizer={}, step=4, rng=[dict(torch=torch.get_rng_state(), cuda=None)], data_hash="h",
                 config={}, loss_sum=0.0, step_last=4, wall_time_s=1.0, wandb_id=None, changes=[])
     torch.save(dict(good, **change), tmp_path / "ckpt.pt")
-    with pytest.raises(ConfigError, match="is not a checkpoint train.py wrote") as e:
+    with pytest.raises(DataError, match="is not a checkpoint train.py wrote") as e:
         checkpoint.load_checkpoint(str(tmp_path / "ckpt.pt"), "cpu")
     assert "\n" not in str(e.value)
 
@@ -91,7 +92,7 @@ def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path):
         with open(p, "wb") as f:
             f.write(b"half")
         raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\nbasic_ios::clear")
-    with pytest.raises(ConfigError, match="could not write .*ckpt.pt .*unexpected pos.*last good copy is kept") as e:
+    with pytest.raises(DataError, match="could not write .*ckpt.pt .*unexpected pos.*last good copy is kept") as e:
         checkpoint.save_atomically(path, {"step": 2}, full_disk)
     assert "\n" not in str(e.value)
     assert os.listdir(tmp_path) == ["ckpt.pt"] and torch.load(path)["step"] == 1
@@ -105,14 +106,14 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch):
         with open(p, "wb") as f:
             f.write(b"half")
         raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
-    with pytest.raises(ConfigError, match=r"could not write .*ckpt.pt \(no space left on device\); the last good"):
+    with pytest.raises(DataError, match=r"could not write .*ckpt.pt \(no space left on device\); the last good"):
         checkpoint.save_atomically(str(tmp_path / "ckpt.pt"), {}, torch_full)
     assert os.listdir(tmp_path) == []
 
 
 def test_a_log_that_is_not_text_is_one_line(tmp_path):
     (tmp_path / "log.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
-    with pytest.raises(ConfigError, match="log.jsonl is not text"):
+    with pytest.raises(DataError, match="log.jsonl is not text"):
         checkpoint.log_until(str(tmp_path / "log.jsonl"), 4)
 
 
@@ -177,7 +178,7 @@ def older_checkpoint():
 def test_a_damaged_checkpoint_is_one_line(stopped, shards, tmp_path, damage, message):
     out, cell, args = copy_of(stopped, tmp_path, shards)
     (cell / "ckpt.pt").write_bytes(damage((cell / "ckpt.pt").read_bytes()))
-    with pytest.raises(ConfigError, match=message) as e:
+    with pytest.raises(DataError, match=message) as e:
         train.main(args)
     assert "\n" not in str(e.value)
 
@@ -185,7 +186,7 @@ def test_a_damaged_checkpoint_is_one_line(stopped, shards, tmp_path, damage, mes
 def test_a_missing_log_is_one_line(stopped, shards, tmp_path):
     out, cell, args = copy_of(stopped, tmp_path, shards)
     os.remove(cell / "log.jsonl")
-    with pytest.raises(ConfigError, match="log.jsonl is missing beside its ckpt.pt"):
+    with pytest.raises(DataError, match="log.jsonl is missing beside its ckpt.pt"):
         train.main(args)
 
 
@@ -193,7 +194,7 @@ def test_a_log_damaged_before_its_last_line_is_one_line(stopped, shards, tmp_pat
     out, cell, args = copy_of(stopped, tmp_path, shards)
     text = (cell / "log.jsonl").read_text()
     (cell / "log.jsonl").write_text(text[:len(text) // 2] + "\n" + text[len(text) // 2:][:7])
-    with pytest.raises(ConfigError, match="log.jsonl line .* is not a log record"):
+    with pytest.raises(DataError, match="log.jsonl line .* is not a log record"):
         train.main(args)
 
 

@@ -1,6 +1,7 @@
 """
 common.py's primitives: atomic strict-JSON writes, exclusive temporaries that nothing planted can
-redirect and that a killed writer does not leave forever, the pid lock, check_writable, read_json.
+redirect and that a killed writer does not leave forever, the pid lock and a cell's lock (train.py
+stops at a cell another process trains), check_writable, read_json.
 $ python -m pytest tests/test_common.py -q
 """
 
@@ -13,6 +14,9 @@ import sys
 import pytest
 
 import common
+import train
+from common import ConfigError, DataError
+from conftest import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()
@@ -195,3 +199,49 @@ def test_read_json_is_strict(tmp_path):
     assert common.read_json(str(path)) == {"a": [1, 2.5, None]}
     with pytest.raises(FileNotFoundError):
         common.read_json(str(tmp_path / "missing.json"))
+
+
+def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path):
+    cell, host = tmp_path / "o" / "attnres" / "seed0", socket.gethostname()
+    lock = cell / "lock"
+    with common.cell_lock(str(cell), True):
+        assert lock.read_text() == f"{os.getpid()} {host}"
+        with pytest.raises(DataError, match=f"is being trained by pid {os.getpid()} on {host}; wait for it, or remove "):
+            with common.cell_lock(str(cell), True):
+                pass
+    assert not lock.exists()
+    # a lock whose process is gone from this host is taken over, and released however the cell ends
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    lock.write_text(f"{gone.pid} {host}")
+    with pytest.raises(KeyboardInterrupt):
+        with common.cell_lock(str(cell), True):
+            assert lock.read_text() == f"{os.getpid()} {host}"
+            raise KeyboardInterrupt
+    assert not lock.exists()
+    # another host's lock cannot be checked from here; ranks other than 0 take none
+    lock.write_text(f"{gone.pid} elsewhere")
+    with pytest.raises(DataError, match=f"by pid {gone.pid} on elsewhere"):
+        with common.cell_lock(str(cell), True):
+            pass
+    with common.cell_lock(str(cell), False):
+        assert lock.read_text() == f"{gone.pid} elsewhere"
+    # train.py stops at a cell that a live process trains
+    lock.write_text(f"{os.getppid()} {host}")
+    with pytest.raises(DataError, match=f"attnres.seed0 is being trained by pid {os.getppid()}"):
+        train.main(tiny(shards, tmp_path / "o", "--arms=attnres"))
+    assert not os.path.exists(cell / "config.json")
+
+
+def test_a_lock_appears_with_its_content_and_an_empty_one_is_taken_over(tmp_path):
+    cell = tmp_path / "arm" / "seed0"
+    cell.mkdir(parents=True)
+    (cell / "lock").write_text("")  # an older version killed between creating the lock and writing it
+    with common.cell_lock(str(cell), True):
+        assert (cell / "lock").read_text().split()[0] == str(os.getpid())
+        assert sorted(os.listdir(cell)) == ["lock"]  # the written file it was linked from is gone
+    assert os.listdir(cell) == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="cannot create the cell folder .*file/seed0 .*move away the file"):
+        with common.cell_lock(str(tmp_path / "file" / "seed0"), True):
+            pass

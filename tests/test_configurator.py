@@ -1,3 +1,5 @@
+"""configurator.py: config files and --key=value overrides, their types, and the one-line errors."""
+
 import pytest
 
 import train

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def exact_fp32():
-    # TF32 matmuls would hide a 1e-5 difference; train.setup turns them on for training
+    # TF32 matmuls would hide a 1e-5 difference; machine.setup turns them on for training
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn import functional as F
 
+import cells
 import downstream
 import records
 import train
@@ -491,8 +492,9 @@ def test_cli_writes_downstream_json_into_every_cell(tmp_path):
         cell = tmp_path / "out" / "attnres" / f"seed{seed}"
         with open(cell / "downstream.json") as f:
             got = json.load(f, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
-        assert list(got) == ["bundle_sha256", "max_per_task", "step", "core", "truncated", "tasks"]
+        assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "step", "core", "truncated", "tasks"]
         assert (got["bundle_sha256"], got["max_per_task"], got["step"]) == (sha, 5, 3 + seed)
+        assert got["scoring_code"] == records.code_fingerprint(open(os.path.join(ROOT, "downstream.py")).read())
         assert {k: got[k] for k in ("core", "truncated", "tasks")} == evaluate(gpt, bundle, 32, 5)
         assert got["truncated"] > 0 and all(t["items"] == 5 for t in got["tasks"].values())
         assert sorted(os.listdir(cell)) == ["ckpt.pt", "config.json", "downstream.json", "result.json"]
@@ -560,7 +562,7 @@ def test_training_writes_the_downstream_json_the_cli_computes(core_grid, arm, tm
     cell = tmp_path / arm
     shutil.copytree(out / arm / "seed0", cell)
     got = read(cell / "downstream.json")
-    assert list(got) == ["bundle_sha256", "max_per_task", "step", "core", "truncated", "tasks"]
+    assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "step", "core", "truncated", "tasks"]
     assert (got["bundle_sha256"], got["max_per_task"], got["step"]) == (downstream.bundle_sha256(bundle), 5, 8)
     assert read(cell / "result.json")["steps"] == 8 and all(t["items"] == 5 for t in got["tasks"].values())
     # logged at every downstream_interval after step 0 and at the end, the last one as written
@@ -578,7 +580,7 @@ def test_the_downstream_evaluation_changes_no_training_and_the_report_pairs_it(c
     out, bundle = core_grid
     off = tiny(byte_shards, tmp_path / "off", "--vocab_size=320", "--arms=attnres,rd_attnres")
     train.main(off)
-    monkeypatch.setattr(train, "GPT", lambda *a: pytest.fail("a rerun with downstream settings trained"))
+    monkeypatch.setattr(cells, "GPT", lambda *a: pytest.fail("a rerun with downstream settings trained"))
     capsys.readouterr()
     train.main(off + [f"--downstream_bundle={bundle}", "--downstream_interval=4"])  # not a change: the grid goes on
     monkeypatch.undo()

@@ -1,3 +1,6 @@
+"""data/prepare.py: shards from the bundled corpus, local files and a (local) FineWeb-Edu download,
+their manifest, tokenizer throughput, locks, temporaries and the one-line errors."""
+
 import hashlib
 import json
 import os

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+import cells
+import checkpoint
 import records
 import train
 from common import ConfigError
@@ -312,7 +314,7 @@ def test_editing_messages_never_locks_a_grid_and_editing_math_does(tmp_path, mon
     """On copies of the real CODE_FILES: reworded errors and prints keep the fingerprint; an operator or
     a constant of model.py changes it. Files outside CODE_FILES (records.py, the checks, the downloader,
     the report) are not in it at all."""
-    assert set(records.CODE_FILES) == {"model.py", "train.py", "checkpoint.py", "data/shards.py"}
+    assert set(records.CODE_FILES) == {"model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py"}
     for name in records.CODE_FILES:
         os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
         shutil.copy(os.path.join(records.HERE, name), tmp_path / name)
@@ -402,7 +404,7 @@ def test_a_copied_result_or_record_is_not_a_new_seed(tmp_path):
     record = dict(cell, code=CODE, val_hash=records.validation_hash(val, cell["eval_tokens"], cell["block_size"]))
     (seed0 / "config.json").write_text(json.dumps(record))
     (seed0 / "result.json").write_text(json.dumps(dict(arm="a", seed=0, status="finished", val_loss=1.0)))
-    assert records.check_cell(cfg, "a", 0, CODE, val) == (record, {})
+    assert records.check_cell(cfg, "a", 0, CODE, val) == {}
     shutil.copytree(seed0, seed7)
     with pytest.raises(ConfigError, match=r"seed7/result.json is the record of arm 'a' seed 0 \(a copied"):
         records.check_cell(cfg, "a", 7, CODE, val)
@@ -473,7 +475,7 @@ def test_an_arm_with_its_own_learning_rate_trains_at_it_pairs_and_is_rerun_check
     arms["slow"]["learning_rate"] = 3e-3
     with pytest.raises(ConfigError, match=r"config.json was made with other settings: arms\['slow'\] \("):
         train.main(args[:-1] + [f"--arms={arms!r}"])
-    monkeypatch.setattr(train, "GPT", lambda *a: pytest.fail("a finished cell trained again"))
+    monkeypatch.setattr(cells, "GPT", lambda *a: pytest.fail("a finished cell trained again"))
     train.main(args)
 
 
@@ -484,12 +486,12 @@ def test_damaged_or_foreign_init_from_files_are_one_line(tmp_path):
     torch.save({"config": [1], "model": {1: torch.zeros(1)}}, tmp_path / "intkeys.pt")
     for name, message in (("text.pt", "is missing or unreadable"), ("intkeys.pt", "holds neither a train.py ckpt.pt")):
         with pytest.raises(ConfigError, match=message):
-            records.load_init_from(dict(DEFAULTS, init_from=str(tmp_path / name)))
+            checkpoint.load_init_from(dict(DEFAULTS, init_from=str(tmp_path / name)))
     cfg = grid_cfg(tmp_path, n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, eval_tokens=100,
                    arms={"s": {"residual": "standard"}, "d": {"residual": "denseformer"}})
     weights = GPT(records.model_config(cfg, {})).state_dict()
     torch.save(weights, tmp_path / "good.pt")
-    loaded, sha, tokenizer = records.load_init_from(dict(cfg, init_from=str(tmp_path / "good.pt")))
+    loaded, sha, tokenizer = checkpoint.load_init_from(dict(cfg, init_from=str(tmp_path / "good.pt")))
     assert set(loaded) == set(weights) and len(sha) == 64 and tokenizer is None
     # a diverged run's weights: every cell would diverge at step 0
     for value in (float("nan"), float("inf")):
@@ -498,13 +500,13 @@ def test_damaged_or_foreign_init_from_files_are_one_line(tmp_path):
         torch.save(broken, tmp_path / "broken.pt")
         with pytest.raises(ConfigError, match=r"broken.pt holds non-finite values \(NaN or inf\) in "
                                               r"transformer.h.1.mlp.c_fc.weight; warm-start from a checkpoint"):
-            records.load_init_from(dict(cfg, init_from=str(tmp_path / "broken.pt")))
+            checkpoint.load_init_from(dict(cfg, init_from=str(tmp_path / "broken.pt")))
     # an untied head: loading it into this model's one tensor would silently drop the embedding
     untied = dict(weights, **{"lm_head.weight": weights["lm_head.weight"] + 1})
     torch.save(untied, tmp_path / "untied.pt")
     with pytest.raises(ConfigError, match=r"untied.pt has an embedding \(transformer.wte.weight\) and a head "
                                           r"\(lm_head.weight\) that differ; this model ties them"):
-        records.load_init_from(dict(cfg, init_from=str(tmp_path / "untied.pt")))
+        checkpoint.load_init_from(dict(cfg, init_from=str(tmp_path / "untied.pt")))
 
 
 def test_a_grid_made_between_the_look_and_the_write_is_checked_not_overwritten(tmp_path, monkeypatch):

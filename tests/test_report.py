@@ -1,6 +1,7 @@
-import itertools
+"""report.py on grids written by hand: pairing and what stops it, the tables, power, tuning and
+downstream sections, mixed versions, escaping, plots, and strict JSON."""
+
 import json
-import math
 import os
 import re
 import subprocess
@@ -10,43 +11,8 @@ import numpy as np
 import pytest
 
 import common
+import paired_stats
 import report
-
-DELTAS = [-0.03, -0.02, -0.04, 0.01, -0.025]
-
-
-def t_cdf_df4(t):
-    # closed form of Student's t CDF for 4 degrees of freedom (independent of scipy)
-    x2 = t * t / (1 + t * t / 4)
-    return 0.5 + 3 / 8 * (t / math.sqrt(1 + t * t / 4)) * (1 - x2 / 12)
-
-
-def test_paired_statistics_against_textbook_values():
-    st = report.paired_statistics(DELTAS)
-    mean = -0.021
-    std = math.sqrt((0.009 ** 2 + 0.001 ** 2 + 0.019 ** 2 + 0.031 ** 2 + 0.004 ** 2) / 4)
-    se = std / math.sqrt(5)
-    assert st["n"] == 5 and st["wins"] == 4
-    assert st["mean"] == pytest.approx(mean) and st["std"] == pytest.approx(std)
-    t = mean / se
-    assert st["p_ttest"] == pytest.approx(2 * t_cdf_df4(t), rel=1e-9)
-    assert st["ci95"][1] == pytest.approx(mean + 2.776445 * se, rel=1e-6)  # t(0.975, 4) from the tables
-    assert st["ci95"][0] == pytest.approx(mean - 2.776445 * se, rel=1e-6)
-    assert st["p_sign"] == pytest.approx(2 * (5 + 1) / 32)  # two-sided: P(X >= 4) + P(X <= 1), n = 5
-    assert report.perplexity_change(st["mean"]) == pytest.approx(math.exp(mean) - 1)
-
-
-def test_sign_test_like_the_paper_and_ties():
-    assert report.paired_statistics([-0.03] * 10)["p_sign"] == pytest.approx(2 / 1024)  # 10/10 wins
-    st = report.paired_statistics([-0.01, 0.0, -0.02])  # a tie counts for neither side
-    assert st["wins"] == 2 and st["p_sign"] == pytest.approx(0.5)
-    single = report.paired_statistics([-0.01])
-    assert single["n"] == 1 and math.isnan(single["std"]) and math.isnan(single["p_ttest"])
-    assert report.paired_statistics([0.0, 0.0])["p_sign"] == 1.0  # all ties: no evidence either way
-    none = report.paired_statistics([])
-    assert none["n"] == 0 and all(math.isnan(none[k]) for k in ("mean", "std", "p_ttest", "p_sign"))
-    assert math.isnan(report.perplexity_change(none["mean"]))
-
 
 SETTINGS = dict(learning_rate=1e-3, weight_decay=0.1, dropout=0.0, max_iters=20, eval_interval=10, n_layer=2)
 WEIGHTS = {"attn.0": [1.0], "attn_v.0": [1.0], "mlp.0": [0.4, 0.6], "attn.1": [0.2, 0.3, 0.5],
@@ -549,79 +515,20 @@ def test_seeds_trained_under_other_code_are_named_as_mixed(tmp_path, no_matplotl
     assert "**Mixed versions**" in text and '- rd: code: seeds 0, 1: "c0dec0dec0dec0dec; seed 2: "bbbbbbbbbbbbbbbbb' in text
 
 
-def power_by_integration(effect_in_sd, n):
-    """Power of the two-sided paired t-test at level 0.05 from its definition, without the noncentral t: with
-    Z normal and V chi-square(df), T = (Z + effect sqrt(n)) / sqrt(V / df), and P(|T| > c) is the mean over V of
-    P(Z > c s - nc) + P(Z < -c s - nc), s = sqrt(V / df), integrated against V's density."""
-    from scipy import integrate, stats
-    df, nc = n - 1, effect_in_sd * math.sqrt(n)
-    c = stats.t.ppf(0.975, df)  # the central t's critical value
-
-    def phi(x):  # the standard normal CDF
-        return 0.5 * math.erfc(-x / math.sqrt(2))
-
-    def integrand(v):
-        density = math.exp((df / 2 - 1) * math.log(v) - v / 2 - df / 2 * math.log(2) - math.lgamma(df / 2))
-        s = math.sqrt(v / df)
-        return density * (1 - phi(c * s - nc) + phi(-c * s - nc))
-
-    return sum(integrate.quad(integrand, a, b, limit=200)[0] for a, b in ((0, df), (df, math.inf)))
-
-
-@pytest.mark.parametrize("n", [2, 3, 5, 10, 30])
-def test_detectable_effect_has_the_power_by_integration(n):
-    effect = report.detectable_effect_in_sd(n)
-    assert power_by_integration(effect, n) == pytest.approx(0.8, abs=1e-6)
-    assert power_by_integration(0.95 * effect, n) < 0.79  # the smallest such effect, not any
-
-
-@pytest.mark.parametrize("effect, textbook", [(1.0, 10), (0.5, 34), (2.0, 5), (0.2, 199)])
-def test_seeds_needed_against_the_textbook_and_by_integration(effect, textbook):
-    # Cohen's d of 1, 0.5, 0.2 needs 10, 34, 199 pairs at alpha 0.05 two-sided, power 0.8 (G*Power's tables)
-    n = report.seeds_needed(effect)
-    assert n == textbook
-    assert power_by_integration(effect, n) >= 0.8 > power_by_integration(effect, n - 1)
-
-
-def test_detectable_effect_by_monte_carlo():
-    # 40000 simulated grids of 5 seeds whose true mean delta is the detectable effect: 80% reject at 0.05
-    rng = np.random.default_rng(0)
-    effect = report.detectable_effect_in_sd(5)
-    d = rng.normal(effect, 1.0, size=(40000, 5))
-    t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(5))
-    assert np.mean(np.abs(t) > 2.776445) == pytest.approx(0.8, abs=0.01)  # t(0.975, 4) from the tables
-    assert report.seeds_needed(1e-6) is None  # past 2^30 seeds: not searched further
-
-
-def sign_test_floor_by_enumeration(n):
-    """The smallest two-sided sign-test p over every win/loss sequence of n untied seeds, counted outcome by outcome."""
-    outcomes = [sum(signs) for signs in itertools.product((0, 1), repeat=n)]  # wins of each of the 2^n sequences
-    p = [sum(abs(w - n / 2) >= abs(wins - n / 2) for w in outcomes) / 2 ** n for wins in outcomes]
-    return min(p)
-
-
-def test_sign_test_floor_by_enumeration():
-    for n in range(1, 10):
-        assert report.sign_test_min_p(n) == pytest.approx(sign_test_floor_by_enumeration(n))
-        assert report.paired_statistics([-0.01] * n)["p_sign"] == pytest.approx(report.sign_test_min_p(n))
-    assert report.SIGN_TEST_SEEDS == 6
-    assert sign_test_floor_by_enumeration(5) >= 0.05 > sign_test_floor_by_enumeration(6)
-
-
 def test_power_in_the_report(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     paired, text = run(out)
     rd = paired["arms"]["rd"]
     std = np.std([-0.03, -0.02, -0.04, -0.04], ddof=1)
     assert rd["power"]["std"] == pytest.approx(std) and rd["power"]["effect"] == 0.03
-    assert rd["power"]["detectable_effect"] == pytest.approx(report.detectable_effect_in_sd(4) * std)
-    assert rd["power"]["seeds_needed"] == report.seeds_needed(0.03 / std)
+    assert rd["power"]["detectable_effect"] == pytest.approx(paired_stats.detectable_effect_in_sd(4) * std)
+    assert rd["power"]["seeds_needed"] == paired_stats.seeds_needed(0.03 / std)
     assert rd["power"]["sign_test_min_p"] == pytest.approx(0.125)
     assert rd["power"]["notes"] == ["the sign test cannot reach p < 0.05 at 4 seeds: its smallest p is 0.125; it needs 6"]
     row = (f"| rd | 4 | {std:.4f} | {rd['power']['detectable_effect']:.4f} | {rd['power']['seeds_needed']} | 0.125 |")
     assert "seeds to detect 0.03 nats" in text and row in text and f"- rd: {rd['power']['notes'][0]}" in text
     paired, text = run(out, "--effect=0.1")
-    assert paired["arms"]["rd"]["power"]["seeds_needed"] == report.seeds_needed(0.1 / std) == 3  # not 2: df 1
+    assert paired["arms"]["rd"]["power"]["seeds_needed"] == paired_stats.seeds_needed(0.1 / std) == 3  # not 2: df 1
     assert "seeds to detect 0.1 nats" in text
     for bad in ("0", "-0.03", "nan", "inf"):
         with pytest.raises(SystemExit, match=f"^error: --effect={float(bad)}: give a positive number of nats"):
@@ -655,15 +562,6 @@ def test_a_diverging_but_finite_arm_still_gets_its_report(tmp_path, no_matplotli
     rd = paired["arms"]["rd"]
     assert rd["mean"] == pytest.approx(800) and rd["ppl_change"] is None and rd["p_ttest"] == 0.0
     assert "| rd | 3 | 0/3 | +800.0000 |" in text and "| off scale |" in text and "ppl change off scale" in text
-
-
-def test_statistics_near_the_float_limit_are_finite_where_the_true_value_is():
-    st = report.paired_statistics([1e308, 1.5e308, 1.7e308])
-    scaled = report.paired_statistics([1.0, 1.5, 1.7])  # every statistic but the ci scales with the deltas
-    assert st["mean"] == pytest.approx(1.4e308) and st["std"] == pytest.approx(scaled["std"] * 1e308)
-    assert st["p_ttest"] == pytest.approx(scaled["p_ttest"]) and st["ci95"][0] == pytest.approx(scaled["ci95"][0] * 1e308)
-    assert st["ci95"][1] == math.inf  # the true bound, 2.3e308, is no float: null in paired.json
-    assert report.perplexity_change(st["mean"]) == math.inf and report.fmt(st["mean"]) == "+1.4000e+308"
 
 
 def test_huge_losses_are_a_report_in_strict_json(tmp_path, no_matplotlib):
@@ -706,7 +604,7 @@ def test_text_from_files_cannot_forge_lines_tables_or_links(tmp_path, no_matplot
 TASKS = {"hellaswag": ("multiple_choice", 0.25), "arc_easy": ("multiple_choice", 0.25), "lambada": ("language_modeling", 0.0)}
 
 
-def write_downstream(out, arm, seed, correct, bundle="b" * 64, max_per_task=100, step=20, items=100):
+def write_downstream(out, arm, seed, correct, bundle="b" * 64, max_per_task=100, step=20, items=100, scoring="d" * 64):
     """downstream.json as downstream.py writes it into a cell: correct = {task: items answered right}."""
     tasks = {}
     for label, right in correct.items():
@@ -714,7 +612,7 @@ def write_downstream(out, arm, seed, correct, bundle="b" * 64, max_per_task=100,
         accuracy = right / items
         tasks[label] = dict(icl_task_type=kind, items=items, correct=right, accuracy=accuracy, random_baseline=baseline,
                             centered=(accuracy - baseline) / (1 - baseline))
-    record = dict(bundle_sha256=bundle, max_per_task=max_per_task, step=step,
+    record = dict(bundle_sha256=bundle, max_per_task=max_per_task, scoring_code=scoring, step=step,
                   core=sum(t["centered"] for t in tasks.values()) / len(tasks), tasks=tasks)
     (out / arm / f"seed{seed}" / "downstream.json").write_text(json.dumps(record))
     return record
@@ -743,7 +641,7 @@ def test_downstream_deltas_tables_and_statistics(tmp_path, no_matplotlib):
     assert rd["tasks"]["hellaswag"]["wins"] == 3 and rd["tasks"]["hellaswag"]["p_sign"] == pytest.approx(0.25)  # a tie
     lam = rd["tasks"]["lambada"]
     assert lam["deltas"] == pytest.approx(lambada) and lam["wins"] == 2 and lam["items"] == [100]
-    assert lam["mean"] == pytest.approx(0.01) and lam["p_ttest"] == pytest.approx(report.paired_statistics(lambada)["p_ttest"])
+    assert lam["mean"] == pytest.approx(0.01) and lam["p_ttest"] == pytest.approx(paired_stats.paired_statistics(lambada)["p_ttest"])
     assert lam["icl_task_type"] == "language_modeling" and lam["seeds"] == [0, 1, 2, 3]
     assert paired["downstream"]["core"]["parent/seed1"] == pytest.approx((7 / 75 + 0.21) / 2)
     assert "## Downstream tasks" in text and f"| parent | {(5 / 75 + 0.2) / 2:.4f} |" in text
@@ -751,6 +649,19 @@ def test_downstream_deltas_tables_and_statistics(tmp_path, no_matplotlib):
     assert f"| hellaswag | multiple_choice | 100 | 4 | 3/4 | +0.0275 | {np.std([0.03, 0.03, 0, 0.05], ddof=1):.4f} |" in text
     assert "| lambada | language_modeling | 100 | 4 | 2/4 | +0.0100 |" in text
     assert paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.02, -0.04, -0.04])  # the loss untouched
+
+
+def test_downstream_scored_by_other_code_never_pairs(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {(arm, s): 3.0 - 0.01 * (arm == "rd") for arm in ("parent", "rd") for s in range(3)})
+    for arm in ("parent", "rd"):
+        for seed in range(3):
+            write_downstream(out, arm, seed, dict(hellaswag=30 + seed + 2 * (arm == "rd"), lambada=20))
+    write_downstream(out, "rd", 1, dict(hellaswag=33, lambada=20), scoring="e" * 64)  # downstream.py edited since
+    paired, text = run(out)
+    rd = paired["downstream"]["arms"]["rd"]
+    assert rd["seeds"] == [0, 2]
+    assert [d["reason"] for d in rd["left_out"]] == [
+        "parent and rd differ in scoring_code (dddddddddddddddd... vs eeeeeeeeeeeeeeee...)"]
 
 
 def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matplotlib):

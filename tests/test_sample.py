@@ -1,3 +1,5 @@
+"""sample.py: text from a cell's checkpoint, its settings, and the one-line errors."""
+
 import dataclasses
 import json
 import os

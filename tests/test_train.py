@@ -15,7 +15,6 @@ import importlib.machinery
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import types
@@ -26,6 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+import cells
+import machine
 import progress
 import records
 import train
@@ -38,8 +39,8 @@ from model import GPT, RESIDUALS, GPTConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 torch.set_num_threads(1)  # tiny models: threads only contend with each other on a shared machine (3-20x slower)
-ONE_PROCESS = train.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(),
-                            peak_flops=None, fsdp=False)
+ONE_PROCESS = machine.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(),
+                              peak_flops=None, fsdp=False)
 
 
 def test_micro_batches():
@@ -96,47 +97,6 @@ def test_config_files_are_valid(path, world, monkeypatch):
         assert cfg["vocab_size"] == 50304
         assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2 ** 19
         assert cfg["max_iters"] * 2 ** 19 == pytest.approx(0.5e9 if "controls" in path else 2.0e9, rel=1e-3)
-
-
-@pytest.mark.parametrize("requested, world, local_rank, cuda, mps, expected", [
-    ("auto", 1, 0, 0, False, "cpu"),
-    ("auto", 1, 0, 0, True, "mps"),
-    ("auto", 1, 0, 1, True, "cuda:0"),  # one process: an indexed device, as torch.cuda.set_device needs
-    ("auto", 4, 3, 8, False, "cuda:3"),  # torchrun: the process's own GPU
-    ("cuda", 1, 0, 2, False, "cuda:0"),
-    ("cuda", 1, 1, 2, False, "cuda:1"),  # torchrun --nproc_per_node=1 on a later local rank
-    ("cuda", 2, 1, 2, False, "cuda:1"),
-    ("cuda:1", 1, 0, 2, False, "cuda:1"),
-    ("cpu", 1, 0, 8, True, "cpu"),
-    ("cpu", 2, 1, 0, False, "cpu"),
-    ("mps", 1, 0, 0, True, "mps"),
-    ("cuda", 1, 0, 0, False, "sees no CUDA GPU"),
-    ("cuda:0", 1, 0, 0, True, "sees no CUDA GPU"),
-    ("cuda:1", 2, 0, 2, False, "names one GPU for 2 processes"),
-    ("cuda:2", 1, 0, 2, False, "cuda:2 does not exist"),
-    ("cuda", 4, 3, 2, False, "cuda:3 does not exist"),
-    ("mps", 1, 0, 1, False, "sees no MPS device"),
-    ("gpu", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
-    ("cpu:0", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
-    ("cuda:x", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
-])
-def test_resolve_device(requested, world, local_rank, cuda, mps, expected):
-    if expected in ("cpu", "mps") or expected.startswith("cuda:") and " " not in expected:
-        assert train.resolve_device(requested, world, local_rank, cuda, mps) == expected
-    else:
-        with pytest.raises(ConfigError, match=expected):
-            train.resolve_device(requested, world, local_rank, cuda, mps)
-
-
-def test_the_cpu_thread_count_is_said_and_a_busy_machine_warned_of(monkeypatch, capsys):
-    monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 3.0, 2.0))
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert train.cpu_threads(ONE_PROCESS) == torch.get_num_threads() == 1
-    out = capsys.readouterr().out
-    assert "cpu: 1 thread(s) per process" in out and "load (3.5) exceeds its 2 cores" in out
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 3.0, 2.0))
-    train.cpu_threads(ONE_PROCESS)
-    assert "warning" not in capsys.readouterr().out
 
 
 # --- the step's gradient and the evaluation, in process ----------------------------------------
@@ -279,7 +239,7 @@ def test_seeds_differ_in_init_and_data(grid):
 
 
 def test_the_init_hash_is_the_seeds_standard_model(grid):
-    torch.manual_seed(train.seed_for(0, 0))
+    torch.manual_seed(cells.seed_for(0, cells.INIT))
     standard = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
     assert records.shared_init_hash(standard) == result(grid, "attnres", 0)["pairing"]["init_hash"]
 
@@ -582,52 +542,6 @@ def test_the_cpu_thread_count_is_a_setting(shards, tmp_path, monkeypatch):
         train.main(args)
 
 
-def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path):
-    cell, host = tmp_path / "o" / "attnres" / "seed0", socket.gethostname()
-    lock = cell / "lock"
-    with train.cell_lock(str(cell), True):
-        assert lock.read_text() == f"{os.getpid()} {host}"
-        with pytest.raises(DataError, match=f"is being trained by pid {os.getpid()} on {host}; wait for it, or remove "):
-            with train.cell_lock(str(cell), True):
-                pass
-    assert not lock.exists()
-    # a lock whose process is gone from this host is taken over, and released however the cell ends
-    gone = subprocess.Popen([sys.executable, "-c", ""])
-    gone.wait()
-    lock.write_text(f"{gone.pid} {host}")
-    with pytest.raises(KeyboardInterrupt):
-        with train.cell_lock(str(cell), True):
-            assert lock.read_text() == f"{os.getpid()} {host}"
-            raise KeyboardInterrupt
-    assert not lock.exists()
-    # another host's lock cannot be checked from here; ranks other than 0 take none
-    lock.write_text(f"{gone.pid} elsewhere")
-    with pytest.raises(DataError, match=f"by pid {gone.pid} on elsewhere"):
-        with train.cell_lock(str(cell), True):
-            pass
-    with train.cell_lock(str(cell), False):
-        assert lock.read_text() == f"{gone.pid} elsewhere"
-    # train.py stops at a cell that a live process trains
-    lock.write_text(f"{os.getppid()} {host}")
-    with pytest.raises(DataError, match=f"attnres.seed0 is being trained by pid {os.getppid()}"):
-        train.main(tiny(shards, tmp_path / "o", "--arms=attnres"))
-    assert not os.path.exists(cell / "config.json")
-
-
-def test_a_lock_appears_with_its_content_and_an_empty_one_is_taken_over(tmp_path):
-    cell = tmp_path / "arm" / "seed0"
-    cell.mkdir(parents=True)
-    (cell / "lock").write_text("")  # an older version killed between creating the lock and writing it
-    with train.cell_lock(str(cell), True):
-        assert (cell / "lock").read_text().split()[0] == str(os.getpid())
-        assert sorted(os.listdir(cell)) == ["lock"]  # the written file it was linked from is gone
-    assert os.listdir(cell) == []
-    (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="cannot create the cell folder .*file/seed0 .*move away the file"):
-        with train.cell_lock(str(tmp_path / "file" / "seed0"), True):
-            pass
-
-
 def run_cli(args, env=ENV, **kwargs):
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300, **kwargs)
@@ -814,6 +728,12 @@ def test_time_left_counts_training_and_evaluation_apart():
     assert clock.after(40, 10, 20.0)[1] == pytest.approx(60 * 2.0 + 3 * 2.0 + (100 * 0.5 + 5) + (200 + 10))
 
 
+def test_time_left_before_any_evaluation():
+    # a cell resumed off its evaluation steps (eval_interval changed, allow_changes) logs before it evaluates
+    clock = progress.TimeLeft(SimpleNamespace(arm="a", seed=0, max_iters=100, eval_interval=30), [("a", 0)], {})
+    assert clock.after(50, 10, 10.0) == pytest.approx((50 * 1.0, 50 * 1.0))  # no evaluation time measured yet
+
+
 # every key of the config: how a rerun that changes only it must go. Values: a valid other value.
 RERUN_GOES_ON = dict(seeds=[0], arms="attnres", reference_arm="rd_attnres", log_interval=2, eval_batch_size=3,
                      verify_shards=True, allow_changes=True, device="auto", data_dir="COPY", wandb_project="other",
@@ -845,7 +765,7 @@ def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch)
     train.main(args)
     grid = (tmp_path / "o" / "config.json").read_text()
     results = {p: p.read_text() for p in (tmp_path / "o").glob("*/seed*/result.json")}
-    monkeypatch.setattr(train, "GPT", lambda *a: pytest.fail("a rerun with a changed key trained"))
+    monkeypatch.setattr(cells, "GPT", lambda *a: pytest.fail("a rerun with a changed key trained"))
     for key, value in RERUN_GOES_ON.items():
         value = str(tmp_path / "copy") if value == "COPY" else value
         train.main(args + [f"--{key}={value}"])

@@ -155,6 +155,24 @@ def test_a_missing_or_foreign_tuning_cell_is_one_line(tmp_path):
         tune.choose(cfg, tune_dir)
 
 
+@pytest.mark.parametrize("pairing", [None, [1], dict(arm_settings="lr 0.003"), dict(arm_settings=None)])
+def test_a_tuning_result_with_a_damaged_pairing_is_one_line(tmp_path, pairing):
+    cfg, tune_dir = config(tmp_path), tuned(tmp_path)
+    path = os.path.join(tune_dir, "attnres-lr0.003", "seed1001", "result.json")
+    result = read_json(path)
+    result["pairing"] = pairing
+    with open(path, "w") as f:
+        json.dump(result, f)
+    with pytest.raises(ConfigError, match=r"seed1001/result.json is not of this tuning \(learning_rate None"):
+        tune.choose(cfg, tune_dir)
+
+
+def test_only_the_master_process_writes_the_choice(tmp_path):
+    cfg, tune_dir = config(tmp_path), tuned(tmp_path)
+    assert tune.choose(cfg, tune_dir, master=False) == {"standard": 0.01, "attnres": 0.001}
+    assert not os.path.exists(os.path.join(tune_dir, "choice.json"))
+
+
 def test_an_arm_that_diverged_at_every_rate_is_one_line(tmp_path):
     losses = LOSSES | {("attnres", r): (None, 2.0) for r in RATES}
     with pytest.raises(ConfigError, match=r"^arm 'attnres' diverged at every tuning rate \(0.001, 0.003, 0.01\); add "

@@ -1,0 +1,167 @@
+"""
+The life of one cell of the grid, around train.py's loop: open_cell builds it (the seed's shared
+init, the warm start, a resume from its checkpoint, its config.json and log), save_cell checkpoints
+it, evaluate_downstream scores the CORE tasks when due, finish_cell writes result.json (common.cell_lock
+lets one process at a time train it). seed_for is the pairing: a seed's init, data order and dropout
+seeds, the same for every arm.
+"""
+
+import dataclasses
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import checkpoint
+import downstream
+import records
+from checkpoint import CellState
+from common import write_json
+from data.shards import get_tokenizer
+from machine import apply_fsdp
+from model import GPT, GPTConfig
+from progress import CellLog
+
+
+INIT, DATA_ORDER, DROPOUT = 0, 1, 2  # what a seed_for seed is for
+
+
+def seed_for(seed, purpose, rank=0):
+    """Independent integer seeds per run seed and purpose (INIT, DATA_ORDER, DROPOUT per rank)."""
+    return int(np.random.SeedSequence([seed, purpose, rank]).generate_state(1)[0])
+
+
+
+@dataclasses.dataclass
+class Grid:
+    """What the cells of one run share."""
+    code: dict  # records.code_record()
+    record: records.GridRecord  # out_dir/config.json: written once, when the first cell trains
+    differences: dict  # (arm, seed) -> how the cell's config.json differs from this run (records.check_cell)
+    todo: list  # the cells without a result, in order: for time left
+    init: dict | None  # the warm start's weights (init_from), or None
+    bundle: downstream.Bundle | None  # the CORE tasks (downstream_bundle), or None
+    rates: dict = dataclasses.field(default_factory=dict)  # arm -> (s/step, s/evaluation), for time left
+
+
+@dataclasses.dataclass
+class Cell:
+    """A cell ready to train (open_cell)."""
+    settings: SimpleNamespace  # the cell's config (records.cell_config) as attributes
+    record: dict  # its config.json
+    model: GPT
+    compiled: torch.nn.Module  # the model as it runs: compiled, or the model itself
+    train_model: torch.nn.Module  # the compiled model under DDP, or the compiled model
+    optimizer: object
+    state: CellState
+    log: CellLog
+    init_hash: str
+    tasks: list | None  # this rank's share of the CORE tasks, encoded for the cell (downstream.encode_tasks)
+
+    @property
+    def dir(self):
+        return records.cell_dir(self.settings.out_dir, self.settings.arm, self.settings.seed)
+
+
+def open_cell(arm, seed, cfg, grid, val, runtime):
+    """A cell ready to train, or None when it is done already (said on rank 0): its model at the
+    seed's shared init (or the warm start's weights), resumed from its checkpoint when it has one,
+    its config.json written and its log opened."""
+    cell = SimpleNamespace(**records.cell_config(cfg, arm, seed))
+    cell_dir = records.cell_dir(cell.out_dir, arm, seed)
+    change = grid.differences[arm, seed]
+    if os.path.exists(os.path.join(cell_dir, "result.json")):
+        if runtime.master:
+            done = records.describe_done(os.path.join(cell_dir, "result.json"), change)
+            print(f"[{arm} seed{seed}] done already: {done}")
+            if grid.bundle and not os.path.exists(os.path.join(cell_dir, "downstream.json")):  # trained without it
+                print(f"[{arm} seed{seed}] has no downstream.json: python downstream.py {cell_dir} "
+                      f"--bundle={cell.downstream_bundle}"
+                      + (f" --max_per_task={cell.downstream_max_per_task}" if cell.downstream_max_per_task else ""))
+        return None
+    config = GPTConfig(**{k: getattr(cell, k) for k in records.MODEL_KEYS})
+    record = dict(vars(cell), model=dataclasses.asdict(config), code=grid.code,
+                  val_hash=records.validation_hash(val, cell.eval_tokens, cell.block_size))
+    torch.manual_seed(seed_for(seed, INIT))  # the seed's shared init, bit-identical across arms
+    model = GPT(config)
+    if grid.init is not None:  # every shared weight replaced, routing left at its init
+        model.load_state_dict(grid.init, strict=False)
+    init_hash = records.shared_init_hash(model)
+    model.to(runtime.device)
+    model.activation_checkpointing = cell.activation_checkpointing
+    if runtime.fsdp:
+        apply_fsdp(model)
+    optimizer = model.configure_optimizers(cell.weight_decay, cell.learning_rate, (cell.beta1, cell.beta2),
+                                           runtime.device.split(":")[0], cell.optimizer, cell.muon_learning_rate)
+    torch.manual_seed(seed_for(seed, DROPOUT, runtime.rank))  # dropout masks: paired across arms, distinct per rank
+    state = CellState()
+    if os.path.exists(os.path.join(cell_dir, "ckpt.pt")):
+        state = checkpoint.resume(cell_dir, record, cell.allow_changes, model, optimizer, runtime)
+        if runtime.master:
+            print(f"[{arm} seed{seed}] resuming from step {state.step}"
+                  + (f" with changes: {', '.join(change)}" if change else ""))
+    if state.changes:
+        record["changes"] = state.changes
+    if runtime.master:
+        write_json(os.path.join(cell_dir, "config.json"), record)
+    torch._dynamo.reset()  # a new cell is a new model: compile afresh, not as the 9th recompile of forward
+    # one graph per batch shape (training micro-batches, evaluation batches), never a dynamic one
+    compiled = torch.compile(model, dynamic=False) if cell.compile else model
+    train_model = DDP(compiled, device_ids=[runtime.local_rank] if runtime.device.startswith("cuda") else None) \
+        if runtime.world > 1 and not runtime.fsdp else compiled
+    log = CellLog(cell, state, dict(record, init_hash=init_hash), model, grid, runtime)
+    tasks = None if grid.bundle is None else downstream.encode_tasks(
+        grid.bundle.tasks, get_tokenizer(cell.tokenizer), cell.block_size, cell.downstream_max_per_task or None,
+        runtime.rank, runtime.world)
+    return Cell(cell, record, model, compiled, train_model, optimizer, state, log, init_hash, tasks)
+
+
+def save_cell(cell, data, loss_sum, grid, runtime):
+    """The cell's checkpoint at its state's step. The log interval's loss so far is summed onto rank
+    0 (the others' zeroed), which holds it in the checkpoint, so a resume restores it exactly."""
+    if runtime.world > 1:
+        dist.all_reduce(loss_sum)
+        if not runtime.master:
+            loss_sum.zero_()
+    state = cell.state
+    state.data_hash, state.loss_sum, state.wall_time_s = data.hash, loss_sum.item(), cell.log.wall_time_s()
+    if runtime.master:
+        grid.record.write_once()
+    checkpoint.save_checkpoint(os.path.join(cell.dir, "ckpt.pt"), cell.model, cell.optimizer, state, cell.record, runtime)
+
+
+def evaluate_downstream(cell, grid, runtime):
+    """The CORE tasks on the cell's model when due (downstream_interval, and the cell's last step),
+    on every rank, logged; at the last step rank 0 writes downstream.json (before result.json, so a
+    finished cell has both). The uncompiled model: its batches vary in shape. Eval mode draws no
+    random numbers, so training goes on as without it."""
+    s, step = cell.settings, cell.state.step
+    due = step == s.max_iters or (s.downstream_interval and step > 0 and step % s.downstream_interval == 0)
+    if cell.tasks is None or not due:
+        return
+    t0 = time.time()
+    # eval_batch_size sequences of block_size per forward: the memory of a validation batch
+    scores = downstream.evaluate_tasks(cell.model, cell.tasks, runtime.device, runtime.autocast, runtime.world,
+                                       s.eval_batch_size * s.block_size)
+    cell.log.downstream(step, scores, time.time() - t0)
+    if step == s.max_iters and runtime.master:
+        downstream.write_scores(cell.dir, grid.bundle, s.downstream_max_per_task or None, step, scores)
+
+
+def finish_cell(cell, data, val_loss, diverged, routing, grid, runtime):
+    """result.json: how the cell ended (rank 0)."""
+    if not runtime.master:
+        return
+    s, state = cell.settings, cell.state
+    if diverged:
+        print(f"[{s.arm} seed{s.seed}] diverged: {diverged}; the cell stops here, the grid goes on")
+    grid.record.write_once()
+    cell.log.close(records.write_result(
+        os.path.join(cell.dir, "result.json"), vars(s), cell.record, cell.model, grid.code, steps=state.step,
+        tokens=state.step * cell.log.tokens_per_step, val_loss=val_loss, diverged=diverged, routing=routing,
+        init_hash=cell.init_hash, data_hash=data.hash, eval_tokens=(s.eval_tokens - 1) // s.block_size * s.block_size,
+        changes=state.changes, wall_time_s=cell.log.wall_time_s()))

@@ -1,0 +1,22 @@
+# The tuned protocol at 4x the default run's depth and the same parameters: 16 layers x 64 (4 heads; 0.79M
+# non-embedding parameters, as 4 x 128), where Block AttnRes (S=4) reads 8 blocks instead of 2 - the papers' claim
+# is that depth routing matters more as depth grows. Otherwise as config/tune_shakespeare.py: 250 steps of 1,024
+# byte tokens on the bundled Shakespeare corpus, each arm's rate chosen from 1e-3 to 3e-2 (a factor of about 3
+# apart; a narrower model may want a higher rate) on tuning seeds 1000 and 1001 at 125 steps, then paired over
+# seeds 0-4. Cost: 5 arms x (4 rates x 2 seeds x 125 steps + 5 seeds x 250 steps) = 11,250 steps of 16 layers.
+# $ python train.py config/tune_deep_shakespeare.py      # then out/tune_deep_shakespeare/report.md
+out_dir = "out/tune_deep_shakespeare"
+n_layer = 16
+n_head = 4
+n_embd = 64
+arms = {
+    "standard": {"residual": "standard"},
+    "scaled_residual": {"residual": "scaled_residual"},  # the strong baseline: learned residual scalars, embedding skip
+    "attnres": {"residual": "attnres"},
+    "rd_attnres": {"residual": "rd_attnres"},
+    "dar": {"residual": "dar"},
+}
+seeds = [0, 1, 2, 3, 4]
+tune_learning_rates = [1e-3, 3e-3, 1e-2, 3e-2]
+tune_seeds = [1000, 1001]
+tune_iters = 125

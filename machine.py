@@ -1,0 +1,125 @@
+"""
+Where a process trains: its place among the torchrun processes, its device and precision, whether the
+model is compiled, and FSDP2's sharding. train.py, analyze.py, bench.py and downstream.py set up
+through setup(). Part of the recorded code (records.CODE_FILES): TF32 and the deterministic CPU
+kernels change what a cell computes.
+"""
+
+import dataclasses
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+from common import ConfigError
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Where this process trains: its place among the processes, its device and precision."""
+    world: int
+    rank: int
+    local_rank: int
+    device: str  # 'cpu', 'mps' or 'cuda:N'
+    dtype: str  # as used: 'bfloat16' or 'float32'
+    autocast: object  # torch.autocast for bfloat16, else a null context
+    peak_flops: float | None  # the GPU's dense bf16 peak FLOP/s, for MFU
+    fsdp: bool
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
+# dense bf16 peak FLOP/s per GPU, for MFU (matched against torch.cuda.get_device_name)
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
+              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12, "RTX 4090": 165e12,
+              "RTX 3090": 71e12}
+
+
+def setup(cfg):
+    """The Runtime of this process from cfg's device, dtype and fsdp (and torchrun's environment)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(cfg["device"], world, local_rank, torch.cuda.device_count(),
+                            torch.backends.mps.is_available())
+    dtype = cfg["dtype"]
+    if dtype not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"dtype={dtype!r}: choose auto, bfloat16 or float32")
+    if device == "cpu":
+        # compiled CPU kernels are otherwise not run-to-run repeatable on several threads (the
+        # default 2-seed run moved by up to 0.1 nats); the deterministic ones cost nothing measurable
+        torch.use_deterministic_algorithms(True)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if world > 1:
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    peak = None
+    if device.startswith("cuda") and dtype == "bfloat16":
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return Runtime(world=world, rank=rank, local_rank=local_rank, device=device, dtype=dtype, autocast=autocast,
+                   peak_flops=peak, fsdp=cfg["fsdp"])
+
+
+def resolve_device(requested, world, local_rank, cuda_count, mps_available):
+    """The device this process trains on: 'auto' picks cuda, then mps, then cpu; 'cuda' is the
+    process's own GPU (cuda:LOCAL_RANK under torchrun, cuda:0 alone); 'cuda:N' names one GPU, so
+    only one process may use it."""
+    kind, _, index = requested.partition(":")
+    if requested == "auto":
+        kind, index = "cuda" if cuda_count else "mps" if mps_available else "cpu", ""
+    if kind not in ("cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ConfigError(f"device={requested!r}: choose auto, cpu, cuda, cuda:N or mps")
+    if kind == "mps" and not mps_available:
+        raise ConfigError(f"device={requested!r} but this torch sees no MPS device; use --device=auto or cpu")
+    if kind != "cuda":
+        return kind
+    if not cuda_count:
+        raise ConfigError(f"device={requested!r} but this torch sees no CUDA GPU; use --device=auto or cpu")
+    if index and world > 1:
+        raise ConfigError(f"device={requested!r} names one GPU for {world} processes; use --device=cuda "
+                          f"(each process takes cuda:LOCAL_RANK)")
+    gpu = int(index) if index else local_rank
+    if gpu >= cuda_count:
+        raise ConfigError(f"device cuda:{gpu} does not exist: this machine shows {cuda_count} GPU(s)")
+    return f"cuda:{gpu}"
+
+
+def resolve_compile(requested, device):
+    """compile as used: 'auto' compiles on CUDA only (on a CPU, compiling a small model costs more
+    than it saves), else True or False as asked (--compile=True arrives as the string 'True')."""
+    choice = str(requested).lower()
+    if choice not in ("auto", "true", "false"):
+        raise ConfigError(f"compile={requested!r}: choose auto, True or False")
+    return device.startswith("cuda") if choice == "auto" else choice == "true"
+
+
+def cpu_threads(runtime):
+    """The CPU threads this process computes with, said on rank 0; and a warning when the machine
+    is busier than its cores (threads then wait on each other: 2 threads on 2 busy cores ran 13x slower)."""
+    threads = torch.get_num_threads()
+    if runtime.master:
+        print(f"cpu: {threads} thread(s) per process (set with OMP_NUM_THREADS)")
+        load, cores = os.getloadavg()[0], os.cpu_count()
+        if load > cores:
+            print(f"warning: this machine's load ({load:.1f}) exceeds its {cores} cores: training will be slow; "
+                  f"with OMP_NUM_THREADS=1 it waits least")
+    return threads
+
+
+def apply_fsdp(model):
+    """FSDP2 over the processes: each sublayer's weights a unit (the scheme calls attention and MLP
+    apart, so they are gathered apart), then the root with the rest (embedding, norms, routing)."""
+    for block in model.transformer.h:
+        fully_shard(block.attn)
+        fully_shard(block.mlp)
+    fully_shard(model)
+    register_fsdp_forward_method(model, "routing_diagnostics")  # gathers the root's weights, as forward does

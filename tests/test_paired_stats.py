@@ -1,0 +1,114 @@
+"""paired_stats.py: the paired statistics against textbook values, the power against numeric
+integration, Monte Carlo and G*Power's tables, the sign test's floor by enumeration, and finite
+statistics near the float limit."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import paired_stats
+
+DELTAS = [-0.03, -0.02, -0.04, 0.01, -0.025]
+
+
+def t_cdf_df4(t):
+    # closed form of Student's t CDF for 4 degrees of freedom (independent of scipy)
+    x2 = t * t / (1 + t * t / 4)
+    return 0.5 + 3 / 8 * (t / math.sqrt(1 + t * t / 4)) * (1 - x2 / 12)
+
+
+def test_paired_statistics_against_textbook_values():
+    st = paired_stats.paired_statistics(DELTAS)
+    mean = -0.021
+    std = math.sqrt((0.009 ** 2 + 0.001 ** 2 + 0.019 ** 2 + 0.031 ** 2 + 0.004 ** 2) / 4)
+    se = std / math.sqrt(5)
+    assert st["n"] == 5 and st["wins"] == 4
+    assert st["mean"] == pytest.approx(mean) and st["std"] == pytest.approx(std)
+    t = mean / se
+    assert st["p_ttest"] == pytest.approx(2 * t_cdf_df4(t), rel=1e-9)
+    assert st["ci95"][1] == pytest.approx(mean + 2.776445 * se, rel=1e-6)  # t(0.975, 4) from the tables
+    assert st["ci95"][0] == pytest.approx(mean - 2.776445 * se, rel=1e-6)
+    assert st["p_sign"] == pytest.approx(2 * (5 + 1) / 32)  # two-sided: P(X >= 4) + P(X <= 1), n = 5
+    assert paired_stats.perplexity_change(st["mean"]) == pytest.approx(math.exp(mean) - 1)
+
+
+def test_sign_test_like_the_paper_and_ties():
+    assert paired_stats.paired_statistics([-0.03] * 10)["p_sign"] == pytest.approx(2 / 1024)  # 10/10 wins
+    st = paired_stats.paired_statistics([-0.01, 0.0, -0.02])  # a tie counts for neither side
+    assert st["wins"] == 2 and st["p_sign"] == pytest.approx(0.5)
+    single = paired_stats.paired_statistics([-0.01])
+    assert single["n"] == 1 and math.isnan(single["std"]) and math.isnan(single["p_ttest"])
+    assert paired_stats.paired_statistics([0.0, 0.0])["p_sign"] == 1.0  # all ties: no evidence either way
+    none = paired_stats.paired_statistics([])
+    assert none["n"] == 0 and all(math.isnan(none[k]) for k in ("mean", "std", "p_ttest", "p_sign"))
+    assert math.isnan(paired_stats.perplexity_change(none["mean"]))
+
+
+def power_by_integration(effect_in_sd, n):
+    """Power of the two-sided paired t-test at level 0.05 from its definition, without the noncentral t: with
+    Z normal and V chi-square(df), T = (Z + effect sqrt(n)) / sqrt(V / df), and P(|T| > c) is the mean over V of
+    P(Z > c s - nc) + P(Z < -c s - nc), s = sqrt(V / df), integrated against V's density."""
+    from scipy import integrate, stats
+    df, nc = n - 1, effect_in_sd * math.sqrt(n)
+    c = stats.t.ppf(0.975, df)  # the central t's critical value
+
+    def phi(x):  # the standard normal CDF
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
+    def integrand(v):
+        density = math.exp((df / 2 - 1) * math.log(v) - v / 2 - df / 2 * math.log(2) - math.lgamma(df / 2))
+        s = math.sqrt(v / df)
+        return density * (1 - phi(c * s - nc) + phi(-c * s - nc))
+
+    return sum(integrate.quad(integrand, a, b, limit=200)[0] for a, b in ((0, df), (df, math.inf)))
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 10, 30])
+def test_detectable_effect_has_the_power_by_integration(n):
+    effect = paired_stats.detectable_effect_in_sd(n)
+    assert power_by_integration(effect, n) == pytest.approx(0.8, abs=1e-6)
+    assert power_by_integration(0.95 * effect, n) < 0.79  # the smallest such effect, not any
+
+
+@pytest.mark.parametrize("effect, textbook", [(1.0, 10), (0.5, 34), (2.0, 5), (0.2, 199)])
+def test_seeds_needed_against_the_textbook_and_by_integration(effect, textbook):
+    # Cohen's d of 1, 0.5, 0.2 needs 10, 34, 199 pairs at alpha 0.05 two-sided, power 0.8 (G*Power's tables)
+    n = paired_stats.seeds_needed(effect)
+    assert n == textbook
+    assert power_by_integration(effect, n) >= 0.8 > power_by_integration(effect, n - 1)
+
+
+def test_detectable_effect_by_monte_carlo():
+    # 40000 simulated grids of 5 seeds whose true mean delta is the detectable effect: 80% reject at 0.05
+    rng = np.random.default_rng(0)
+    effect = paired_stats.detectable_effect_in_sd(5)
+    d = rng.normal(effect, 1.0, size=(40000, 5))
+    t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(5))
+    assert np.mean(np.abs(t) > 2.776445) == pytest.approx(0.8, abs=0.01)  # t(0.975, 4) from the tables
+    assert paired_stats.seeds_needed(1e-6) is None  # past 2^30 seeds: not searched further
+
+
+def sign_test_floor_by_enumeration(n):
+    """The smallest two-sided sign-test p over every win/loss sequence of n untied seeds, counted outcome by outcome."""
+    outcomes = [sum(signs) for signs in itertools.product((0, 1), repeat=n)]  # wins of each of the 2^n sequences
+    p = [sum(abs(w - n / 2) >= abs(wins - n / 2) for w in outcomes) / 2 ** n for wins in outcomes]
+    return min(p)
+
+
+def test_sign_test_floor_by_enumeration():
+    for n in range(1, 10):
+        assert paired_stats.sign_test_min_p(n) == pytest.approx(sign_test_floor_by_enumeration(n))
+        assert paired_stats.paired_statistics([-0.01] * n)["p_sign"] == pytest.approx(paired_stats.sign_test_min_p(n))
+    assert paired_stats.SIGN_TEST_SEEDS == 6
+    assert sign_test_floor_by_enumeration(5) >= 0.05 > sign_test_floor_by_enumeration(6)
+
+
+def test_statistics_near_the_float_limit_are_finite_where_the_true_value_is():
+    st = paired_stats.paired_statistics([1e308, 1.5e308, 1.7e308])
+    scaled = paired_stats.paired_statistics([1.0, 1.5, 1.7])  # every statistic but the ci scales with the deltas
+    assert st["mean"] == pytest.approx(1.4e308) and st["std"] == pytest.approx(scaled["std"] * 1e308)
+    assert st["p_ttest"] == pytest.approx(scaled["p_ttest"]) and st["ci95"][0] == pytest.approx(scaled["ci95"][0] * 1e308)
+    assert st["ci95"][1] == math.inf  # the true bound, 2.3e308, is no float: null in paired.json
+    assert paired_stats.perplexity_change(st["mean"]) == math.inf
