@@ -71,8 +71,8 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
     """A cell ready to train, or None when it is done already (said on rank 0): its model at the
     seed's shared init (or the warm start's weights), resumed from its checkpoint when it has one,
     its config.json written and its log opened."""
-    cell = SimpleNamespace(**records.cell_config(cfg, arm, seed))
-    cell_dir = records.cell_dir(cell.out_dir, arm, seed)
+    settings = SimpleNamespace(**records.cell_config(cfg, arm, seed))
+    cell_dir = records.cell_dir(settings.out_dir, arm, seed)
     change = grid.differences[arm, seed]
     if os.path.exists(os.path.join(cell_dir, "result.json")):
         if runtime.master:
@@ -80,27 +80,27 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
             print(f"[{arm} seed{seed}] done already: {done}")
             if grid.bundle and not os.path.exists(os.path.join(cell_dir, "downstream.json")):  # trained without it
                 print(f"[{arm} seed{seed}] has no downstream.json: python downstream.py {cell_dir} "
-                      f"--bundle={cell.downstream_bundle}"
-                      + (f" --max_per_task={cell.downstream_max_per_task}" if cell.downstream_max_per_task else ""))
+                      f"--bundle={settings.downstream_bundle}"
+                      + (f" --max_per_task={settings.downstream_max_per_task}" if settings.downstream_max_per_task else ""))
         return None
-    config = GPTConfig(**{k: getattr(cell, k) for k in records.MODEL_KEYS})
-    record = dict(vars(cell), model=dataclasses.asdict(config), code=grid.code,
-                  val_hash=records.validation_hash(val, cell.eval_tokens, cell.block_size))
+    config = GPTConfig(**{k: getattr(settings, k) for k in records.MODEL_KEYS})
+    record = dict(vars(settings), model=dataclasses.asdict(config), code=grid.code,
+                  val_hash=records.validation_hash(val, settings.eval_tokens, settings.block_size))
     torch.manual_seed(seed_for(seed, INIT))  # the seed's shared init, bit-identical across arms
     model = GPT(config)
     if grid.init is not None:  # every shared weight replaced, routing left at its init
         model.load_state_dict(grid.init, strict=False)
     init_hash = records.shared_init_hash(model)
     model.to(runtime.device)
-    model.activation_checkpointing = cell.activation_checkpointing
+    model.activation_checkpointing = settings.activation_checkpointing
     if runtime.fsdp:
         apply_fsdp(model)
-    optimizer = model.configure_optimizers(cell.weight_decay, cell.learning_rate, (cell.beta1, cell.beta2),
-                                           runtime.device.split(":")[0], cell.optimizer, cell.muon_learning_rate)
+    optimizer = model.configure_optimizers(settings.weight_decay, settings.learning_rate, (settings.beta1, settings.beta2),
+                                           runtime.device.split(":")[0], settings.optimizer, settings.muon_learning_rate)
     torch.manual_seed(seed_for(seed, DROPOUT, runtime.rank))  # dropout masks: paired across arms, distinct per rank
     state = CellState()
     if os.path.exists(os.path.join(cell_dir, "ckpt.pt")):
-        state = checkpoint.resume(cell_dir, record, cell.allow_changes, model, optimizer, runtime)
+        state = checkpoint.resume(cell_dir, record, settings.allow_changes, model, optimizer, runtime)
         if runtime.master:
             print(f"[{arm} seed{seed}] resuming from step {state.step}"
                   + (f" with changes: {', '.join(change)}" if change else ""))
@@ -110,14 +110,14 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
         write_json(os.path.join(cell_dir, "config.json"), record)
     torch._dynamo.reset()  # a new cell is a new model: compile afresh, not as the 9th recompile of forward
     # one graph per batch shape (training micro-batches, evaluation batches), never a dynamic one
-    compiled = torch.compile(model, dynamic=False) if cell.compile else model
+    compiled = torch.compile(model, dynamic=False) if settings.compile else model
     train_model = DDP(compiled, device_ids=[runtime.local_rank] if runtime.device.startswith("cuda") else None) \
         if runtime.world > 1 and not runtime.fsdp else compiled
-    log = CellLog(cell, state, dict(record, init_hash=init_hash), model, grid, runtime)
+    log = CellLog(settings, state, dict(record, init_hash=init_hash), model, grid, runtime)
     tasks = None if grid.bundle is None else downstream.encode_tasks(
-        grid.bundle.tasks, get_tokenizer(cell.tokenizer), cell.block_size, cell.downstream_max_per_task or None,
+        grid.bundle.tasks, get_tokenizer(settings.tokenizer), settings.block_size, settings.downstream_max_per_task or None,
         runtime.rank, runtime.world)
-    return Cell(cell, record, model, compiled, train_model, optimizer, state, log, init_hash, tasks)
+    return Cell(settings, record, model, compiled, train_model, optimizer, state, log, init_hash, tasks)
 
 
 def save_cell(cell, data, loss_sum, grid, runtime):
