@@ -5,7 +5,7 @@
 # apart; a narrower model may want a higher rate) on tuning seeds 1000 and 1001 at 125 steps, then paired over
 # seeds 0-4. Cost: 5 arms x (4 rates x 2 seeds x 125 steps + 5 seeds x 250 steps) = 11,250 steps of 16 layers:
 # 65 cells, 103 cell-minutes on the busy 2-core CPU (2026-12-01, one thread per process; a 250-step cell 70-190 s).
-# Measured there (README, Comparisons): Block AttnRes ahead of standard on 5/5 seeds by 0.069 nats and of
+# Measured there (docs/comparisons.md): Block AttnRes ahead of standard on 5/5 seeds by 0.069 nats and of
 # scaled_residual on 4/5 by 0.030; RD-AttnRes and DAR chose 1e-2, where one seed of five stalls.
 # $ python train.py config/tune_deep_shakespeare.py      # then out/tune_deep_shakespeare/report.md
 out_dir = "out/tune_deep_shakespeare"

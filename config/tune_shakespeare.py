@@ -11,7 +11,7 @@
 # cells: 13-15 minutes idle. (A 125-step tuning cell of each arm took 111-238 s wall, 198 s CPU for all five, on
 # the same machine under a load of 7-10: expect several times longer on a busy machine.)
 # Measured in full (2026-12-01, the 2-core CPU busy with other runs, one thread): 55 cells in about 50 minutes;
-# every arm chose 3e-3; scaled_residual ahead of standard on 5/5 seeds, every AttnRes-family arm behind (README).
+# every arm chose 3e-3; scaled_residual ahead of standard on 5/5 seeds, every AttnRes-family arm behind (docs/comparisons.md).
 # $ python train.py config/tune_shakespeare.py      # then out/tune_shakespeare/report.md
 out_dir = "out/tune_shakespeare"
 arms = {
