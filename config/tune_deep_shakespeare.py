@@ -8,18 +8,11 @@
 # Measured there (docs/comparisons.md): Block AttnRes ahead of standard on 5/5 seeds by 0.069 nats and of
 # scaled_residual on 4/5 by 0.030; RD-AttnRes and DAR chose 1e-2, where one seed of five stalls.
 # $ python train.py config/tune_deep_shakespeare.py      # then out/tune_deep_shakespeare/report.md
+import os
+
+exec(open(os.path.join(os.path.dirname(__file__), "tune_shakespeare.py")).read())  # its arms, seeds and tuning seeds
 out_dir = "out/tune_deep_shakespeare"
 n_layer = 16
 n_head = 4
 n_embd = 64
-arms = {
-    "standard": {"residual": "standard"},
-    "scaled_residual": {"residual": "scaled_residual"},  # the strong baseline: learned residual scalars, embedding skip
-    "attnres": {"residual": "attnres"},
-    "rd_attnres": {"residual": "rd_attnres"},
-    "dar": {"residual": "dar"},
-}
-seeds = [0, 1, 2, 3, 4]
 tune_learning_rates = [1e-3, 3e-3, 1e-2, 3e-2]
-tune_seeds = [1000, 1001]
-tune_iters = 125
