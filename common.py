@@ -180,8 +180,8 @@ def read_lock(path):
         if not stat.S_ISREG(os.lstat(path).st_mode):
             kind = "a symlink" if os.path.islink(path) else "a folder" if os.path.isdir(path) else "not a file"
             raise DataError(f"{path} is {kind}, not a lock (a file holding a pid and a host); remove it")
-        with open(path) as f:
-            pid, _, owner = f.read().partition(" ")
+        with open(path) as f:  # written by hand or by another tool, it may end in a newline
+            pid, _, owner = f.read().strip().partition(" ")
     except FileNotFoundError:
         return None, None
     except (OSError, UnicodeDecodeError) as e:

@@ -157,10 +157,11 @@ def test_a_lock_that_is_not_a_file_is_one_line_at_once(tmp_path, kind):
 
 def test_a_lock_held_by_a_dead_process_is_taken_over_and_a_live_one_is_not(tmp_path):
     lock = tmp_path / "lock"
-    lock.write_text(f"{finished_pid()} {HOST}")
-    with common.pid_lock(str(lock), "busy"):
-        assert lock.read_text() == f"{os.getpid()} {HOST}"
-    assert not lock.exists()
+    for dead in (f"{finished_pid()} {HOST}", f"{finished_pid()} {HOST}\n"):  # a newline (echo, an editor): still this host's
+        lock.write_text(dead)
+        with common.pid_lock(str(lock), "busy"):
+            assert lock.read_text() == f"{os.getpid()} {HOST}"
+        assert not lock.exists()
     for holder in (f"{os.getppid()} {HOST}", "12 another-host", f"{10 ** 30} {HOST}"):  # 10**30: no pid is that large
         lock.write_text(holder)
         if holder.startswith(str(10 ** 30)):
