@@ -143,11 +143,11 @@ def evaluate_downstream(cell, grid, runtime):
     due = step == s.max_iters or (s.downstream_interval and step > 0 and step % s.downstream_interval == 0)
     if cell.tasks is None or not due:
         return
-    t0 = time.time()
+    t0 = time.monotonic()
     # eval_batch_size sequences of block_size per forward: the memory of a validation batch
     scores = downstream.evaluate_tasks(cell.model, cell.tasks, runtime.device, runtime.autocast, runtime.world,
                                        s.eval_batch_size * s.block_size)
-    cell.log.downstream(step, scores, time.time() - t0)
+    cell.log.downstream(step, scores, time.monotonic() - t0)
     if step == s.max_iters and runtime.master:
         downstream.write_scores(cell.dir, grid.bundle, s.downstream_max_per_task or None, step, scores)
 

@@ -44,7 +44,9 @@ class CellLog:
                 active = f" ({model.num_params(active=True) / 1e6:.2f}M active)" if model.moes() else ""
                 print(f"{self.prefix} {model.num_params() / 1e6:.2f}M non-embedding parameters{active}, "
                       f"{self.tokens_per_step:,} tokens/step, {cell.max_iters} steps")
-        self.t_start = self.t_last = time.time()
+        # durations from the monotonic clock: a wall clock set back or forward mid-cell (NTP, a laptop's
+        # sleep, a time zone fix) would give negative or days-long step and wall times
+        self.t_start = self.t_last = time.monotonic()
 
     def cannot_write(self, e):
         return DataError(f"cannot write {self.path} ({e.strerror or e}); the cell's last checkpoint is kept: free disk "
@@ -81,7 +83,7 @@ class CellLog:
 
     def trained(self, step, steps, loss, lr):
         """The log line of the steps up to step, whose mean loss was loss."""
-        dt = max(time.time() - self.t_last, 0.0) / steps  # a clock set back meanwhile: no time
+        dt = (time.monotonic() - self.t_last) / steps
         eta_cell, eta_grid = self.time_left.after(step, steps, dt * steps)
         # no time measured (a coarse or frozen clock): the rates are unknown (None), not infinite
         mfu = self.flops_per_step / dt / self.runtime.peak_flops if self.runtime.peak_flops and dt else None
@@ -93,10 +95,10 @@ class CellLog:
                   + f" | left: cell {duration(eta_cell)}, grid {duration(eta_grid)}")
         self.write(dict(step=step, tokens=step * self.tokens_per_step, loss=loss, lr=lr, ms_per_step=dt * 1000,
                         tokens_per_s=tokens_per_s, mfu=mfu, eta_cell_s=round(eta_cell, 1), eta_grid_s=round(eta_grid, 1)))
-        self.t_last = time.time()
+        self.t_last = time.monotonic()
 
     def wall_time_s(self):
-        return self.wall_before + time.time() - self.t_start
+        return self.wall_before + time.monotonic() - self.t_start
 
     def close(self, result):
         if self.file:

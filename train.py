@@ -308,17 +308,17 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     diverged = val_loss = routing = None
     while True:
         if state.step % s.eval_interval == 0 or state.step == s.max_iters:
-            t_eval = time.time()
+            t_eval = time.monotonic()
             val_loss = evaluate(cell.compiled, val, s, runtime)
             if not math.isfinite(val_loss):
                 diverged = f"validation loss {val_loss} at step {state.step}"
                 break
             routing = routing_summary(model, val, s, runtime)  # on every rank: an FSDP forward is collective
-            log.evaluated(state.step, val_loss, routing, time.time() - t_eval)
+            log.evaluated(state.step, val_loss, routing, time.monotonic() - t_eval)
             evaluate_downstream(cell, grid, runtime)
             if state.step > 0:
                 save_cell(cell, data, loss_sum, grid, runtime)
-            log.paused(time.time() - t_eval)  # evaluation time is not training time
+            log.paused(time.monotonic() - t_eval)  # evaluation time is not training time
         if state.step == s.max_iters:
             break
         lr = learning_rate_at(state.step, s)

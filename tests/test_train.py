@@ -621,17 +621,20 @@ def test_evaluation_covers_every_whole_sequence_in_eval_tokens(eval_tokens):
 
 
 def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypatch):
-    # a fake clock: each training step takes 1 s, each evaluation 100 s, nothing else takes time
+    # a fake clock: each training step takes 1 s, each evaluation 100 s, nothing else takes time; and a
+    # wall clock set back an hour, then forward ten days, mid-cell: no duration may follow it
     import report
     monkeypatch.setattr(report, "main", lambda argv: None)
-    clock, tick = [0.0], {"step": 1.0, "evaluation": 100.0}
-    fake = type("FakeTime", (), {"time": staticmethod(lambda: clock[0])})
+    clock, tick, steps = [0.0], {"step": 1.0, "evaluation": 100.0}, [0]
+    wall = lambda: clock[0] + {0: 0, 1: -3600, 2: 10 * 86400}[min(steps[0] // 3, 2)]
+    fake = type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0]), "time": staticmethod(wall)})
     monkeypatch.setattr(train, "time", fake)
     monkeypatch.setattr(progress, "time", fake)
     real_step, real_eval, real_setup = train.backward_step, train.evaluate, train.setup
 
     def step(*args):
         clock[0] += tick["step"]
+        steps[0] += 1
         return real_step(*args)
 
     def evaluation(*args):
@@ -657,7 +660,7 @@ def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypa
             later_cells = 1 - seed  # seed 1 is the grid's last cell
             assert r["eta_grid_s"] == r["eta_cell_s"] + later_cells * (n * 1.0 + evals * 100.0)
         assert result(tmp_path / "o", "attnres", seed)["wall_time_s"] == n * 1.0 + evals * 100.0
-    # a frozen clock (time.time() the same throughout): no time measured, so the rates are unknown, not a crash
+    # a frozen clock (the same time throughout): no time measured, so the rates are unknown, not a crash
     tick.update(step=0.0, evaluation=0.0)
     train.main(tiny(shards, tmp_path / "frozen", *args))
     trained = [r for r in log_records(tmp_path / "frozen", "attnres") if "loss" in r]
