@@ -11,8 +11,9 @@ arms with a value route, and one cell's depth weights.
 
 Each arm is paired with the reference seed by seed: a seed counts for an arm when the arm's cell
 and the reference's both finished and their `pairing` records agree: init and data hashes,
-evaluated tokens, code fingerprint, init checkpoint, and every setting both cells record (a setting
-only one of them records is that arm's own). The arm's other seeds are listed with the reason and
+evaluated tokens, the fingerprint of the code every scheme computes with (an arm's own scheme code is
+its own), init checkpoint, and every setting both cells record (a setting only one of them records is
+that arm's own). The arm's other seeds are listed with the reason and
 left out of its n; diverged cells are listed apart. Per arm against the reference, over its paired
 seeds: delta_s = NLL_arm - NLL_reference, wins (delta < 0), mean, sample std, 95%
 CI (t), paired t-test and exact sign-test p-values (two-sided), the perplexity change
@@ -319,7 +320,8 @@ def shorten(x, y):
 def pairing_difference(p, q):
     """The first key on which two pairing records differ, with both values; None when they agree."""
     ps, qs = p.get("settings", {}), q.get("settings", {})
-    keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - {"settings", "arm_settings"})]
+    own = {"settings", "arm_settings", "scheme_code"}  # an arm's own settings and scheme code may differ
+    keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - own)]
     keys += [(f"settings.{k}", ps[k], qs[k]) for k in sorted(set(ps) & set(qs))]  # one-sided: an arm's own
     for key, x, y in keys:
         if x != y:
@@ -344,7 +346,7 @@ def mixed_versions(results, arms, seeds):
     each seed is paired fairly, but a mean over seeds trained under other code or settings
     (--allow_changes) mixes versions. ["key: seeds 0, 1: value; seed 2: value", ...]."""
     def values(pairing):
-        v = {k: pairing.get(k) for k in ("code", "eval_tokens", "val_hash", "init_from", "changes")}
+        v = {k: pairing.get(k) for k in ("code", "scheme_code", "eval_tokens", "val_hash", "init_from", "changes")}
         for group in ("settings", "arm_settings"):  # the arm's own settings (its learning rate) may not differ either
             v |= {f"{group}.{k}": x for k, x in (pairing.get(group) or {}).items()}
         return v
@@ -553,7 +555,7 @@ def routing_name(cell):
     return f"routing_{file_stem(f'{cell[0]}_seed{cell[1]}')}.png"
 
 
-def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
+def plots(out_dir, arms, comparisons, logs, cell):
     """PNG figures, or [] without matplotlib. Returns (title, file name) pairs."""
     try:
         import matplotlib
@@ -564,6 +566,7 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
     figures = []
     # validation loss against tokens over each arm's paired seeds: all of training, and its second half zoomed in
     # (the early drop from ln(vocab) would otherwise squash the arms into one line)
+    paired_seeds = next(iter(comparisons.values()))["paired_seeds"]  # each arm's seeds paired with the first reference
     val = {arm: loss_curves(logs, arm, paired_seeds[arm]) for arm in arms}
     val = {arm: (t, v) for arm, (t, v) in val.items() if len(t)}
     if val:
@@ -585,18 +588,25 @@ def plots(out_dir, arms, reference, paired_seeds, curves, logs, cell):
         axes[0].legend()
         figures.append(save(fig, out_dir, "val_loss.png",
                             "Validation loss against tokens (mean, min-max band over each arm's paired seeds)"))
-    # paired delta against the reference at every evaluation, one panel per arm
-    shown = {arm: c for arm, c in curves.items() if len(c["tokens"])}
+    # paired delta against each reference at every evaluation: a row per reference, a panel per arm
+    shown = {ref: {arm: c for arm, c in comparison["curves"].items() if len(c["tokens"])}
+             for ref, comparison in comparisons.items()}
+    shown = {ref: curves for ref, curves in shown.items() if curves}
     if shown:
-        fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 3.5), squeeze=False)
-        for ax, (arm, c) in zip(axes[0], shown.items()):
-            ax.plot(c["tokens"], c["mean"], marker=".")
-            ax.fill_between(c["tokens"], c["ci95_low"], c["ci95_high"], alpha=0.25)
-            ax.axhline(0, color="black", linewidth=0.8)
-            ax.set(xlabel="training tokens", ylabel="delta NLL (nats/token)",
-                   title=f"{plot_text(arm)} - {plot_text(reference)} (n={c['n']})")
+        width = max(len(curves) for curves in shown.values())
+        fig, axes = plt.subplots(len(shown), width, figsize=(5 * width, 3.5 * len(shown)), squeeze=False)
+        for row, (reference, curves) in zip(axes, shown.items()):
+            for ax, (arm, c) in zip(row, curves.items()):
+                ax.plot(c["tokens"], c["mean"], marker=".")
+                ax.fill_between(c["tokens"], c["ci95_low"], c["ci95_high"], alpha=0.25)
+                ax.axhline(0, color="black", linewidth=0.8)
+                ax.set(xlabel="training tokens", ylabel="delta NLL (nats/token)",
+                       title=f"{plot_text(arm)} - {plot_text(reference)} (n={c['n']})")
+            for ax in row[len(curves):]:
+                ax.axis("off")
+        against = next(iter(shown)) if len(shown) == 1 else f"reference), a row per reference ({', '.join(shown)}"
         figures.append(save(fig, out_dir, "delta_curve.png",
-                            f"Paired delta NLL(arm) - NLL({reference}) during training (mean, 95% t-interval)"))
+                            f"Paired delta NLL(arm) - NLL({against}) during training (mean, 95% t-interval)"))
     # QK/V Jensen-Shannon divergence per layer over training, for arms with a value route
     arm, seed = cell
     for jsd_arm in arms:
@@ -685,10 +695,11 @@ def power_lines(others, paired, effect):
     return lines
 
 
-def downstream_lines(arms, seeds, reference, downstream, problems, compared):
-    """The report's downstream section: CORE per cell, then each arm's CORE and task accuracy deltas."""
+def downstream_lines(arms, seeds, downstream, problems, compared):
+    """The report's downstream section: CORE per cell, then against each reference (compared: {reference: {arm:
+    downstream_comparison}}) each arm's CORE and task accuracy deltas."""
     lines = ["## Downstream tasks", "",
-             f"delta = arm - {md(reference)} in CORE (the mean over tasks of (accuracy - random baseline) / "
+             f"delta = arm - reference in CORE (the mean over tasks of (accuracy - random baseline) / "
              f"(1 - random baseline)) and in each task's accuracy; positive = better, a win is a delta above 0. Of the "
              f"seeds paired above, a seed counts when both cells' downstream.json are of their final step and of one "
              f"evaluation (task bundle, max_per_task, tasks and items).", "",
@@ -698,6 +709,15 @@ def downstream_lines(arms, seeds, reference, downstream, problems, compared):
         lines.append(table_row(arm, *(fmt(downstream[arm, s]["core"], ".4f") if (arm, s) in downstream
                                       else "unreadable" if (arm, s) in problems else "-" for s in seeds)))
     lines.append("")
+    for reference, against in compared.items():
+        if against:
+            lines += [f"**Against {md(reference)}**:", "", *downstream_comparison_lines(reference, against)]
+    return lines
+
+
+def downstream_comparison_lines(reference, compared):
+    """One reference's part of the downstream section: the seeds left out, CORE deltas, task accuracy deltas."""
+    lines = []
     if left_out := [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}"
                     for arm, c in compared.items() for d in c["left_out"]]:
         lines += ["**Downstream seeds left out** (of this section only):", "", *left_out, ""]
@@ -890,10 +910,17 @@ def model_line(alike, differ):
     return "Model shared by every cell: " + "; ".join(parts) + "."
 
 
-def main(argv):
+# -----------------------------------------------------------------------------
+# the report: its arguments, the references, one comparison per reference, report.md and paired.json
+
+BASELINES = ("standard", "scaled_residual")  # by default every arm named after a baseline scheme is a reference
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
-    parser.add_argument("--reference", help="reference arm (default: the first arm)")
+    parser.add_argument("--reference", help="reference arms, comma-separated (default: the arms named standard and "
+                                            "scaled_residual, else the first arm)")
     parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
     parser.add_argument("--effect", type=float, default=0.03,
                         help="mean delta (nats) to count the seeds needed for (default 0.03: RD-AttnRes's gain)")
@@ -905,54 +932,29 @@ def main(argv):
     if not os.access(args.out_dir, os.W_OK):  # before any work: the report and plots are written there
         sys.exit(f"error: cannot write to {args.out_dir} (no write permission or a read-only file system); "
                  f"copy the grid somewhere writable and run report.py on the copy")
-    arms, seeds, results, unusable, logs, notes = load_grid(args.out_dir)
-    if not arms:
-        sys.exit(f"error: {args.out_dir} holds no arms; give the out_dir of a train.py grid")
-    reference = args.reference or arms[0]
-    if reference not in arms:
-        sys.exit(f"error: reference arm {reference!r} not found; arms: {', '.join(arms)}")
-    others = [arm for arm in arms if arm != reference]
+    return args
+
+
+def references_of(given, arms):
+    """The reference arms: --reference's list, else every arm named after a baseline scheme, else the first arm."""
+    references = given.split(",") if given else [arm for arm in arms if arm in BASELINES] or arms[:1]
+    if unknown := [r for r in references if r not in arms]:
+        sys.exit(f"error: reference arm {unknown[0]!r} not found; arms: {', '.join(arms)}")
+    if len(set(references)) < len(references):
+        sys.exit(f"error: --reference={given} names an arm twice; name each reference once")
+    return references
+
+
+def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
+    """Every arm paired with one reference seed by seed, but the earlier references (each already paired with this
+    one): the seeds left out and why, each arm's paired statistics, power, delta curve and mixed versions."""
+    others = [arm for arm in arms if arm != reference and arm not in earlier]
     left_out = {arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results, unusable))} for arm in others}
     paired_seeds = {arm: [s for s in seeds if s not in left_out[arm]] for arm in others}
     # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
     paired_seeds[reference] = sorted(set().union(*paired_seeds.values())) if others else \
         [s for s in seeds if not cell_problem(results, unusable, reference, s)]
-    cell = parse_cell(args.cell, arms, seeds, results, logs) if args.cell else \
-        (arms[-1], (paired_seeds[arms[-1]] or seeds or [0])[0])
-    for name in output_names(arms, cell):  # before anything is written: a folder there would stop the report half way
-        if os.path.isdir(path := os.path.join(args.out_dir, name)):
-            raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
-    diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
-                     reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
-
-    lines = [f"# Paired report: {md(args.out_dir)}", "",
-             f"Reference arm: {md(reference)}. delta = NLL(arm) - NLL(reference) on the fixed validation set "
-             f"(nats/token; negative = better). Each arm is paired with the reference seed by seed: a seed counts "
-             f"for an arm when both cells finished and their pairing records agree.", ""]
-    model, differ = shared_model(results) if results else ({}, [])
-    if results:
-        lines += [md(model_line(model, differ)), ""]
-    if any(left_out.values()):
-        lines += ["**Seeds left out** (not counted in that arm's n):", "",
-                  *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()), ""]
-    tuning, tuning_why = read_tuning(args.out_dir)
-    tuning_notes = []
-    if tuning:
-        section, tuning_notes = tuning_lines(tuning, arms, results)
-        lines += section
-    elif tuning_why:
-        lines += ["## Learning-rate tuning", "", f"{TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
-                  f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.", ""]
-    lines += ["Final validation loss:", "",
-              "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | learning rate |",
-              "|---" * (len(seeds) + 2) + "|"]
-    for arm in arms:
-        lines.append(table_row(arm, *("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
-                                      else fmt(r["val_loss"], ".4f") for s in seeds), arm_learning_rates(results, arm)))
-    lines.append("")
     paired, curves, mixed = {}, {}, {}
-    table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
-             "|---|---|---|---|---|---|---|---|---|"]
     for arm in others:
         seeds_of = paired_seeds[arm]
         st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
@@ -961,23 +963,101 @@ def main(argv):
         mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
         paired[arm] = dict(st, seeds=seeds_of, left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
                            mixed_versions=mixed[arm], delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
-                           power=power_analysis(st, args.effect))
+                           power=power_analysis(st, effect))
+    return dict(others=others, left_out=left_out, paired_seeds=paired_seeds, paired=paired, curves=curves, mixed=mixed)
+
+
+def comparison_lines(reference, comparison, earlier, effect):
+    """One reference's section of report.md: the seeds left out, each arm's per-seed deltas and statistics, power,
+    and the seeds of other versions its means mix."""
+    others, paired, left_out, mixed = (comparison[k] for k in ("others", "paired", "left_out", "mixed"))
+    lines = [f"## Paired against {md(reference)}", ""]
+    if earlier:
+        lines += [f"(Against {', '.join(map(md, earlier))}: in {'its' if len(earlier) == 1 else 'their'} own section.)", ""]
+    if not others:
+        return lines + ["No other arm to pair with.", ""]
+    if any(left_out.values()):
+        lines += ["**Seeds left out** (not counted in that arm's n):", "",
+                  *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()), ""]
+    table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for arm in others:
+        st = paired[arm]
         percent = 100 * st["ppl_change"]
         table.append(table_row(arm, *statistics_cells(st),
                                "off scale" if math.isinf(percent) else fmt(percent, "+.2f") + "%"))
         lines.append(f"Per-seed deltas, {md(arm)}: "
-                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(seeds_of, st["deltas"])) or "none"))
+                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(st["seeds"], st["deltas"])) or "none"))
     lines += ["", *table, ""]
     if any(math.isinf(paired[arm]["ppl_change"]) for arm in others):
         lines += ["ppl change off scale: exp(mean delta) - 1 is past a float (a mean delta above 709 nats: a diverging "
                   "arm).", ""]
-    if others:
-        lines += power_lines(others, paired, args.effect)
+    lines += power_lines(others, paired, effect)
     if any(mixed.values()):
         lines += ["**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
                   "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
                   "the grid in a new out_dir:", "",
                   *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]), ""]
+    return lines
+
+
+def final_loss_lines(arms, seeds, results):
+    """Each cell's final validation loss and each arm's learning rate."""
+    lines = ["Final validation loss:", "",
+             "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | learning rate |",
+             "|---" * (len(seeds) + 2) + "|"]
+    for arm in arms:
+        lines.append(table_row(arm, *("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
+                                      else fmt(r["val_loss"], ".4f") for s in seeds), arm_learning_rates(results, arm)))
+    return lines + [""]
+
+
+def wall_time_lines(arms, seeds, wall):
+    lines = ["Wall time per cell (s; training and evaluation, compile included):", "",
+             "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | total |", "|---" * (len(seeds) + 2) + "|"]
+    for arm in arms:
+        times = [wall.get(f"{arm}/seed{s}") for s in seeds]
+        lines.append(f"| {md(arm)} | " + " | ".join("-" if t is None else f"{t:.0f}" for t in times)
+                     + f" | {sum(t for t in times if t is not None):.0f} |")
+    return lines + [""]
+
+
+def main(argv):
+    args = parse_args(argv)
+    arms, seeds, results, unusable, logs, notes = load_grid(args.out_dir)
+    if not arms:
+        sys.exit(f"error: {args.out_dir} holds no arms; give the out_dir of a train.py grid")
+    references = references_of(args.reference, arms)
+    comparisons = {ref: compare(ref, references[:i], arms, seeds, results, unusable, logs, args.effect)
+                   for i, ref in enumerate(references)}
+    first = comparisons[references[0]]  # the curves of val_loss.png and the default --cell
+    cell = parse_cell(args.cell, arms, seeds, results, logs) if args.cell else \
+        (arms[-1], (first["paired_seeds"][arms[-1]] or seeds or [0])[0])
+    for name in output_names(arms, cell):  # before anything is written: a folder there would stop the report half way
+        if os.path.isdir(path := os.path.join(args.out_dir, name)):
+            raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
+    diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
+                     reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
+
+    lines = [f"# Paired report: {md(args.out_dir)}", "",
+             f"Reference arm{'s' if len(references) > 1 else ''}: {', '.join(map(md, references))}. "
+             f"delta = NLL(arm) - NLL(reference) on the fixed validation set (nats/token; negative = better). Each arm "
+             f"is paired with each reference seed by seed: a seed counts for an arm when both cells finished and their "
+             f"pairing records agree.", ""]
+    model, differ = shared_model(results) if results else ({}, [])
+    if results:
+        lines += [md(model_line(model, differ)), ""]
+    tuning, tuning_why = read_tuning(args.out_dir)
+    tuning_notes = []
+    if tuning:
+        section, tuning_notes = tuning_lines(tuning, arms, results)
+        lines += section
+    elif tuning_why:
+        lines += ["## Learning-rate tuning", "", f"{TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
+                  f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.", ""]
+    lines += final_loss_lines(arms, seeds, results)
+    for i, ref in enumerate(references):
+        lines += comparison_lines(ref, comparisons[ref], references[:i], args.effect)
     if diverged:
         lines += ["**Diverged cells** (never in the statistics):", "",
                   "| arm | seed | step | reason |", "|---|---|---|---|",
@@ -986,30 +1066,27 @@ def main(argv):
     notes += downstream_notes
     compared = None
     if downstream or problems:
-        compared = {arm: downstream_comparison(reference, arm, paired_seeds[arm], results, downstream, problems)
-                    for arm in others}
-        lines += downstream_lines(arms, seeds, reference, downstream, problems, compared)
+        compared = {ref: {arm: downstream_comparison(ref, arm, c["paired_seeds"][arm], results, downstream, problems)
+                          for arm in c["others"]} for ref, c in comparisons.items()}
+        lines += downstream_lines(arms, seeds, downstream, problems, compared)
     wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
     if any(t is not None for t in wall.values()):
-        lines += ["Wall time per cell (s; training and evaluation, compile included):", "",
-                  "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | total |", "|---" * (len(seeds) + 2) + "|"]
-        for arm in arms:
-            times = [wall.get(f"{arm}/seed{s}") for s in seeds]
-            lines.append(f"| {md(arm)} | " + " | ".join("-" if t is None else f"{t:.0f}" for t in times)
-                         + f" | {sum(t for t in times if t is not None):.0f} |")
-        lines.append("")
+        lines += wall_time_lines(arms, seeds, wall)
     if notes:
         lines += ["Skipped:", "", *(f"- {md(n)}" for n in notes), ""]
     summary = "\n".join(lines)
-    for title, name in plots(args.out_dir, arms, reference, paired_seeds, curves, logs, cell):
+    for title, name in plots(args.out_dir, arms, comparisons, logs, cell):
         lines += [f"### {md(title)}", "", f"![{md(title)}]({name})", ""]
     write_text(os.path.join(args.out_dir, "report.md"), "\n".join(lines))
-    write_text(os.path.join(args.out_dir, "paired.json"), json.dumps(strict(
-        dict(reference=reference, model=dict(model, differing=differ), arms=paired, diverged=diverged, downstream=compared and dict(
-            core={f"{a}/seed{s}": r["core"] for (a, s), r in downstream.items()}, arms=compared),
-             tuning=tuning_summary(tuning, tuning_why, tuning_notes), learning_rates={
-                 arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
-                 for arm in arms}, wall_time_s=wall, skipped=notes)), indent=1, allow_nan=False))
+    core = downstream and {f"{a}/seed{s}": r["core"] for (a, s), r in downstream.items()}
+    # reference and arms (and downstream's arms): the first reference's, as a report of one reference writes them
+    write_text(os.path.join(args.out_dir, "paired.json"), json.dumps(strict(dict(
+        reference=references[0], references=references, model=dict(model, differing=differ), arms=first["paired"],
+        by_reference={ref: dict(arms=c["paired"], downstream=compared and compared[ref]) for ref, c in comparisons.items()},
+        diverged=diverged, downstream=compared and dict(core=core, arms=compared[references[0]]),
+        tuning=tuning_summary(tuning, tuning_why, tuning_notes), learning_rates={
+            arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
+            for arm in arms}, wall_time_s=wall, skipped=notes)), indent=1, allow_nan=False))
     print(summary)
 
 

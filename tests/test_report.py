@@ -887,3 +887,76 @@ def test_the_report_says_the_model_every_cell_shares_dense_or_moe(tmp_path, no_m
     edit(out, "rd", 0, lambda r: r["pairing"]["settings"].update(n_experts=4))  # a cell of another MLP: named
     paired, text = run(out)
     assert "differing between cells: n_experts" in text and paired["model"]["differing"] == ["n_experts"]
+
+
+# --- references: every arm against each baseline, in one report ---------------------------------------
+
+BASELINE_LOSSES = {(arm, s): loss + s / 10 for s in range(3)
+                   for arm, loss in (("standard", 3.00), ("scaled_residual", 2.99), ("gated", 2.97), ("wide", 3.02))}
+BASELINE_ARMS = ("standard", "scaled_residual", "gated", "wide")
+
+
+def test_every_arm_is_paired_against_each_baseline_present_in_one_report(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, BASELINE_LOSSES, arms=BASELINE_ARMS)
+    paired, text = run(out)
+    assert paired["references"] == ["standard", "scaled_residual"] and paired["reference"] == "standard"
+    against_standard, against_scaled = (paired["by_reference"][r]["arms"] for r in paired["references"])
+    assert list(against_standard) == ["scaled_residual", "gated", "wide"]
+    assert against_standard["gated"]["deltas"] == pytest.approx([-0.03] * 3)
+    assert against_standard["scaled_residual"]["deltas"] == pytest.approx([-0.01] * 3)
+    # standard - scaled_residual is the section above with its sign turned: each pair compared once
+    assert list(against_scaled) == ["gated", "wide"]
+    assert against_scaled["gated"]["deltas"] == pytest.approx([-0.02] * 3)
+    assert against_scaled["wide"]["deltas"] == pytest.approx([0.03] * 3) and against_scaled["wide"]["wins"] == 0
+    assert paired["arms"] == against_standard  # the first reference's, where a report of one reference has them
+    assert "Reference arms: standard, scaled_residual." in text
+    first, second = text.index("## Paired against standard"), text.index("## Paired against scaled_residual")
+    assert first < text.index("| gated | 3 | 3/3 | -0.0300 |") < second < text.index("| gated | 3 | 3/3 | -0.0200 |")
+    assert "(Against standard: in its own section.)" in text[second:]
+    assert text.count("Power of the paired t-test") == 2 and text.count("Final validation loss") == 1
+
+
+def test_the_references_named_are_the_ones_paired_in_their_order(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, BASELINE_LOSSES, arms=BASELINE_ARMS)
+    paired, text = run(out, "--reference=gated,standard")
+    assert paired["references"] == ["gated", "standard"] and list(paired["by_reference"]) == ["gated", "standard"]
+    assert list(paired["by_reference"]["gated"]["arms"]) == ["standard", "scaled_residual", "wide"]
+    assert list(paired["by_reference"]["standard"]["arms"]) == ["scaled_residual", "wide"]
+    assert paired["by_reference"]["gated"]["arms"]["standard"]["deltas"] == pytest.approx([0.03] * 3)
+    paired, text = run(out, "--reference=wide")  # one reference: the report of one, as before
+    assert paired["references"] == ["wide"] and list(paired["arms"]) == ["standard", "scaled_residual", "gated"]
+    assert "Reference arm: wide." in text and text.count("## Paired against") == 1
+    for given, message in (("--reference=gated,nope", "reference arm 'nope' not found; arms: standard, scaled_residual"),
+                           ("--reference=gated,gated", "--reference=gated,gated names an arm twice")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            report.main([str(out), given])
+
+
+def test_without_a_baseline_arm_the_first_arm_is_the_reference(tmp_path, no_matplotlib):
+    paired, text = run(make_grid(tmp_path, LOSSES))
+    assert paired["references"] == ["parent"] and list(paired["by_reference"]) == ["parent"]
+    assert paired["by_reference"]["parent"]["arms"] == paired["arms"] and "Reference arm: parent." in text
+
+
+def test_downstream_is_paired_against_each_reference(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, BASELINE_LOSSES, arms=BASELINE_ARMS)
+    right = dict(standard=30, scaled_residual=31, gated=34, wide=29)
+    for (arm, seed) in BASELINE_LOSSES:
+        write_downstream(out, arm, seed, dict(hellaswag=right[arm] + seed, lambada=20))
+    paired, text = run(out)
+    for reference, arm in (("standard", "gated"), ("scaled_residual", "gated"), ("standard", "scaled_residual")):
+        core = paired["by_reference"][reference]["downstream"][arm]["core"]
+        assert core["deltas"] == pytest.approx([(right[arm] - right[reference]) / 75 / 2] * 3)
+    assert "standard" not in paired["by_reference"]["scaled_residual"]["downstream"]
+    assert paired["downstream"]["arms"] == paired["by_reference"]["standard"]["downstream"]
+    assert text.index("**Against standard**") < text.index("**Against scaled_residual**")
+    assert text.count("CORE per cell") == 1
+
+
+def test_the_delta_curves_of_every_reference_are_one_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = make_grid(tmp_path, BASELINE_LOSSES, arms=BASELINE_ARMS)
+    paired, text = run(out)
+    assert "Paired delta NLL(arm) - NLL(reference), a row per reference (standard, scaled_residual)" in text
+    assert (out / "delta_curve.png").stat().st_size > 0
+    assert paired["by_reference"]["scaled_residual"]["arms"]["gated"]["delta_curve"]["mean"] == pytest.approx([0, 0, -0.02])
