@@ -45,8 +45,9 @@ NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "
                    "eval_batch_size", "verify_shards", "allow_changes", "wandb_log", "wandb_project", "wandb_run_name",
                    "downstream_bundle", "downstream_interval", "downstream_max_per_task")
 # the code that computes a result: the model, the runtime (TF32, deterministic kernels), the step, the data
-# order, a cell's init and what a resume restores (fingerprinted without comments, docstrings and messages).
-# The report, the config checks here, downloads, the log (progress.py) and these records are not in it.
+# order, a cell's init and what a resume restores (fingerprinted per definition, without comments, docstrings
+# and messages: code_record). The report, the config checks here, downloads, the log (progress.py) and these
+# records are not in it.
 CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py")
 RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or delete the cell's folder to retrain it"
 
@@ -92,8 +93,7 @@ def check_config(cfg, world, command_line=()):
     """One line for each setting that cannot run, before anything is trained. command_line: the
     keys set by --key=value, so that a key every arm overrides is not silently lost."""
     for key, value in cfg.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}={value} must be a finite number")
+        check_number(key, value, "")
         if isinstance(value, str) and "\0" in value:  # os calls raise ValueError on it, mid-run
             raise ConfigError(f"{key}={value!r} holds a NUL byte; give it without one")
     if not cfg["out_dir"] or not cfg["data_dir"]:
@@ -134,13 +134,16 @@ def check_config(cfg, world, command_line=()):
         settings = arms[arm] = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS.get(k, cfg.get(k)))
                                 for k, v in settings.items()}
         for key, value in settings.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"arm {arm!r}: {key}={value} must be a finite number")
+            check_number(key, value, f"arm {arm!r}: ")
         try:
             config = model_config(cfg, settings)
         except (ValueError, TypeError) as e:  # GPTConfig's own checks (sizes, dropout, scheme options)
             raise ConfigError(f"arm {arm!r}: {e}") from None
-        check_learning_rates(cfg | settings, settings, f"arm {arm!r}: ", config.routing_lr_scale)
+        check_learning_rates(cfg | settings, settings, f"arm {arm!r}: ", config)
+        if not config.moe_bias_rate * cfg["max_iters"] <= FLOAT32_MAX:  # the bias moves by the rate each step
+            raise ConfigError(f"arm {arm!r}: moe_bias_rate={config.moe_bias_rate:.3g} is too large: over max_iters="
+                              f"{cfg['max_iters']} steps the balancing bias can reach {config.moe_bias_rate * cfg['max_iters']:.3g}, "
+                              f"beyond float32 ({FLOAT32_MAX:.3g}); lower it (DeepSeek-V3 used 1e-3)")
         if cfg["eval_tokens"] < config.block_size + 1:
             raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is less than one sequence of block_size+1 = "
                               f"{config.block_size + 1} tokens" + (f" (arm {arm!r})" if "block_size" in settings else ""))
@@ -177,9 +180,23 @@ def check_config(cfg, world, command_line=()):
                           "FSDP holds shards of them); use DDP (--fsdp=False) for Muon, or --optimizer=adamw")
     if cfg["wandb_log"]:
         check_wandb()
-    if cfg["reference_arm"] and cfg["reference_arm"] not in cfg["arms"]:
-        raise ConfigError(f"reference_arm={cfg['reference_arm']!r} is not an arm ({', '.join(cfg['arms'])})")
+    references = cfg["reference_arm"].split(",") if cfg["reference_arm"] else []  # report.py's --reference
+    if unknown := [r for r in references if r not in cfg["arms"]]:
+        raise ConfigError(f"reference_arm={cfg['reference_arm']!r}: {unknown[0]!r} is not an arm "
+                          f"({', '.join(cfg['arms'])}); name arms, comma-separated, e.g. --reference_arm=standard,scaled_residual")
+    if len(set(references)) < len(references):
+        raise ConfigError(f"reference_arm={cfg['reference_arm']!r} names an arm twice; name each reference once")
     check_downstream(cfg, [model_config(cfg, s).vocab_size for s in arms.values()])
+
+
+def check_number(key, value, where):
+    """A float setting: finite, and within float32, what the model and the optimizer compute it in
+    (a larger one becomes inf there: NaN weights, or a traceback inside the optimizer)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}{key}={value} must be a finite number")
+    if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:
+        raise ConfigError(f"{where}{key}={value:.3g} is beyond float32 ({FLOAT32_MAX:.3g}), which the model and "
+                          f"optimizer compute in; lower it")
 
 
 def check_downstream(cfg, vocab_sizes):
@@ -200,10 +217,11 @@ def check_downstream(cfg, vocab_sizes):
                           f"downstream_bundle empty")
 
 
-def check_learning_rates(rates, given, where, routing_lr_scale=1.0):
-    """The learning rates of rates (the run's, or an arm's effective ones): positive, min_lr not above
-    learning_rate (the schedule decays from one to the other), and each group's first step (AdamW's
-    is lr / (1 - beta1)) a float32: optimizer.step fails on one beyond. given: the settings of where."""
+def check_learning_rates(rates, given, where, config=None):
+    """The learning rates of rates (the run's, or an arm's effective ones, config its model): positive,
+    min_lr not above learning_rate (the schedule decays from one to the other), and where they meet
+    float32 within it: each group's first step (AdamW's is lr / (1 - beta1); optimizer.step fails on one
+    beyond) and the decay's factor 1 - lr x weight_decay. given: the settings of where."""
     for key in ("learning_rate", "muon_learning_rate"):
         if not rates[key] > 0:
             raise ConfigError(f"{where}{key}={rates[key]} must be positive")
@@ -213,12 +231,17 @@ def check_learning_rates(rates, given, where, routing_lr_scale=1.0):
         raise ConfigError(f"{where}min_lr={rates['min_lr']} is above learning_rate={rates['learning_rate']}: the "
                           f"schedule decays from learning_rate down to min_lr; set min_lr at most learning_rate"
                           + (" in the arm" if "min_lr" not in given and where else ""))
-    peaks = dict(learning_rate=rates["learning_rate"], muon_learning_rate=rates["muon_learning_rate"])
-    peaks["learning_rate x routing_lr_scale"] = rates["learning_rate"] * routing_lr_scale
-    for name, lr in peaks.items():
-        if not lr / (1 - rates["beta1"]) <= FLOAT32_MAX:
-            raise ConfigError(f"{where}{name} = {lr:.3g} is too large: its first step, lr / (1 - beta1) = "
-                              f"{lr / (1 - rates['beta1']):.3g}, is beyond float32 ({FLOAT32_MAX:.3g}); lower it")
+    lr = rates["learning_rate"]
+    peaks = dict(learning_rate=lr, muon_learning_rate=rates["muon_learning_rate"])
+    if config:  # the routing parameters and the MoE routers step at their multiple of learning_rate
+        peaks |= {f"learning_rate x {k}": lr * getattr(config, k) for k in ("routing_lr_scale", "moe_router_lr_scale")}
+    for name, peak in peaks.items():
+        if not peak / (1 - rates["beta1"]) <= FLOAT32_MAX:
+            raise ConfigError(f"{where}{name} = {peak:.3g} is too large: its first step, lr / (1 - beta1) = "
+                              f"{peak / (1 - rates['beta1']):.3g}, is beyond float32 ({FLOAT32_MAX:.3g}); lower it")
+    if not lr * rates["weight_decay"] <= FLOAT32_MAX:  # AdamW and Muon both decay by lr x weight_decay per step
+        raise ConfigError(f"{where}learning_rate x weight_decay = {lr * rates['weight_decay']:.3g} is beyond float32 "
+                          f"({FLOAT32_MAX:.3g}): each step multiplies the weights by 1 minus it; lower weight_decay")
 
 
 def check_wandb():
@@ -246,11 +269,14 @@ MESSAGE_CALLS = ("print", "warn", "exit", "debug", "info", "warning", "error", "
 
 
 def code_fingerprint(source):
-    """sha256 of a Python file's syntax tree without what cannot change a result: comments, layout,
-    docstrings, and messages (the arguments of a raised exception, an assert's message, the
-    arguments of MESSAGE_CALLS, which must therefore compute nothing but text). Rewording an error
-    never locks a grid; an operator, a constant or a condition does."""
-    tree = ast.parse(source)
+    """sha256 of a Python file's syntax tree without what cannot change a result (strip_messages)."""
+    return hashlib.sha256(ast.dump(strip_messages(ast.parse(source))).encode()).hexdigest()
+
+
+def strip_messages(tree):
+    """A syntax tree without comments, layout, docstrings, and messages (the arguments of a raised
+    exception, an assert's message, the arguments of MESSAGE_CALLS, which must therefore compute
+    nothing but text). Rewording an error never locks a grid; an operator, a constant or a condition does."""
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
@@ -263,21 +289,56 @@ def code_fingerprint(source):
             and call_name(node.func) in MESSAGE_CALLS else None
         if isinstance(message, ast.Call):  # the exception's class, or the function called, stays
             message.args, message.keywords = [], []
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    return tree
 
 
 def call_name(func):
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
+def bound_name(node):
+    """The name a top-level statement defines (an assignment's targets, joined), or None."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+    return ", ".join(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)) or None
+
+
 def code_record():
-    """The fingerprint of the code that computes a result (per file of CODE_FILES, and of them all),
-    and the git commit and dirty flag where git can tell."""
-    files = {}
-    for name in CODE_FILES:
-        with open(os.path.join(HERE, name), "rb") as f:
-            files[name] = code_fingerprint(f.read())
-    fingerprint = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    """
+    The code that computes a result, one fingerprint per top-level definition of CODE_FILES, keyed by
+    the name it defines (a file's other statements under the file's name; imports left out: they bind
+    names to definitions fingerprinted here, or to torch, whose version is recorded). 'schemes': the
+    registry's classes each scheme computes with (its own, those it names or derives from), so that
+    code_changes compares only what a cell computes with: moving a definition to another file,
+    reordering definitions or adding a scheme no arm trains changes nothing. Also the git commit and
+    dirty flag where git can tell.
+    """
+    statements, references = {}, {}
+    for file in CODE_FILES:
+        with open(os.path.join(HERE, file), "rb") as f:
+            tree = strip_messages(ast.parse(f.read()))
+        for node in tree.body:
+            name = bound_name(node) or file
+            if isinstance(node, (ast.Import, ast.ImportFrom)) or name == "RESIDUALS":  # the registry: 'schemes'
+                continue
+            statements.setdefault(name, []).append(ast.dump(node))
+            references.setdefault(name, set()).update(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+    definitions = {name: hashlib.sha256("\n".join(dumps).encode()).hexdigest()[:16] for name, dumps in statements.items()}
+    registered = {cls.__name__ for cls in RESIDUALS.values()}
+    shared = {c for name, refs in references.items() if name not in registered for c in refs & registered}
+
+    def classes(cls):  # the registered classes a scheme computes with: its own, and those it derives from or names
+        used, todo = set(), [c.__name__ for c in cls.__mro__ if c.__name__ in registered]
+        while todo:
+            name = todo.pop()
+            if name not in used:
+                used.add(name)
+                todo += sorted(references.get(name, set()) & registered)
+        return sorted(used | shared)
+    schemes = {name: classes(cls) for name, cls in RESIDUALS.items()}
+    fingerprint = hashlib.sha256(json.dumps([definitions, schemes], sort_keys=True).encode()).hexdigest()
 
     def git(*args):
         try:
@@ -286,13 +347,50 @@ def code_record():
         except (OSError, subprocess.SubprocessError):
             return None
     commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    return dict(fingerprint=fingerprint, files=files, git_commit=commit,
+    return dict(fingerprint=fingerprint, definitions=definitions, schemes=schemes, git_commit=commit,
                 git_dirty=None if status is None else status != "")
 
 
+def code_changes(old, new, schemes):
+    """The definitions that differ between two code records (code_record) for a run of these schemes:
+    every definition but the registry's classes that none of them computes with. A record of an
+    earlier version (one fingerprint per file) compares as a whole."""
+    if not all(isinstance(r, dict) and isinstance(r.get("definitions"), dict) and isinstance(r.get("schemes"), dict)
+               for r in (old, new)):
+        same = isinstance(old, dict) and isinstance(new, dict) and old.get("fingerprint") == new.get("fingerprint")
+        return [] if same else ["all of it: recorded per file by an earlier version"]
+    registered = {c for r in (old, new) for used in r["schemes"].values() for c in used}
+    used = {c for r in (old, new) for s in schemes for c in r["schemes"].get(s, ())}
+    before, now = old["definitions"], new["definitions"]
+    return ([name for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)
+             and (name not in registered or name in used)]
+            + [f"RESIDUALS[{s!r}]" for s in sorted(schemes) if old["schemes"].get(s) != new["schemes"].get(s)])
+
+
+def code_fingerprints(code, scheme):
+    """(shared, own): sha256 of the definitions every scheme computes with, and of those only the
+    scheme's (its classes, as code_record lists them). The arms of a seed pair on the first."""
+    own = set(code["schemes"].get(scheme, ()))
+    registered = {c for used in code["schemes"].values() for c in used}
+    digest = lambda names: hashlib.sha256(json.dumps({n: code["definitions"].get(n) for n in sorted(names)})
+                                          .encode()).hexdigest()
+    return digest(set(code["definitions"]) - registered), digest(own)
+
+
+def run_schemes(*records):
+    """The schemes the runs of these records train: a cell's own, or every arm's of a grid."""
+    def of(record):
+        if "arm" in record:
+            return [record.get("residual")]
+        arms = record.get("arms") if isinstance(record.get("arms"), dict) else {}
+        return [s.get("residual", record.get("residual")) for s in arms.values() if isinstance(s, dict)]
+    return {s for r in records for s in of(r) if isinstance(s, str)}
+
+
 def differences(old, new):
-    """{key: [recorded, now]} over the keys that change a result, 'code' for the code fingerprint."""
-    skip = NOT_RESULT_KEYS + ("model", "code", "changes")
+    """{key: [recorded, now]} over the keys that change a result, 'code' for the code fingerprint
+    (when code_changes finds a definition the run computes with changed)."""
+    skip = NOT_RESULT_KEYS + ("model", "code", "changes", "machine")  # machine: provenance (cells.open_cell)
     diff = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
             if k not in skip and old.get(k) != new.get(k)}
     old_arms, new_arms = old.get("arms"), new.get("arms")
@@ -301,15 +399,15 @@ def differences(old, new):
             if old_arms[arm] != new_arms[arm]:
                 diff[f"arms[{arm!r}]"] = [old_arms[arm], new_arms[arm]]
     old_code, new_code = (r.get("code") if isinstance(r.get("code"), dict) else {} for r in (old, new))
-    if old_code.get("fingerprint") != new_code.get("fingerprint"):
+    if code_changes(old_code, new_code, run_schemes(old, new)):
         diff["code"] = [old_code.get("fingerprint"), new_code.get("fingerprint")]
     return diff
 
 
-def changed_files(old, new):
-    """The code files whose fingerprint differs between two code records (all, for an older record)."""
-    before, now = (r.get("files") if isinstance(r, dict) and isinstance(r.get("files"), dict) else {} for r in (old, new))
-    return [name for name in now if before.get(name) != now[name]] or list(now)
+def described_changes(old, new, schemes):
+    """code_changes as a short phrase for one line."""
+    changed = code_changes(old, new, schemes)
+    return ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
 
 
 # -----------------------------------------------------------------------------
@@ -345,7 +443,7 @@ def check_rerun(path, old, new, allow):
     diff = differences(old, new)
     if diff and not allow:
         short = lambda v: repr(v) if len(repr(v)) <= 40 else "..."
-        named = ", ".join(f"code changed ({', '.join(changed_files(old.get('code') or {}, new['code']))})"
+        named = ", ".join(f"code changed ({described_changes(old.get('code'), new['code'], run_schemes(old, new))})"
                           if k == "code" else f"{k} ({short(a)} -> {short(b)})" for k, (a, b) in diff.items())
         recorded = old.get("code") if isinstance(old.get("code"), dict) else {}
         at = f" (the code of git commit {recorded['git_commit'][:12]}{', plus uncommitted edits' if recorded.get('git_dirty') else ''})" \
@@ -444,21 +542,26 @@ def rounded(value):
     return float(f"{value:.6g}") if math.isfinite(value) else None
 
 
-def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, diverged, routing, init_hash,
-                 data_hash, eval_tokens, changes, wall_time_s):
+def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, sequence_losses, diverged, routing,
+                 init_hash, data_hash, eval_tokens, changes, wall_time_s):
     """result.json: how the cell ended, and the pairing record report.py compares across arms; returns it.
     pairing.arm_settings: what the arm sets itself (its model keys and learning rates), which may
-    differ across the arms of a seed; pairing.settings: every other result-changing key, which may not."""
+    differ across the arms of a seed; pairing.settings: every other result-changing key, which may not.
+    pairing.code: the code every scheme computes with, which may not differ either; pairing.scheme_code:
+    the arm's own scheme's (code_fingerprints)."""
     init_from = dict(path=cell["init_from"], sha256=cell["init_from_sha256"]) if cell["init_from"] else None
     arm_settings = cell["arms"][cell["arm"]]
+    shared_code, scheme_code = code_fingerprints(code, cell["residual"])
     pairing = dict(init_hash=init_hash, data_hash=data_hash, eval_tokens=eval_tokens, val_hash=record["val_hash"],
-                   code=code["fingerprint"], init_from=init_from, arm_settings=arm_settings,
+                   code=shared_code, scheme_code=scheme_code, init_from=init_from, arm_settings=arm_settings,
                    settings=pairing_settings(cell, arm_settings))
     if changes:
         pairing["changes"] = changes
     finished = not diverged
     result = dict(arm=cell["arm"], seed=cell["seed"], status="finished" if finished else "diverged",
                   val_loss=val_loss if finished else None,
+                  # the final evaluation per validation sequence (val_loss is their mean): the text's uncertainty
+                  val_sequence_losses=sequence_losses.tolist() if finished else None,
                   # past exp(709) a perplexity is no float: null, as for a diverged cell
                   val_ppl=math.exp(val_loss) if finished and val_loss < 709 else None,
                   diverged_at=None if finished else steps, reason=diverged, tokens=tokens, steps=steps,

@@ -1,14 +1,19 @@
 """
 Paired-seed statistics and routing diagnostics for a grid written by train.py.
 
-$ python report.py out                         # every arm against the first arm
+$ python report.py out                         # every arm against each baseline arm (else the first arm)
 $ python report.py out --reference=attnres --cell=rd_attnres/seed0 --effect=0.02
+$ python report.py out --reference=standard,scaled_residual
 
 Reads out/<arm>/seed<k>/{result.json,log.jsonl} and writes out/report.md and out/paired.json,
 plus PNG plots when matplotlib is installed (the tables never need it): validation loss (with the
 second half of training zoomed in), the paired delta during training, the QK/V divergence of
 arms with a value route, and one cell's depth weights.
 
+The references are --reference's arms, by default every arm named after a baseline scheme
+(standard, scaled_residual), else the first arm. Each gets a section of report.md and an entry of
+paired.json's by_reference, pairing every arm with it but the references before it (each pair
+once); paired.json's reference, arms and downstream are the first reference's, as in a report of one.
 Each arm is paired with the reference seed by seed: a seed counts for an arm when the arm's cell
 and the reference's both finished and their `pairing` records agree: init and data hashes,
 evaluated tokens, the fingerprint of the code every scheme computes with (an arm's own scheme code is
@@ -25,9 +30,11 @@ test can reach p < 0.05 at all (from 6 seeds).
 Each arm's learning rate (its own where it sets one, else the grid's) is a column of the final-loss
 table; an arm whose seeds trained at different rates is named under mixed versions. A grid of the
 tuned protocol (train.py's tune_learning_rates, tune.py) gets a tuning section from
-out/tune/choice.json: the mean tuning-seed loss per arm and rate with the chosen rate marked, the
-tuning seeds and budget, choices at the edge of the rates tried, arms that did not train at their
-choice; the choice.json is checked (the choice must be its table's lowest mean), else one line says why.
+out/tune/choice.json: the mean (s.d.) tuning-seed loss per arm and rate with the chosen rate marked,
+each choice's reason, the tuning seeds, budget and validation text, the tuning's cost beside the
+grid's, choices at the edge of the rates tried, arms that did not train at their choice. The
+choice.json is checked against the tuning cells in out/tune (every loss as they hold it, the choice
+and its reason as tune.py's rule gives them), else one line says why.
 
 Cells that hold a downstream.json (downstream.py) get a downstream section: CORE and each task's
 accuracy, arm - reference, with the same statistics, over the seeds paired above whose two
@@ -54,6 +61,7 @@ import unicodedata
 import numpy as np
 from scipy import stats
 
+import tune
 from common import DataError, UserError, read_json, write_atomic, write_text
 from paired_stats import ALPHA, POWER, paired_statistics, perplexity_change, power_analysis
 
@@ -759,51 +767,64 @@ TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 0 and
                  ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
                  ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
                  ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
+                 ("learning_rates", lambda r: isinstance(r, list) and len(r) > 0
+                  and all(is_finite(x) and x > 0 for x in r), "a list of positive numbers"),
                  ("min_lr_ratio", lambda r: is_finite(r) and 0 <= r <= 1, "a fraction in [0, 1]"),
+                 ("tuning_text", lambda t: isinstance(t, dict) and all(is_seed(t.get(k)) for k in ("first_token", "tokens")),
+                  "a dict of first_token and tokens"),
+                 ("test_tokens", lambda n: is_seed(n) and n > 0, "a positive integer"),
                  ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
-                 ("choice", lambda c: isinstance(c, dict), "a dict of arms"))
-TUNING_ROW_CHECKS = (("learning_rate", lambda r: is_finite(r) and r > 0, "a positive number"),
-                     ("val_loss", lambda v: isinstance(v, dict), "a dict of seeds"),
-                     ("mean", lambda m: m is None or is_finite(m), "null or a finite number"))
+                 ("choice", lambda c: isinstance(c, dict), "a dict of arms"),
+                 ("reason", lambda c: isinstance(c, dict), "a dict of arms"))
 
 
-def tuning_row_problem(row, seeds, prefix):
-    """Why one arm-and-rate row of a choice.json cannot be used (a field missing or of the wrong type, other seeds,
-    a mean that is not its seeds'), or None."""
-    if not isinstance(row, dict):
-        return f"{prefix[:-1]} is {described(row)}, not a dict"
-    if problem := missing_or_wrong(row, TUNING_ROW_CHECKS, prefix):
-        return problem
-    losses = row["val_loss"]
-    if sorted(losses) != sorted(seeds):
-        return f"{prefix}val_loss is of seeds {', '.join(sorted(losses)) or 'none'}, not the tuning seeds {', '.join(seeds)}"
-    if problem := wrong_type(losses, [(s, is_finite, "null or a finite number") for s in losses], f"{prefix}val_loss."):
-        return problem
-    finite = None not in losses.values()
-    if (row["mean"] is None) == finite or finite and not close(row["mean"], math.fsum(losses.values()) / len(losses)):
-        return f"{prefix}mean is {described(row['mean'])}, not the mean of its seeds' val_loss (null where one diverged)"
-    return None
+def first_difference(row, held):
+    """The first key where a choice.json row differs from the one its tuning cells give, with both values."""
+    key = next(k for k in [*held, *row] if row.get(k) != held.get(k))
+    if isinstance(row.get(key), dict) and isinstance(held.get(key), dict):  # per seed: name the seed
+        seed = next(s for s in [*held[key], *row[key]] if row[key].get(s) != held[key].get(s))
+        return f"{key}.{seed}", row[key].get(seed), held[key].get(seed)
+    return key, row.get(key), held.get(key)
 
 
-def tuning_problem(record):
-    """Why a tune/choice.json cannot be used (a field missing or of the wrong type, tuning seeds among the compared
-    ones, numbers that do not follow from each other, a choice that is not the lowest mean), or None."""
+def tuning_problem(record, out_dir):
+    """Why a tune/choice.json cannot be used, or None: a field missing or of the wrong type, a choice made on the
+    reported validation text or on compared seeds, a row that is not what its tuning cells in out_dir/tune hold
+    (an edited loss), or a choice or reason that is not tune.stable_choice's from those rows."""
+    if "tuning_text" not in record:
+        return ("no tuning_text: a choice.json made before the tuning split, whose rates were chosen on the reported "
+                "validation text itself; tune again in a new out_dir")
     if problem := missing_or_wrong(record, TUNING_CHECKS):
         return problem
+    if record["tuning_text"]["first_token"] < record["test_tokens"]:
+        return (f"tuning_text begins at token {record['tuning_text']['first_token']}, inside the reported validation "
+                f"text (its first {record['test_tokens']} tokens)")
     if shared := sorted(set(record["tune_seeds"]) & set(record["seeds"])):
         return f"tune_seeds and seeds share {', '.join(map(str, shared))}: rates chosen on compared seeds"
-    seeds = [str(s) for s in record["tune_seeds"]]
+    tune_dir = os.path.join(out_dir, TUNE_DIR)
     for arm, rows in record["table"].items():
-        if not isinstance(rows, dict) or not rows:
+        if not isinstance(rows, dict):
             return f"table.{arm} is {described(rows)}, not a dict of rates"
-        if problem := next((p for name, row in rows.items() if (p := tuning_row_problem(row, seeds, f"table.{arm}.{name}."))),
-                           None):
-            return problem
-        ranked = sorted((row["mean"], row["learning_rate"]) for row in rows.values() if row["mean"] is not None)
-        if not ranked:
-            return f"table.{arm}: every rate diverged, so nothing was chosen"
-        if record["choice"].get(arm) != ranked[0][1]:
-            return f"choice.{arm} is {described(record['choice'].get(arm))}, not the rate of the lowest mean ({ranked[0][1]:g})"
+        if sorted(rows) != sorted(names := [tune.rate_name(r) for r in record["learning_rates"]]):
+            return f"table.{arm} holds rates {', '.join(sorted(rows)) or 'none'}, not learning_rates {', '.join(names)}"
+        for rate, name in zip(record["learning_rates"], names):
+            if not isinstance(rows[name], dict):
+                return f"table.{arm}.{name} is {described(rows[name])}, not a dict"
+            try:
+                held = tune.tuning_row(tune_dir, arm, float(rate), record["tune_seeds"], record["tune_iters"])
+            except UserError as e:
+                return f"table.{arm}.{name} cannot be checked against its tuning cells: {e}"
+            if rows[name] != held:
+                key, written, found = first_difference(rows[name], held)
+                return (f"table.{arm}.{name}.{key} is {described(written)}, but its tuning cells in {TUNE_DIR}/ give "
+                        f"{described(found)} (an edited or copied choice.json)")
+        rate, reason = tune.stable_choice(list(rows.values()))
+        if rate is None:
+            return f"table.{arm}: {reason}, so nothing was chosen"
+        if record["choice"].get(arm) != rate:
+            return f"choice.{arm} is {described(record['choice'].get(arm))}, not the tuning rule's {rate:g} ({reason})"
+        if record["reason"].get(arm) != reason:
+            return f"reason.{arm} is {described(record['reason'].get(arm))}, not the tuning rule's: {reason}"
     if extra := sorted(set(record["choice"]) - set(record["table"])):
         return f"choice.{extra[0]} has no row in table"
     return None
@@ -815,33 +836,65 @@ def read_tuning(out_dir):
     if not os.path.lexists(path):
         return None, None
     record, why = json_object(path)
-    why = why or tuning_problem(record)
+    why = why or tuning_problem(record, out_dir)
     return (None, why) if why else (record, None)
 
 
-def tuning_lines(record, arms, results):
-    """The report's tuning section: mean tuning-seed loss per arm and rate, the chosen rate in bold; and notes (in
-    the section and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
+def grid_cost(results):
+    """Cells, steps and wall time (s) of results {(arm, seed): result.json}; a time unrecorded counts 0."""
+    return dict(cells=len(results), steps=sum(r["steps"] for r in results.values() if is_seed(r.get("steps"))),
+                wall_time_s=round(sum(r["wall_time_s"] for r in results.values() if is_finite(r.get("wall_time_s"))), 1))
+
+
+def tuning_cost(out_dir, record):
+    """grid_cost of the tuning cells of a checked choice.json (each has a readable result: tuning_problem)."""
+    results = {}
+    for arm, rows in record["table"].items():
+        for row in rows.values():
+            name = tune.tuning_arm(arm, row["learning_rate"])
+            for seed in record["tune_seeds"]:
+                results[name, seed] = json_object(os.path.join(out_dir, TUNE_DIR, name, f"seed{seed}", "result.json"))[0]
+    return grid_cost(results)
+
+
+def tuning_lines(record, arms, results, cost):
+    """The report's tuning section: mean (s.d.) tuning-seed loss per arm and rate, the chosen rate in bold, each
+    choice's reason, the rates that did not finish, the tuning's cost beside the grid's; and notes (in the section
+    and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
     rates = sorted({row["learning_rate"] for rows in record["table"].values() for row in rows.values()})
+    text, seeds = record["tuning_text"], record["tune_seeds"]
     lines = ["## Learning-rate tuning", "",
-             f"Each arm's learning rate was chosen before the compared seeds trained: every arm ran at each rate below "
-             f"on tuning seed{'s' * (len(record['tune_seeds']) > 1)} {', '.join(map(str, record['tune_seeds']))} "
-             f"(never a compared seed) for "
-             f"{record['tune_iters']} of the {record['max_iters']} steps (the whole schedule in them, min_lr "
-             f"{record['min_lr_ratio']:g} x the rate), and the rate with the lowest mean final validation loss over "
-             f"those seeds was chosen (never a rate with a diverged seed; an exact tie goes to the smaller rate). The "
-             f"paired result below compares each arm at its own chosen rate.", "",
-             "Mean final validation loss on the tuning seeds (the chosen rate in bold):", "",
+             f"Each arm's learning rate was chosen before the compared seeds trained, on text they are not judged on: "
+             f"every arm ran at each rate below on tuning seeds {', '.join(map(str, seeds))} (never a compared seed) "
+             f"for {record['tune_iters']} of the {record['max_iters']} steps (the whole schedule in them, min_lr "
+             f"{record['min_lr_ratio']:g} x the rate), evaluated on the validation shard's {text['tokens']:,} tokens "
+             f"from token {text['first_token']:,} (the reported validation set is its first {record['test_tokens']:,}). "
+             f"A rate counts only where every tuning seed finished below its step-0 loss; a larger rate beats a "
+             f"smaller one only when it is better on every tuning seed and its mean is lower by more than the s.d. of "
+             f"its own seeds' losses; each arm's choice is the smallest rate no larger one beats (never above the "
+             f"lowest mean; an exact tie goes to the smaller). The paired result below compares each arm at its own "
+             f"chosen rate.", "",
+             "Mean (s.d.) final validation loss on the tuning seeds (the chosen rate in bold):", "",
              "| arm | " + " | ".join(f"lr {r:g}" for r in rates) + " |", "|---" * (len(rates) + 1) + "|"]
-    notes = []
+    notes, unfinished = [], []
     for arm, rows in record["table"].items():
         by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
-        shown = ["-" if r not in by_rate else "diverged" if by_rate[r]["mean"] is None else fmt(by_rate[r]["mean"], ".4f")
-                 for r in rates]
+        shown = ["-" if r not in by_rate else "not finished" if by_rate[r]["problem"] else
+                 f"{fmt(by_rate[r]['mean'], '.4f')} ({fmt(by_rate[r]['sd'], '.4f')})" for r in rates]
         lines.append(table_row(arm, *(f"**{text}**" if r == chosen else text for r, text in zip(rates, shown))))
+        unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in by_rate.items() if row["problem"]]
         if len(by_rate) > 1 and chosen in (min(by_rate), max(by_rate)):
             notes.append(f"{arm}: the chosen rate {chosen:g} is the {'smallest' if chosen == min(by_rate) else 'largest'} "
                          f"tried; the best may lie beyond it (widen tune_learning_rates)")
+    lines += ["", "Choices:", "", *(f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}" for arm, rate in
+                                  record["choice"].items()), ""]
+    if unfinished:
+        lines += ["Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):", "",
+                  *(f"- {md(line)}" for line in unfinished), ""]
+    grid = grid_cost(results)
+    lines += [f"Cost: the tuning {cost['cells']} cells, {cost['steps']:,} steps, {cost['wall_time_s']:,.0f} s wall; "
+              f"the paired grid {grid['cells']} cells, {grid['steps']:,} steps, {grid['wall_time_s']:,.0f} s wall"
+              + (f" (the tuning {100 * cost['steps'] / grid['steps']:.0f}% of the grid's steps)." if grid["steps"] else "."), ""]
     for arm in arms:
         trained = {rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None}
         if arm not in record["choice"]:
@@ -849,20 +902,24 @@ def tuning_lines(record, arms, results):
         elif trained - {record["choice"][arm]}:
             notes.append(f"{arm}: trained at {', '.join(f'{r:g}' for r in sorted(trained))}, tune/choice.json chose "
                          f"{record['choice'][arm]:g}")
-    return lines + [""] + [f"- {md(note)}" for note in notes] + ([""] if notes else []), notes
+    return lines + [f"- {md(note)}" for note in notes] + ([""] if notes else []), notes
 
 
-def tuning_summary(record, why, notes):
-    """paired.json's tuning: the choice, its tuning seeds and budget, the mean loss per arm and rate; the problem of
-    an unusable choice.json; or None without one."""
+def tuning_summary(record, why, notes, cost, results):
+    """paired.json's tuning: the choice and its reasons, its tuning seeds, budget and text, the mean and s.d. per arm
+    and rate, the cost of the tuning and of the grid; the problem of an unusable choice.json; or None without one."""
     if why:
         return dict(problem=why)
     if record is None:
         return None
-    return dict(choice=record["choice"], tune_seeds=record["tune_seeds"], tune_iters=record["tune_iters"],
-                max_iters=record["max_iters"], min_lr_ratio=record["min_lr_ratio"], notes=notes,
+    return dict(choice=record["choice"], reason=record["reason"], tune_seeds=record["tune_seeds"],
+                tune_iters=record["tune_iters"], max_iters=record["max_iters"], min_lr_ratio=record["min_lr_ratio"],
+                tuning_text=record["tuning_text"], test_tokens=record["test_tokens"], notes=notes,
                 mean={arm: {f"{row['learning_rate']:g}": row["mean"] for row in rows.values()}
-                      for arm, rows in record["table"].items()})
+                      for arm, rows in record["table"].items()},
+                sd={arm: {f"{row['learning_rate']:g}": row["sd"] for row in rows.values()}
+                    for arm, rows in record["table"].items()},
+                cost=dict(tuning=cost, grid=grid_cost(results)))
 
 
 def output_names(arms, cell):
@@ -1048,9 +1105,9 @@ def main(argv):
     if results:
         lines += [md(model_line(model, differ)), ""]
     tuning, tuning_why = read_tuning(args.out_dir)
-    tuning_notes = []
+    tuning_notes, cost = [], tuning and tuning_cost(args.out_dir, tuning)
     if tuning:
-        section, tuning_notes = tuning_lines(tuning, arms, results)
+        section, tuning_notes = tuning_lines(tuning, arms, results, cost)
         lines += section
     elif tuning_why:
         lines += ["## Learning-rate tuning", "", f"{TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
@@ -1084,7 +1141,7 @@ def main(argv):
         reference=references[0], references=references, model=dict(model, differing=differ), arms=first["paired"],
         by_reference={ref: dict(arms=c["paired"], downstream=compared and compared[ref]) for ref, c in comparisons.items()},
         diverged=diverged, downstream=compared and dict(core=core, arms=compared[references[0]]),
-        tuning=tuning_summary(tuning, tuning_why, tuning_notes), learning_rates={
+        tuning=tuning_summary(tuning, tuning_why, tuning_notes, cost, results), learning_rates={
             arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
             for arm in arms}, wall_time_s=wall, skipped=notes)), indent=1, allow_nan=False))
     print(summary)

@@ -34,8 +34,9 @@ import checkpoint
 import downstream
 import records
 import tune
-from cells import DATA_ORDER, Grid, evaluate_downstream, finish_cell, open_cell, save_cell, seed_for
-from common import ConfigError, DataError, UserError, cell_lock, check_writable
+from cells import (DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, open_cell, rank0s,
+                   save_cell, seed_for, stop_on_signals, stop_requested)
+from common import ConfigError, DataError, LockHeld, UserError, cell_lock, check_writable, pid_lock
 from configurator import configure
 from data.prepare import prepare_bundled
 from data.shards import BUNDLED, TOKENIZERS, find_shards, open_shard, shard_tokenizer, verify_manifest
@@ -63,10 +64,10 @@ downstream_max_per_task = 500  # the first N items of each task (nanochat's in-t
 # the paired grid: every arm (a named set of model settings) runs with every seed
 arms = {"attnres": {"residual": "attnres"}, "rd_attnres": {"residual": "rd_attnres"}}
 seeds = [0, 1]
-reference_arm = ""  # the paired report's reference; "" = the first arm
+reference_arm = ""  # the report's references, comma-separated; "" = arms standard and scaled_residual, else the first
 # the tuned protocol (tune.py): each arm's learning rate chosen on tune_seeds first; [] = one rate for every arm
 tune_learning_rates = []  # e.g. [1e-3, 3e-3, 1e-2]: every arm runs at each on the tuning seeds, then at its best
-tune_seeds = [1000, 1001]  # never a compared seed
+tune_seeds = [1000, 1001, 1002]  # never a compared seed; enough to see the noise a rate must beat
 tune_iters = 0  # the tuning cells' steps (their whole schedule); 0 = a quarter of max_iters
 # model: every GPTConfig field is a key, with model.py's default unless set here
 n_layer = 4
@@ -125,13 +126,27 @@ def find_data(cfg, runtime):
     cfg["data_dir"] = data_dir = resolve_data_dir(cfg["data_dir"])
     if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
         if runtime.master:
-            prepare_bundled(data_dir)
+            prepare_bundled_or_wait(data_dir)
         if runtime.world > 1:
             dist.barrier()
     manifest = verify_manifest(data_dir, full=cfg["verify_shards"] and runtime.master)  # the sha256s once, on rank 0
     val_path, train_paths = find_shards(data_dir)
     cfg["tokenizer"] = manifest["tokenizer"] if manifest else shard_tokenizer(val_path)
     return manifest, val_path, train_paths
+
+
+def prepare_bundled_or_wait(data_dir):
+    """The bundled corpus prepared on first use: by this process, or by the one preparing it now (a
+    worker of the same grid started meanwhile), which this one waits for."""
+    said = False
+    while True:
+        try:
+            return prepare_bundled(data_dir)
+        except LockHeld as e:
+            if not said:
+                print(f"waiting for {data_dir}: being prepared by {e.holder}")
+            said = True
+            time.sleep(2)
 
 
 def data_vocab_size(tokenizer):
@@ -253,30 +268,38 @@ def learning_rate_at(step, cell):
 
 
 @torch.no_grad()
-def evaluate(model, val, cell, runtime):
-    """Mean NLL (nats/token) on the fixed validation set: the first cell.eval_tokens tokens of the
-    validation shard as whole sequences of cell.block_size + 1, split over ranks, batch sums added
-    in fp64, so the result does not depend on eval_batch_size or the world size beyond fp32
-    rounding. model may be the compiled module: every batch has one shape (a short last one is
-    padded with ignored targets), so evaluation compiles once. Every rank runs as many batches (an
-    FSDP forward is collective)."""
+def sequence_losses(model, val, cell, runtime):
+    """The mean NLL (nats/token) of each sequence of the fixed validation set, as a float64 array in
+    sequence order, whole on every rank (the text's share of the uncertainty: report.py). The set:
+    the first cell.eval_tokens tokens of the validation shard as whole sequences of cell.block_size + 1,
+    split over ranks, each sequence's token losses summed in fp64, so the result does not depend on
+    eval_batch_size or the world size beyond fp32 rounding. model may be the compiled module: every
+    batch has one shape (a short last one is padded with ignored targets), so evaluation compiles
+    once. Every rank runs as many batches (an FSDP forward is collective)."""
     T = cell.block_size
     n_seq = (cell.eval_tokens - 1) // T
     ours = np.arange(runtime.rank, n_seq, runtime.world)
     per_rank = -(-n_seq // runtime.world)
     B = min(cell.eval_batch_size, per_rank)
-    total = torch.zeros(2, dtype=torch.float64, device=runtime.device)
+    sums = torch.zeros(n_seq, dtype=torch.float64, device=runtime.device)  # each sequence's NLL; other ranks' 0 here
     model.eval()
     for i in range(0, per_rank, B):
-        x, y = validation_batch(val, ours[i:i + B], T, runtime.device)
+        rows = ours[i:i + B]
+        x, y = validation_batch(val, rows, T, runtime.device)
         x, y = F.pad(x, (0, 0, 0, B - len(x))), F.pad(y, (0, 0, 0, B - len(y)), value=-1)
         with runtime.autocast:
-            _, loss = model(x, y, reduction="sum")
-        total += torch.stack([loss.double(), (y != -1).sum().double()])
+            _, loss = model(x, y, reduction="none")
+        sums[torch.from_numpy(rows).to(runtime.device)] = loss[:len(rows)].double().sum(1)
     if runtime.world > 1:
-        dist.all_reduce(total)
+        dist.all_reduce(sums)
     model.train()
-    return (total[0] / total[1]).item()
+    return (sums / T).cpu().numpy()
+
+
+def evaluate(model, val, cell, runtime):
+    """Mean NLL (nats/token) on the fixed validation set: the mean of sequence_losses (every sequence
+    has block_size tokens)."""
+    return float(sequence_losses(model, val, cell, runtime).mean())
 
 
 @torch.no_grad()
@@ -305,11 +328,12 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     per_rank = step_sequences // runtime.world
     sizes = micro_batches(per_rank, s.batch_size)
     loss_sum = torch.tensor(state.loss_sum, device=runtime.device)  # the log interval's, on this rank
-    diverged = val_loss = routing = None
+    diverged = val_loss = losses = routing = None
     while True:
         if state.step % s.eval_interval == 0 or state.step == s.max_iters:
             t_eval = time.monotonic()
-            val_loss = evaluate(cell.compiled, val, s, runtime)
+            losses = sequence_losses(cell.compiled, val, s, runtime)
+            val_loss = float(losses.mean())
             if not math.isfinite(val_loss):
                 diverged = f"validation loss {val_loss} at step {state.step}"
                 break
@@ -343,25 +367,72 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
             log.trained(state.step, state.step - state.step_last, loss_avg, lr)
             loss_sum.zero_()
             state.step_last = state.step
-    finish_cell(cell, data, val_loss, diverged, routing, grid, runtime)
+        if stop_requested(runtime):  # SIGTERM or SIGUSR1: checkpoint at this step boundary, then exit
+            save_cell(cell, data, loss_sum, grid, runtime)
+            raise Preempted(f"[{arm} seed{seed}] checkpointed at step {state.step}")
+    finish_cell(cell, data, val_loss, losses, diverged, routing, grid, runtime)
 
 
-def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime):
-    """Train every cell of cfg's grid (arms x seeds) in turn: finished cells skipped, killed ones resumed."""
+def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait=False):
+    """Train every cell of cfg's grid (arms x seeds) in turn that no live process holds: finished cells
+    skipped, killed ones resumed, one that another worker trains left to it (any number of processes may
+    share a grid). wait: then wait until the other workers' cells have results too, taking over any whose
+    worker died. Returns the cells that had no result when it began."""
     # a rerun goes on only with the recorded settings, data and code (or allow_changes=True)
     grid_record = records.GridRecord(cfg, code)
-    cells = [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
+    cells = grid_cells(cfg)
     differences = {(arm, seed): records.check_cell(cfg, arm, seed, code, val) for arm, seed in cells}
     if runtime.master:
         check_writable(cfg["out_dir"], "choose another --out_dir")
-    todo = [(arm, seed) for arm, seed in cells
-            if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
+    todo = unfinished(cfg, cells)
     grid = Grid(code=code, record=grid_record, differences=differences, todo=todo, init=init_weights, bundle=bundle)
-    for arm, seed in cells:
-        with cell_lock(records.cell_dir(cfg["out_dir"], arm, seed), runtime.master):
-            train_cell(arm, seed, cfg, grid, train_shards, val, runtime)
-    if runtime.world > 1:
-        dist.barrier()  # every result.json (rank 0's) written before any rank reads one
+    turn, left_to_others = cells, set()
+    while turn:
+        for arm, seed in turn:
+            if stop_requested(runtime):
+                raise Preempted(f"stopped before [{arm} seed{seed}]")
+            with cell_lock(records.cell_dir(cfg["out_dir"], arm, seed), runtime.master) as holder:
+                if rank0s(holder, runtime) is None:
+                    train_cell(arm, seed, cfg, grid, train_shards, val, runtime)
+                elif runtime.master and (arm, seed) not in left_to_others:
+                    print(f"[{arm} seed{seed}] being trained by {holder}: left to it")
+                    left_to_others.add((arm, seed))
+        if runtime.world > 1:
+            dist.barrier()  # every result.json (rank 0's) written before any rank reads one
+        turn = rank0s(unfinished(cfg, cells), runtime) if wait else []
+        if turn:
+            time.sleep(10)  # other workers' cells: their results, or their locks free when a worker dies
+    return todo
+
+
+def grid_cells(cfg):
+    return [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
+
+
+def unfinished(cfg, cells):
+    return [(arm, seed) for arm, seed in cells
+            if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
+
+
+def write_report(cfg, rewrite):
+    """The paired report, written once by the worker that finds every cell of the grid finished (the
+    last to finish): under out_dir/report.lock, and not over a report newer than every result (another
+    worker's, finished at the same time) unless rewrite (a rerun of a finished grid writes it again)."""
+    cells = grid_cells(cfg)
+    left = unfinished(cfg, cells)
+    if left:
+        print(f"{len(left)} cell(s) without a result, trained by other workers (or stopped): the last worker "
+              f"to finish writes the report")
+        return
+    results = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json") for arm, seed in cells]
+    path = os.path.join(cfg["out_dir"], "report.md")
+    try:
+        with pid_lock(os.path.join(cfg["out_dir"], "report.lock"), "the report is being written"):
+            if rewrite or not os.path.exists(path) or os.path.getmtime(path) <= max(map(os.path.getmtime, results)):
+                import report
+                report.main([cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else []))
+    except LockHeld:
+        pass  # another worker is writing it
 
 
 def main(argv):
@@ -385,7 +456,8 @@ def main(argv):
                cpu_threads=cpu_threads(runtime) if runtime.device == "cpu" else None)
     # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
     init_weights, cfg["init_from_sha256"], init_tokenizer = checkpoint.load_init_from(cfg)
-    bundle = downstream.load_bundle(cfg["downstream_bundle"]) if cfg["downstream_bundle"] else None  # every rank
+    bundle = downstream.load_bundle(cfg["downstream_bundle"], cfg["downstream_max_per_task"] or None) \
+        if cfg["downstream_bundle"] else None  # every rank
     val, train_shards = open_data(cfg, data, min(m.vocab_size for m in models.values()), init_tokenizer)
     for config in models.values():  # enough tokens for a sequence of every arm, before anything is written
         TrainData(train_shards, config.block_size, 0)
@@ -393,20 +465,25 @@ def main(argv):
         records.GridRecord(dict(cfg, arms={}), code)  # a rerun under other settings or code: refused before tuning
         tuning = tune.tuning_config(cfg)
         records.check_config(tuning, runtime.world)  # its arms' rates, as any arm's
-        train_grid(tuning, code, val, train_shards, init_weights, None, runtime)  # no downstream tasks: tune.py
+        # no downstream tasks (tune.py); the choice needs every tuning cell, other workers' too
+        # on the validation text after the reported one (tune.tuning_text): the choice never reads a test token
+        train_grid(tuning, code, tune.tuning_text(cfg, val), train_shards, init_weights, None, runtime, wait=True)
         cfg["arms"] = tune.tuned_arms(cfg, tune.choose(cfg, tuning["out_dir"], runtime.master))
-    train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime)
+    todo = train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime)
     if runtime.world > 1:
         dist.destroy_process_group()
     if runtime.master:
-        import report
-        report.main([cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else []))
+        write_report(cfg, rewrite=not todo)
 
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        with stop_on_signals():
+            main(sys.argv[1:])
     except UserError as e:
         sys.exit(f"error: {e}")
+    except Preempted as e:
+        print(f"stopped by a signal: {e}; run the same command again to resume", file=sys.stderr)
+        sys.exit(PREEMPTED)
     except KeyboardInterrupt:
         sys.exit("interrupted: run the same command again to resume each unfinished cell from its last checkpoint")

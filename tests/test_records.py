@@ -81,6 +81,8 @@ def test_every_model_field_is_a_key_and_can_be_set_per_arm():
     ({"arms": {"paired.json": {}}}, "arm name 'paired.json'"),
     ({"arms": {"val_loss.png": {}}}, "arm name 'val_loss.png'"),
     ({"batch_size": 3, "world": 2}, "3 sequences do not split evenly over 2 processes"),
+    ({"reference_arm": "attnres,standard"}, "reference_arm='attnres,standard': 'standard' is not an arm (attnres, "),
+    ({"reference_arm": "attnres,attnres"}, "reference_arm='attnres,attnres' names an arm twice"),
 ])
 def test_bad_settings_are_one_line(override, message):
     world = override.pop("world", 1)
@@ -205,10 +207,34 @@ def test_learning_rates_beyond_float32_are_one_line():
             first_step(cfg, arm)
         one_line(cfg, "is too large: its first step")
     one_line(dict(small, beta1=0.99, learning_rate=1e37, min_lr=0.0), "learning_rate = 1e+37 is too large")
+    # the MoE routers' group (its own scale) and the decay factor 1 - lr x weight_decay, as the routing group's
+    routers = dict(small, arms={"m": {"n_experts": 4, "learning_rate": 1e9, "moe_router_lr_scale": 1e30}})
+    with pytest.raises(RuntimeError, match="overflow"):
+        first_step(routers, "m")
+    one_line(routers, "arm 'm': learning_rate x moe_router_lr_scale = 1e+39 is too large: its first step")
+    one_line(dict(small, learning_rate=1e9, weight_decay=1e30),
+             "learning_rate x weight_decay = 1e+39 is beyond float32 (3.4e+38): each step multiplies the weights by 1 "
+             "minus it; lower weight_decay")
     # a large but representable rate runs (test_train's forced divergence uses 1e9)
     cfg = dict(small, learning_rate=1e9, arms={"s": {"residual": "standard"}})
     records.check_config(cfg, 1)
     first_step(cfg, "s")
+
+
+def test_every_float_setting_is_bounded_at_float32_the_same_way():
+    floats = [k for k, v in DEFAULTS.items() if isinstance(v, float)]
+    assert {"learning_rate", "weight_decay", "grad_clip", "norm_eps", "moe_bias_rate", "moe_router_lr_scale"} <= set(floats)
+    moe = dict(DEFAULTS, n_experts=4)  # the MoE settings need an MoE model
+    for key in floats:
+        one_line(dict(moe, **{key: 1e300}), f"{key}=1e+300 is beyond float32 (3.4e+38), which the model and optimizer "
+                                            f"compute in; lower it")
+        if key in records.MODEL_KEYS + records.ARM_LEARNING_RATES:
+            one_line(dict(moe, arms={"a": {key: 1e300}}), f"arm 'a': {key}=1e+300 is beyond float32")
+    # the balancing bias moves by moe_bias_rate each step: max_iters of them must stay a float32
+    one_line(dict(moe, moe_bias_rate=1e37, max_iters=100),
+             "arm 'attnres': moe_bias_rate=1e+37 is too large: over max_iters=100 steps the balancing bias can reach "
+             "1e+39, beyond float32")
+    records.check_config(dict(moe, moe_bias_rate=1e36, max_iters=100), 1)
 
 
 def test_min_lr_above_learning_rate_is_one_line_and_a_long_warmup_is_accepted():
@@ -221,6 +247,13 @@ def test_min_lr_above_learning_rate_is_one_line_and_a_long_warmup_is_accepted():
     records.check_config(dict(DEFAULTS, min_lr=DEFAULTS["learning_rate"]), 1)  # a constant rate
     # warmup longer than the run is accepted (a quick run of a paper config; docs/protocol.md)
     records.check_config(dict(DEFAULTS, warmup_iters=250, max_iters=10), 1)
+
+
+def test_reference_arm_names_one_arm_or_several():
+    arms = {"standard": {"residual": "standard"}, "scaled_residual": {"residual": "scaled_residual"}, "a": {}}
+    for references in ("", "a", "scaled_residual,standard"):  # report.py's --reference, passed on
+        records.check_config(dict(DEFAULTS, arms=arms, reference_arm=references), 1)
+    one_line(dict(DEFAULTS, arms=arms, reference_arm="standard,b"), "reference_arm='standard,b': 'b' is not an arm")
 
 
 def test_wandb_without_a_login_is_one_line(tmp_path, monkeypatch):
@@ -268,10 +301,6 @@ def test_comments_docstrings_and_layout_are_not_code():
             assert records.code_fingerprint(changed) != records.code_fingerprint(changed.replace('\n    "doc"', ''))
         else:
             assert records.code_fingerprint(changed) != records.code_fingerprint(source)
-    code = records.code_record()
-    assert set(code["files"]) == set(records.CODE_FILES)
-    old = dict(code, files=dict(code["files"], **{"model.py": "0" * 64}))
-    assert records.changed_files(old, code) == ["model.py"]
 
 
 def test_messages_are_not_code_but_what_they_guard_is():
@@ -336,7 +365,8 @@ def test_editing_messages_never_locks_a_grid_and_editing_math_does(tmp_path, mon
                                                                                       node.right.col_offset)
     (tmp_path / "model.py").write_text(model[:start] + model[start:end].replace(*flips[type(node.op)]) + model[end:])
     changed = records.code_record()
-    assert changed["fingerprint"] != before and records.changed_files(recorded, changed) == ["model.py"]
+    assert changed["fingerprint"] != before and records.code_changes(recorded, changed, set(RESIDUALS)) == [
+        name for name in recorded["definitions"] if node.lineno in lines(model, name)]
     # a constant: the first non-zero float of model.py, doubled
     node = math_nodes(model, ast.Constant, lambda n: type(n.value) is float and n.value != 0)[0]
     start, end = offset(model, node.lineno, node.col_offset), offset(model, node.end_lineno, node.end_col_offset)
@@ -348,7 +378,7 @@ def test_editing_messages_never_locks_a_grid_and_editing_math_does(tmp_path, mon
 
 # --- the rerun check: one for the grid's record, a cell's, a checkpoint's --------------------------
 
-CODE = dict(fingerprint="f" * 64, files={"model.py": "f" * 64}, git_commit=None, git_dirty=None)
+CODE = dict(fingerprint="f" * 64, definitions={"GPT": "f" * 16}, schemes={}, git_commit=None, git_dirty=None)
 
 
 def grid_cfg(out_dir, **override):
@@ -380,9 +410,9 @@ def test_check_rerun_refuses_another_cell_and_changed_settings_unless_allowed():
     with pytest.raises(ConfigError, match=r"o/a/seed1/ckpt.pt is the record of arm 'a' seed 0 \(a copied file or "
                                           r"folder\?\); delete o/a/seed1 to train this cell"):
         records.check_rerun("o/a/seed1/ckpt.pt", old, dict(old, seed=1), True)  # allowed changes or not
-    new = dict(old, learning_rate=1e-3, code=dict(CODE, fingerprint="0" * 64, files={"model.py": "0" * 64}))
+    new = dict(old, learning_rate=1e-3, code=dict(CODE, fingerprint="0" * 64, definitions={"GPT": "0" * 16}))
     with pytest.raises(ConfigError, match=r"ckpt.pt was made with other settings: learning_rate \(0.003 -> 0.001\), "
-                                          r"code changed \(model.py\); rerun with the recorded ones") as e:
+                                          r"code changed \(GPT\); rerun with the recorded ones") as e:
         records.check_rerun("ckpt.pt", old, new, False)
     assert "\n" not in str(e.value)
     assert records.check_rerun("ckpt.pt", old, new, True) == {"learning_rate": [3e-3, 1e-3],
@@ -443,7 +473,8 @@ def test_a_huge_finite_loss_is_recorded_without_a_perplexity(tmp_path):
     cell = dict(DEFAULTS, arm="a", seed=0, arms={"a": {}}, init_from_sha256=None)
     path = tmp_path / "result.json"
     records.write_result(str(path), cell, dict(val_hash="h"), model, dict(fingerprint="f"), steps=3, tokens=9,
-                         val_loss=812.5, diverged=None, routing={}, init_hash="i", data_hash="d", eval_tokens=8,
+                         val_loss=812.5, sequence_losses=np.array([812.5]), diverged=None, routing={}, init_hash="i",
+                         data_hash="d", eval_tokens=8,
                          changes=[], wall_time_s=1.0)
     r = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in result.json"))
     assert r["val_loss"] == 812.5 and r["val_ppl"] is None and r["status"] == "finished"
