@@ -15,8 +15,10 @@ rate: tune_seeds and seeds may not overlap. An empty tune_learning_rates is the 
 (one setting for every arm), the default.
 """
 
+import json
 import math
 import os
+import statistics
 import sys
 
 import records
@@ -60,10 +62,13 @@ def check(cfg):
         raise ConfigError(f"tune_learning_rates={rates!r} repeats a rate (to 6 significant digits, as arm names "
                           f"show them); give distinct rates")
     if not seeds or any(type(s) is not int or s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"tune_seeds={seeds!r}: give distinct non-negative integers, e.g. --tune_seeds=1000,1001")
+        raise ConfigError(f"tune_seeds={seeds!r}: give distinct non-negative integers, e.g. --tune_seeds=1000,1001,1002")
+    if len(seeds) < 2:  # a rate wins only beyond the spread of its seeds' losses
+        raise ConfigError(f"tune_seeds={seeds!r}: one tuning seed cannot show the seeds' noise a rate must beat; give "
+                          f"at least 2, e.g. --tune_seeds=1000,1001,1002")
     if shared := sorted(set(seeds) & set(cfg["seeds"])):
         raise ConfigError(f"tune_seeds and seeds share {', '.join(map(str, shared))}: a rate chosen on a compared "
-                          f"seed favours its arm on that seed; give tuning seeds apart, e.g. --tune_seeds=1000,1001")
+                          f"seed favours its arm on that seed; give tuning seeds apart, e.g. --tune_seeds=1000,1001,1002")
     if type(cfg["tune_iters"]) is not int or cfg["tune_iters"] < 0:
         raise ConfigError(f"tune_iters={cfg['tune_iters']!r}: give a number of steps (0 = a quarter of max_iters)")
     if not cfg["warmup_iters"] < iters(cfg) <= cfg["max_iters"]:
@@ -85,19 +90,46 @@ def check(cfg):
 def tuning_config(cfg):
     """The tuning grid's config: out_dir/tune, arm <arm>-lr<rate> for each arm and rate (the arm's settings at
     that learning_rate, min_lr at the run's ratio to it), seeds tune_seeds, max_iters the tuning budget, its
-    own report's reference the first arm, no downstream tasks (the choice reads validation loss only) and no
-    tuning of its own."""
+    own report's reference the first arm, no downstream tasks (the choice reads validation loss only). It keeps
+    the tune_* keys, so its config.json records them: a tuning killed and rerun with another rate list is a
+    change, refused or recorded (--allow_changes) like any other, and the dropped rates' cells stay named."""
     check(cfg)
     arms = {tuning_arm(arm, rate): dict(settings, learning_rate=float(rate), min_lr=min_lr_at(cfg, float(rate)))
             for arm, settings in cfg["arms"].items() for rate in cfg["tune_learning_rates"]}
     return dict(cfg, out_dir=os.path.join(cfg["out_dir"], TUNE_DIR), arms=arms, seeds=list(cfg["tune_seeds"]),
-                max_iters=iters(cfg), reference_arm="", downstream_bundle="", tune_learning_rates=[], tune_seeds=[],
-                tune_iters=0)
+                max_iters=iters(cfg), reference_arm="", downstream_bundle="")
+
+
+def tuning_text(cfg, val):
+    """The tuning cells' validation text: the eval_tokens tokens of the validation shard right after the first
+    eval_tokens, which the paired comparison reports, so a rate is never chosen on the text it is judged on."""
+    n = cfg["eval_tokens"]
+    if len(val) < 2 * n:
+        raise ConfigError(f"the tuned protocol chooses rates on the {n:,} validation tokens after the {n:,} it reports "
+                          f"(eval_tokens), but the validation shard holds {len(val):,}, fewer than {2 * n:,}; set "
+                          f"--eval_tokens={len(val) // 2} or less, or give a longer validation shard")
+    return val[n:2 * n]
+
+
+def initial_loss(cell_dir):
+    """A tuning cell's validation loss at step 0, before any training: the first record of its log.jsonl (a
+    resumed log is cut back to its checkpoint, never before it)."""
+    path = os.path.join(cell_dir, "log.jsonl")
+    try:
+        with open(path) as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path} is unreadable or damaged ({e}); delete {cell_dir} to retrain it") from None
+    loss = first.get("val_loss") if isinstance(first, dict) and first.get("step") == 0 else None
+    if type(loss) not in (int, float) or not math.isfinite(loss):
+        raise ConfigError(f"{path} does not start with the step-0 validation loss a tuning rate is judged against; "
+                          f"delete {cell_dir} to retrain it")
+    return loss
 
 
 def tuning_loss(tune_dir, name, seed, rate, budget):
-    """A tuning cell's final validation loss, or None when it diverged; one line when it has no result or
-    one of other settings (a copy, a rate or budget not this tuning's)."""
+    """A tuning cell's (final validation loss, its step-0 loss), or (None, None) when it diverged; one line when
+    it has no result or one of other settings (a copy, a rate or budget not this tuning's)."""
     path = os.path.join(records.cell_dir(tune_dir, name, seed), "result.json")
     if not os.path.exists(path):
         raise ConfigError(f"tuning cell {name}/seed{seed} has no result ({path} missing); run the same command "
@@ -110,33 +142,81 @@ def tuning_loss(tune_dir, name, seed, rate, budget):
         raise ConfigError(f"{path} is not of this tuning (learning_rate {own.get('learning_rate')!r}, "
                           f"{result.get('steps')!r} steps; this tuning: {rate:g}, {budget} steps); delete "
                           f"{os.path.dirname(path)} to retrain it")
-    return result["val_loss"] if result["status"] == "finished" else None
+    if result["status"] != "finished":
+        return None, None
+    return result["val_loss"], initial_loss(os.path.dirname(path))
+
+
+def tuning_row(tune_dir, arm, rate, seeds, budget):
+    """One arm at one rate over the tuning seeds: each seed's final and step-0 validation loss, their mean and
+    sample s.d., and the problem that keeps the rate from being chosen (a seed that diverged, or ended at or above
+    its step-0 loss: it exploded or learned nothing), else None."""
+    name = tuning_arm(arm, rate)
+    ends = {str(s): tuning_loss(tune_dir, name, s, rate, budget) for s in seeds}
+    losses, starts = {s: end for s, (end, _) in ends.items()}, {s: start for s, (_, start) in ends.items()}
+    problem = next((f"seed {s} diverged" if end is None else f"seed {s} ended at {end:.4g}, not below its step-0 "
+                    f"loss {starts[s]:.4g}" for s, end in losses.items()
+                    if end is None or not end < starts[s]), None)  # not end < start: a NaN loss too
+    mean = sd = None
+    if problem is None:
+        mean, sd = math.fsum(losses.values()) / len(losses), statistics.stdev(losses.values())
+    return dict(learning_rate=rate, val_loss=losses, initial_loss=starts, mean=mean, sd=sd, problem=problem)
+
+
+def beats(row, safer):
+    """Why row's (larger) rate is better than safer's beyond the tuning seeds' noise, or None where it is not: it
+    must be better on every tuning seed (the seeds pair: same init, same batches), and its mean lower by more
+    than the s.d. of its own seeds' losses (a gain inside that spread is what another draw of seeds undoes; a
+    rate where one seed stalls has a wide spread)."""
+    if any(not row["val_loss"][s] < loss for s, loss in safer["val_loss"].items()):
+        return None
+    gain = safer["mean"] - row["mean"]
+    return f"{gain:.4f} below {rate_name(safer['learning_rate'])} on every seed, beyond its seeds' s.d. " \
+           f"{row['sd']:.4f}" if gain > row["sd"] else None
+
+
+def stable_choice(rows):
+    """(rate, reason) for one arm from its tuning rows: among the rates where every seed finished below its step-0
+    loss, the smallest that no larger rate beats; (None, reason) where no rate did. The lowest mean is never
+    beaten (a larger rate's gain over it is not positive), so the choice is it or a smaller, safer rate."""
+    usable = sorted((row for row in rows if row["problem"] is None), key=lambda row: row["learning_rate"])
+    if not usable:
+        return None, "no rate finished on every tuning seed (" + "; ".join(
+            f"{rate_name(row['learning_rate'])}: {row['problem']}" for row in rows) + ")"
+    chosen = next(row for i, row in enumerate(usable) if not any(beats(r, row) for r in usable[i + 1:]))
+    best = min(usable, key=lambda row: (row["mean"], row["learning_rate"]))
+    below = [row for row in usable if row["learning_rate"] < chosen["learning_rate"]]
+    if chosen is best:
+        won = beats(best, below[-1]) if below else None
+        return best["learning_rate"], "the lowest mean" + (f", {won}" if won else "")
+    worse = [s for s, loss in chosen["val_loss"].items() if not best["val_loss"][s] < loss]
+    how = f"worse on seed {', '.join(worse)}" if worse else \
+        f"{chosen['mean'] - best['mean']:.4f} lower, within its seeds' s.d. {best['sd']:.4f}"
+    return chosen["learning_rate"], f"the safer rate: {rate_name(best['learning_rate'])} has the lowest mean but is " \
+                                    f"not better beyond the seeds' noise ({how})"
 
 
 def choose(cfg, tune_dir, master=True):
-    """{arm: learning rate}: per arm, the rate with the lowest mean final validation loss over the tuning seeds
-    (a rate with a diverged seed never wins; an exact tie goes to the smaller rate, the safer one). The master
-    process writes tune_dir/choice.json: every arm's per-seed losses and mean per rate, and the choice."""
+    """{arm: learning rate}: per arm, stable_choice over the tuning seeds' final validation losses (on tuning_text).
+    The master process prints each arm's choice and reason and writes tune_dir/choice.json: every arm's
+    per-seed losses, mean and s.d. per rate, the choice and its reason, and the text it was made on."""
     check(cfg)
     rates, seeds, budget = [float(r) for r in cfg["tune_learning_rates"]], cfg["tune_seeds"], iters(cfg)
-    table, choice = {}, {}
-    for arm in cfg["arms"]:
-        table[arm] = {}
-        for rate in rates:
-            losses = {str(s): tuning_loss(tune_dir, tuning_arm(arm, rate), s, rate, budget) for s in seeds}
-            finite = None not in losses.values()
-            table[arm][rate_name(rate)] = dict(learning_rate=rate, val_loss=losses,
-                                               mean=math.fsum(losses.values()) / len(seeds) if finite else None)
-        ranked = sorted((row["mean"], row["learning_rate"]) for row in table[arm].values() if row["mean"] is not None)
-        if not ranked:
-            raise ConfigError(f"arm {arm!r} diverged at every tuning rate ({', '.join(map(rate_name, rates))}); "
-                              f"add smaller rates to tune_learning_rates")
-        choice[arm] = ranked[0][1]
+    table = {arm: {rate_name(rate): tuning_row(tune_dir, arm, rate, seeds, budget) for rate in rates}
+             for arm in cfg["arms"]}
+    choice, reason = {}, {}
+    for arm, rows in table.items():
+        choice[arm], reason[arm] = stable_choice(list(rows.values()))
+        if choice[arm] is None:
+            raise ConfigError(f"arm {arm!r}: {reason[arm]}; add smaller rates to tune_learning_rates")
     if master:
+        n = cfg["eval_tokens"]
         write_json(os.path.join(tune_dir, "choice.json"), dict(
             tune_seeds=list(seeds), tune_iters=budget, max_iters=cfg["max_iters"], seeds=list(cfg["seeds"]),
-            learning_rates=rates, min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"), table=table,
-            choice=choice))
+            learning_rates=rates, min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"),
+            tuning_text=dict(first_token=n, tokens=n), test_tokens=n, table=table, choice=choice, reason=reason))
+        for arm in choice:
+            print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({reason[arm]})")
     return choice
 
 

@@ -10,9 +10,11 @@ $ OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_tune.py -q -p no:cache
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import records
@@ -24,7 +26,7 @@ from conftest import result, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATES = [1e-3, 3e-3, 1e-2]
-TUNE = dict(tune_learning_rates=RATES, tune_seeds=[1000, 1001], tune_iters=125)
+TUNE = dict(tune_learning_rates=RATES, tune_seeds=[1000, 1001, 1002], tune_iters=125)
 
 
 def config(tmp_path=None, **changes):
@@ -49,12 +51,11 @@ def test_tuning_config_arms_seeds_budget_and_min_lr():
                                                      min_lr=pytest.approx(0.001, rel=1e-12))
     for name, settings in tuning["arms"].items():  # min_lr / learning_rate stays the run's 0.1
         assert settings["min_lr"] / settings["learning_rate"] == pytest.approx(0.1, rel=1e-12), name
-    assert tuning["out_dir"] == os.path.join("out", "tune") and tuning["seeds"] == [1000, 1001]
+    assert tuning["out_dir"] == os.path.join("out", "tune") and tuning["seeds"] == [1000, 1001, 1002]
     assert tuning["max_iters"] == 125 and tuning["reference_arm"] == "" and tuning["downstream_bundle"] == ""
-    assert (tuning["tune_learning_rates"], tuning["tune_seeds"], tuning["tune_iters"]) == ([], [], 0)
     changed = ("arms", "seeds", "max_iters", "out_dir", "reference_arm", "downstream_bundle")
-    assert {k: v for k, v in tuning.items() if k not in changed and not k.startswith("tune_")} == \
-        {k: v for k, v in cfg.items() if k not in changed and not k.startswith("tune_")}  # every other key the run's
+    assert {k: v for k, v in tuning.items() if k not in changed} == \
+        {k: v for k, v in cfg.items() if k not in changed}  # every other key the run's, tune_* too (its record)
     records.check_config(tuning, 1)  # a grid train.py runs: its arm names and rates pass the run's checks
     cell = records.cell_config(tuning, "attnres-lr0.001", 1001)
     assert (cell["learning_rate"], cell["min_lr"], cell["max_iters"]) == (0.001, pytest.approx(1e-4), 125)
@@ -64,6 +65,8 @@ def test_tuning_config_arms_seeds_budget_and_min_lr():
 @pytest.mark.parametrize("changes, message", [
     (dict(tune_seeds=[1000, 2]), "tune_seeds and seeds share 2: a rate chosen on a compared seed favours its arm"),
     (dict(tune_seeds=[]), "tune_seeds=[]: give distinct non-negative integers"),
+    (dict(tune_seeds=[1000]), "tune_seeds=[1000]: one tuning seed cannot show the seeds' noise a rate must beat; give "
+                              "at least 2, e.g. --tune_seeds=1000,1001,1002"),
     (dict(tune_learning_rates=[1e-3, 0.0]), "tune_learning_rates=[0.001, 0.0]: give positive numbers"),
     (dict(tune_learning_rates=["fast"]), "tune_learning_rates=['fast']: give positive numbers"),
     (dict(tune_learning_rates=[True, float("nan"), 10 ** 400]), "tune_learning_rates=[True, nan, 1000"),
@@ -82,8 +85,9 @@ def test_tuning_settings_that_cannot_run_are_one_line(changes, message):
     assert "\n" not in str(e.value)
 
 
-def write_tuning_result(tune_dir, arm, rate, seed, val_loss, steps=125):
-    """A tuning cell's result.json as train.py writes it (the fields choose reads); val_loss None: diverged."""
+def write_tuning_result(tune_dir, arm, rate, seed, val_loss, steps=125, initial=5.8):
+    """A tuning cell as train.py leaves it (the fields choose reads): result.json, and log.jsonl opening with the
+    step-0 validation loss initial; val_loss None: diverged."""
     name = tune.tuning_arm(arm, rate)
     cell = os.path.join(tune_dir, name, f"seed{seed}")
     os.makedirs(cell, exist_ok=True)
@@ -91,49 +95,131 @@ def write_tuning_result(tune_dir, arm, rate, seed, val_loss, steps=125):
     with open(os.path.join(cell, "result.json"), "w") as f:
         json.dump(dict(arm=name, seed=seed, status="finished" if finished else "diverged", val_loss=val_loss,
                        diverged_at=None if finished else 40, reason=None if finished else "train loss nan",
-                       steps=steps if finished else 40, tokens=1024 * steps,
+                       steps=steps if finished else 40, tokens=1024 * steps, wall_time_s=2.0 * steps,
                        pairing=dict(arm_settings=dict(residual=arm, learning_rate=rate, min_lr=rate / 10))), f)
+    with open(os.path.join(cell, "log.jsonl"), "w") as f:
+        f.write(json.dumps(dict(step=0, tokens=0, val_loss=initial, eval_s=0.1)) + "\n")
 
 
-# per arm and rate, the final loss on tuning seeds 1000 and 1001. standard: the lowest mean is 1e-2 (2.30), though
-# 3e-3 holds the lowest single loss (2.28) and the lowest on seed 1000; attnres: 1e-2 diverged on one seed (its
-# other seed would win), 1e-3 and 3e-3 tie exactly (2.375)
-LOSSES = {("standard", 1e-3): (2.30, 2.32), ("standard", 3e-3): (2.28, 2.36), ("standard", 1e-2): (2.29, 2.31),
-          ("attnres", 1e-3): (2.5, 2.25), ("attnres", 3e-3): (2.25, 2.5), ("attnres", 1e-2): (None, 1.0)}
+# per arm and rate, the final loss on tuning seeds 1000, 1001 and 1002. standard: 1e-2 has the lowest mean (2.29)
+# and is lower than 3e-3 (2.32) on every seed, but by 0.03, inside 1e-2's own s.d. (0.044); and 3e-3 beats 1e-3 (2.50) on every seed by far
+# more than its s.d.: 3e-3. attnres: 1e-2 diverged on one seed (its other seeds would win), 1e-3 and 3e-3 tie
+# exactly (2.40): the smaller. dar: 1e-2 is lower on average but worse on seed 1002 (a stall): 3e-3.
+LOSSES = {("standard", 1e-3): (2.50, 2.48, 2.52), ("standard", 3e-3): (2.31, 2.33, 2.32),
+          ("standard", 1e-2): (2.24, 2.32, 2.31),
+          ("attnres", 1e-3): (2.5, 2.25, 2.45), ("attnres", 3e-3): (2.25, 2.5, 2.45), ("attnres", 1e-2): (None, 1.0, 1.0),
+          ("dar", 1e-3): (2.6, 2.6, 2.6), ("dar", 3e-3): (2.40, 2.41, 2.42), ("dar", 1e-2): (2.20, 2.21, 2.60)}
+ARMS3 = dict(arms={"standard": {"residual": "standard"}, "attnres": {"residual": "attnres", "attnres_block_size": 2},
+                   "dar": {"residual": "dar"}})
 
 
-def tuned(tmp_path, losses=LOSSES):
+def tuned(tmp_path, losses=LOSSES, **changes):
     tune_dir = str(tmp_path / "out" / "tune")
-    for (arm, rate), pair in losses.items():
-        for seed, loss in zip((1000, 1001), pair):
-            write_tuning_result(tune_dir, arm, rate, seed, loss)
+    for (arm, rate), ends in losses.items():
+        for seed, loss in zip((1000, 1001, 1002), ends):
+            write_tuning_result(tune_dir, arm, rate, seed, loss, **changes)
     return tune_dir
 
 
-def test_choose_the_lowest_mean_never_a_diverged_rate_ties_to_the_smaller(tmp_path):
-    cfg, tune_dir = config(tmp_path), tuned(tmp_path)
+def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller(tmp_path, capsys):
+    cfg, tune_dir = config(tmp_path, **ARMS3), tuned(tmp_path)
     choice = tune.choose(cfg, tune_dir)
-    assert choice == {"standard": 0.01, "attnres": 0.001}
+    assert choice == {"standard": 0.003, "attnres": 0.001, "dar": 0.003}
     record = read_json(os.path.join(tune_dir, "choice.json"))
-    assert record["choice"] == choice and record["tune_seeds"] == [1000, 1001] and record["tune_iters"] == 125
+    assert record["choice"] == choice and record["tune_seeds"] == [1000, 1001, 1002] and record["tune_iters"] == 125
     assert record["seeds"] == [0, 1, 2] and record["max_iters"] == 250 and record["learning_rates"] == RATES
     assert record["min_lr_ratio"] == pytest.approx(0.1)
-    assert record["table"]["standard"]["0.003"] == dict(learning_rate=0.003, val_loss={"1000": 2.28, "1001": 2.36},
-                                                       mean=pytest.approx(2.32, abs=1e-12))
-    assert record["table"]["attnres"]["0.01"] == dict(learning_rate=0.01, val_loss={"1000": None, "1001": 1.0}, mean=None)
+    assert record["tuning_text"] == dict(first_token=8192, tokens=8192) and record["test_tokens"] == 8192
+    row = record["table"]["standard"]["0.01"]
+    assert row["val_loss"] == {"1000": 2.24, "1001": 2.32, "1002": 2.31} and row["problem"] is None
+    assert row["mean"] == pytest.approx(2.29, abs=1e-12) and row["sd"] == pytest.approx(0.0019 ** 0.5, abs=1e-12)
+    assert row["initial_loss"] == {"1000": 5.8, "1001": 5.8, "1002": 5.8}
+    assert record["table"]["attnres"]["0.01"]["mean"] is None
+    assert record["table"]["attnres"]["0.01"]["problem"] == "seed 1000 diverged"
     for arm in ("standard", "attnres"):  # every mean is its seeds' mean
         for row in record["table"][arm].values():
             if row["mean"] is not None:
-                assert row["mean"] == pytest.approx(sum(row["val_loss"].values()) / 2, abs=1e-12)
-    assert report.tuning_problem(record) is None  # what tune writes, the report reads
+                assert row["mean"] == pytest.approx(sum(row["val_loss"].values()) / 3, abs=1e-12)
+    assert record["reason"] == {
+        "standard": "the safer rate: 0.01 has the lowest mean but is not better beyond the seeds' noise (0.0300 "
+                    "lower, within its seeds' s.d. 0.0436)",
+        "attnres": "the lowest mean",
+        "dar": "the safer rate: 0.01 has the lowest mean but is not better beyond the seeds' noise (worse on seed 1002)"}
+    printed = capsys.readouterr().out
+    assert "tuned: standard at learning_rate 0.003 (the safer rate: 0.01 has the lowest mean" in printed
+    assert "tuned: attnres at learning_rate 0.001 (the lowest mean)" in printed
+    assert report.tuning_problem(record, os.path.dirname(tune_dir)) is None  # what tune writes, the report reads
     before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
     assert tune.choose(cfg, tune_dir) == choice  # rerun: the same choice, the same file
     assert open(os.path.join(tune_dir, "choice.json"), "rb").read() == before
     assert [n for n in os.listdir(tune_dir) if n.startswith("choice.json.")] == []  # no temporary left
 
 
+def rows(*losses, initial=5.8):
+    """stable_choice's rows for rates 1e-3, 3e-3, 1e-2, ... from each rate's per-seed final losses."""
+    made = []
+    for rate, ends in zip((1e-3, 3e-3, 1e-2, 3e-2), losses):
+        starts = {str(s): initial for s in range(len(ends))}
+        ends = dict(zip(starts, ends))
+        usable = all(e is not None and e < initial for e in ends.values())
+        made.append(dict(learning_rate=rate, val_loss=ends, initial_loss=starts, problem=None if usable else "x",
+                         mean=sum(ends.values()) / len(ends) if usable else None,
+                         sd=float(np.std(list(ends.values()), ddof=1)) if usable else None))
+    return made
+
+
+@pytest.mark.parametrize("losses, chosen, reason", [
+    # a larger rate better on every seed by more than its own seeds' s.d. wins
+    (((2.5, 2.6, 2.7), (2.3, 2.4, 2.5)), 3e-3, "the lowest mean, 0.2000 below 0.001 on every seed, beyond its "
+                                             "seeds' s.d. 0.1000"),
+    # the same mean gain with a spread past it: the safer rate
+    (((2.5, 2.6, 2.7), (2.05, 2.5, 2.65)), 1e-3, "within its seeds' s.d. 0.3122"),
+    # better on average by far, but a seed stalls (worse than at the safer rate): the safer rate
+    (((2.5, 2.5, 2.5), (2.0, 2.0, 2.6)), 1e-3, "(worse on seed 2)"),
+    # an exact tie: the smaller
+    (((2.5, 2.4), (2.4, 2.5)), 1e-3, "the lowest mean"),
+    # the lowest mean beyond noise is chosen over every smaller rate; a larger, worse rate never
+    (((2.9, 2.8), (2.6, 2.5), (2.3, 2.2), (2.31, 2.21)), 1e-2, "the lowest mean, 0.3000 below 0.003"),
+    # 1e-2 cannot beat 1e-3 (a seed worse) but 3e-3 can; 1e-2 does not beat 3e-3: 3e-3
+    (((2.6, 2.6, 2.6), (2.4, 2.41, 2.42), (2.1, 2.2, 2.65)), 3e-3, "worse on seed 2"),
+    # a finite loss at or above the step-0 loss is not finished: never chosen, whatever its mean
+    (((2.5, 2.5), (2.0, 5.8)), 1e-3, "the lowest mean"),
+    (((2.5, 2.5), (2.0, float("nan"))), 1e-3, "the lowest mean"),
+])
+def test_a_larger_rate_wins_only_beyond_the_seeds_noise(losses, chosen, reason):
+    rate, why = tune.stable_choice(rows(*losses))
+    assert rate == chosen and reason in why, why
+
+
+def test_every_rate_exploded_is_one_line_never_a_choice(tmp_path):
+    # a finite loss of 2e17 (or above the step-0 loss) is no result: the run stops before the paired grid
+    losses = LOSSES | {("attnres", 1e-3): (2e17, 2e17, 3e17), ("attnres", 3e-3): (6.0, 2.0, 2.0),
+                       ("attnres", 1e-2): (None, 2.0, 2.0)}
+    with pytest.raises(ConfigError, match=r"^arm 'attnres': no rate finished on every tuning seed \(0.001: seed 1000 "
+                                          r"ended at 2e\+17, not below its step-0 loss 5.8; 0.003: seed 1000 ended at 6, "
+                                          r"not below its step-0 loss 5.8; 0.01: seed 1000 diverged\); add smaller "
+                                          r"rates to tune_learning_rates$"):
+        tune.choose(config(tmp_path, **ARMS3), tuned(tmp_path, losses))
+    assert not os.path.exists(tmp_path / "out" / "tune" / "choice.json")
+
+
+def test_a_tuning_cell_without_its_step0_loss_is_one_line(tmp_path):
+    cfg, tune_dir = config(tmp_path, **ARMS3), tuned(tmp_path)
+    log = os.path.join(tune_dir, "dar-lr0.003", "seed1002", "log.jsonl")
+    for damage in ('{"step": 25, "val_loss": 3.1}\n', '{"step": 0, "val_loss": true}\n', "{not json\n", None):
+        if damage is None:
+            os.remove(log)
+        else:
+            open(log, "w").write(damage)
+        with pytest.raises(ConfigError, match=r"dar-lr0.003/seed1002/log.jsonl (does not start with the step-0 "
+                                              r"validation loss|is unreadable or damaged).*; delete .*seed1002 to "
+                                              r"retrain it$") as e:
+            tune.choose(cfg, tune_dir)
+        assert "\n" not in str(e.value)
+
+
 def test_the_tie_goes_to_the_smaller_rate_whatever_the_order(tmp_path):
-    cfg, tune_dir = config(tmp_path, tune_learning_rates=[3e-3, 1e-3, 1e-2]), tuned(tmp_path)
+    cfg, tune_dir = config(tmp_path, **ARMS3, tune_learning_rates=[3e-3, 1e-3, 1e-2]), tuned(tmp_path)
     assert tune.choose(cfg, tune_dir)["attnres"] == 0.001
 
 
@@ -149,7 +235,7 @@ def test_a_missing_or_foreign_tuning_cell_is_one_line(tmp_path):
         tune.choose(cfg, tune_dir)
     assert "\n" not in str(e.value) and not os.path.exists(os.path.join(tune_dir, "choice.json"))
     write_tuning_result(tune_dir, "attnres", 3e-3, 1001, 2.5)
-    os.remove(os.path.join(tune_dir, "standard-lr0.001", "seed1000", "result.json"))
+    shutil.rmtree(os.path.join(tune_dir, "standard-lr0.001", "seed1000"))
     os.rename(os.path.join(tune_dir, "standard-lr0.01", "seed1000"), os.path.join(tune_dir, "standard-lr0.001", "seed1000"))
     with pytest.raises(ConfigError, match="is the record of arm 'standard-lr0.01' seed 1000 \\(a copied file"):
         tune.choose(cfg, tune_dir)
@@ -167,15 +253,16 @@ def test_a_tuning_result_with_a_damaged_pairing_is_one_line(tmp_path, pairing):
         tune.choose(cfg, tune_dir)
 
 
-def test_only_the_master_process_writes_the_choice(tmp_path):
+def test_only_the_master_process_writes_the_choice(tmp_path, capsys):
     cfg, tune_dir = config(tmp_path), tuned(tmp_path)
-    assert tune.choose(cfg, tune_dir, master=False) == {"standard": 0.01, "attnres": 0.001}
-    assert not os.path.exists(os.path.join(tune_dir, "choice.json"))
+    assert tune.choose(cfg, tune_dir, master=False) == {"standard": 0.003, "attnres": 0.001}
+    assert not os.path.exists(os.path.join(tune_dir, "choice.json")) and capsys.readouterr().out == ""
 
 
 def test_an_arm_that_diverged_at_every_rate_is_one_line(tmp_path):
-    losses = LOSSES | {("attnres", r): (None, 2.0) for r in RATES}
-    with pytest.raises(ConfigError, match=r"^arm 'attnres' diverged at every tuning rate \(0.001, 0.003, 0.01\); add "
+    losses = LOSSES | {("attnres", r): (None, 2.0, 2.0) for r in RATES}
+    with pytest.raises(ConfigError, match=r"^arm 'attnres': no rate finished on every tuning seed \(0.001: seed 1000 "
+                                          r"diverged; 0.003: seed 1000 diverged; 0.01: seed 1000 diverged\); add "
                                           r"smaller rates to tune_learning_rates$"):
         tune.choose(config(tmp_path), tuned(tmp_path, losses))
 
@@ -191,13 +278,13 @@ def test_the_compared_seeds_never_choose(tmp_path):
 def test_tuned_arms_are_the_arms_at_their_chosen_rates(tmp_path):
     cfg = config(tmp_path, min_lr=1e-4)
     arms = tune.tuned_arms(cfg, tune.choose(cfg, tuned(tmp_path)))
-    assert arms == {"standard": dict(residual="standard", learning_rate=0.01, min_lr=pytest.approx(1e-2 / 30)),
+    assert arms == {"standard": dict(residual="standard", learning_rate=0.003, min_lr=pytest.approx(3e-3 / 30)),
                     "attnres": dict(residual="attnres", attnres_block_size=2, learning_rate=0.001,
                                     min_lr=pytest.approx(1e-3 / 30))}
     assert cfg["arms"]["standard"] == {"residual": "standard"}  # the run's arms untouched
     tuned_cfg = dict(cfg, arms=arms)
     records.check_config(tuned_cfg, 1)  # and a grid that passes the run's checks
-    assert records.cell_config(tuned_cfg, "standard", 0)["learning_rate"] == 0.01
+    assert records.cell_config(tuned_cfg, "standard", 0)["learning_rate"] == 0.003
 
 
 # -----------------------------------------------------------------------------
