@@ -151,3 +151,22 @@ def torchrun(script, args):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
                            *args], cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
+
+
+# --- tuning cells (owner: test_tune.py; test_report.py reads them too) --------------------------------
+
+def write_tuning_cell(tune_dir, arm, rate, seed, val_loss, steps, initial=5.8):
+    """A tuning cell of the tuned protocol as train.py leaves it (what tune.py and report.py read): result.json
+    (val_loss None: diverged half way) and log.jsonl opening with the step-0 validation loss initial."""
+    import tune
+    name = tune.tuning_arm(arm, rate)
+    cell = os.path.join(tune_dir, name, f"seed{seed}")
+    os.makedirs(cell, exist_ok=True)
+    finished = val_loss is not None
+    with open(os.path.join(cell, "result.json"), "w") as f:
+        json.dump(dict(arm=name, seed=seed, status="finished" if finished else "diverged", val_loss=val_loss,
+                       diverged_at=None if finished else steps // 2, reason=None if finished else "train loss nan",
+                       steps=steps if finished else steps // 2, tokens=1024 * steps, wall_time_s=float(steps),
+                       pairing=dict(arm_settings=dict(residual=arm, learning_rate=rate, min_lr=rate / 10))), f)
+    with open(os.path.join(cell, "log.jsonl"), "w") as f:
+        f.write(json.dumps(dict(step=0, tokens=0, val_loss=initial, eval_s=0.1)) + "\n")

@@ -13,6 +13,8 @@ import pytest
 import common
 import paired_stats
 import report
+import tune
+from conftest import write_tuning_cell
 
 SETTINGS = dict(learning_rate=1e-3, weight_decay=0.1, dropout=0.0, max_iters=20, eval_interval=10, n_layer=2)
 WEIGHTS = {"attn.0": [1.0], "attn_v.0": [1.0], "mlp.0": [0.4, 0.6], "attn.1": [0.2, 0.3, 0.5],
@@ -786,32 +788,38 @@ def test_each_arms_learning_rate_is_shown_and_a_change_across_seeds_is_mixed(tmp
     assert "rd/seed2/result.json: unreadable (pairing.arm_settings is not a dict)" in paired["skipped"]
 
 
-def tuning_row(rate, *losses):
-    return dict(learning_rate=rate, val_loss=dict(zip(("1000", "1001"), losses)),
-                mean=None if None in losses else sum(losses) / len(losses))
+# the tuning cells' final losses on seeds 1000-1002 (steps 10 of 20): parent: 3e-3 beats 1e-3 on every seed by 0.15,
+# beyond its s.d. 0.05 (1e-2 diverged on a seed); rd: 1e-3, the lowest mean and the smallest rate tried
+TUNE_SEEDS, TUNE_RATES = [1000, 1001, 1002], [1e-3, 3e-3, 1e-2]
+TUNING = {("parent", 1e-3): (3.3, 3.5, 3.4), ("parent", 3e-3): (3.2, 3.3, 3.25), ("parent", 1e-2): (None, 3.0, 3.0),
+          ("rd", 1e-3): (3.1, 3.3, 3.2), ("rd", 3e-3): (3.2, 3.4, 3.3), ("rd", 1e-2): (3.3, 3.5, 3.4)}
 
 
-# parent: 3e-3 the lowest mean (1e-2 diverged on a seed); rd: 1e-3, the smallest rate tried
-CHOICE = dict(tune_seeds=[1000, 1001], seeds=[0, 1, 2, 3], tune_iters=10, max_iters=20, learning_rates=[1e-3, 3e-3, 1e-2],
-              min_lr_ratio=0.1, table=dict(
-                  parent={"0.001": tuning_row(1e-3, 3.3, 3.5), "0.003": tuning_row(3e-3, 3.2, 3.3),
-                          "0.01": tuning_row(1e-2, None, 3.0)},
-                  rd={"0.001": tuning_row(1e-3, 3.1, 3.3), "0.003": tuning_row(3e-3, 3.2, 3.4),
-                      "0.01": tuning_row(1e-2, 3.3, 3.5)}), choice=dict(parent=3e-3, rd=1e-3))
-
-
-def tuned_grid(tmp_path, choice=CHOICE):
-    """A grid of the tuned protocol: each arm trained at its chosen rate, tune/ holding the tuning cells and choice.json."""
+def tuned_grid(tmp_path, change=None):
+    """A grid of the tuned protocol: each arm trained at its chosen rate, tune/ holding the tuning cells and the
+    choice.json tune.py makes of them, then change(record) (or a string: the file's text)."""
     out = make_grid(tmp_path, LOSSES)
     rated(out, "parent", 3e-3, range(4))
     rated(out, "rd", 1e-3, range(4))
-    for arm in ("parent", "rd"):
-        write_cell(out / "tune", f"{arm}-lr0.001", 1000, 3.3)
-    (out / "tune" / "choice.json").write_text(choice if isinstance(choice, str) else json.dumps(choice))
+    tune_dir = str(out / "tune")
+    for (arm, rate), losses in TUNING.items():
+        for seed, loss in zip(TUNE_SEEDS, losses):
+            write_tuning_cell(tune_dir, arm, rate, seed, loss, 10)
+    table = {arm: {tune.rate_name(r): tune.tuning_row(tune_dir, arm, r, TUNE_SEEDS, 10) for r in TUNE_RATES}
+             for arm in ("parent", "rd")}
+    chosen = {arm: tune.stable_choice(list(rows.values())) for arm, rows in table.items()}
+    record = dict(tune_seeds=TUNE_SEEDS, seeds=[0, 1, 2, 3], tune_iters=10, max_iters=20, learning_rates=TUNE_RATES,
+                  min_lr_ratio=0.1, tuning_text=dict(first_token=1000, tokens=1000), test_tokens=1000, table=table,
+                  choice={arm: rate for arm, (rate, _) in chosen.items()},
+                  reason={arm: reason for arm, (_, reason) in chosen.items()})
+    if callable(change):
+        record = json.loads(json.dumps(record))
+        change(record)
+    (out / "tune" / "choice.json").write_text(change if isinstance(change, str) else json.dumps(record))
     return out
 
 
-def test_the_tuning_section_shows_each_arms_rates_and_its_choice(tmp_path, no_matplotlib):
+def test_the_tuning_section_shows_each_arms_rates_its_choice_and_cost(tmp_path, no_matplotlib):
     paired, text = run(make_grid(tmp_path, LOSSES))
     assert paired["tuning"] is None and "Learning-rate tuning" not in text
     (tmp_path / "t").mkdir()
@@ -819,17 +827,30 @@ def test_the_tuning_section_shows_each_arms_rates_and_its_choice(tmp_path, no_ma
     paired, text = run(out)
     assert set(paired["arms"]) == {"rd"} and not [n for n in paired["skipped"] if "tune" in n]  # tune/ is no arm
     assert text.index("## Learning-rate tuning") < text.index("Final validation loss")
-    assert ("on tuning seeds 1000, 1001 (never a compared seed) for 10 of the 20 steps (the whole schedule in them, "
-            "min_lr 0.1 x the rate)") in text
+    assert ("on tuning seeds 1000, 1001, 1002 (never a compared seed) for 10 of the 20 steps (the whole schedule in "
+            "them, min_lr 0.1 x the rate), evaluated on the validation shard's 1,000 tokens from token 1,000 (the "
+            "reported validation set is its first 1,000)") in text
     assert "The paired result below compares each arm at its own chosen rate." in text
     assert "| arm | lr 0.001 | lr 0.003 | lr 0.01 |" in text
-    assert "| parent | 3.4000 | **3.2500** | diverged |" in text and "| rd | **3.2000** | 3.3000 | 3.4000 |" in text
+    assert "| parent | 3.4000 (0.1000) | **3.2500 (0.0500)** | not finished |" in text
+    assert "| rd | **3.2000 (0.1000)** | 3.3000 (0.1000) | 3.4000 (0.1000) |" in text
+    parent = "the lowest mean, 0.1500 below 0.001 on every seed, beyond its seeds' s.d. 0.0500"
+    assert f"- parent: 0.003, {parent}" in text and "- rd: 0.001, the lowest mean" in text
+    assert "- parent at 0.01: seed 1000 diverged" in text
+    # 17 tuning cells of 10 steps and one diverged at 5 (10 s each); the grid: 8 cells of 20 steps, 100-103 s
+    assert ("Cost: the tuning 18 cells, 175 steps, 180 s wall; the paired grid 8 cells, 160 steps, 812 s wall (the "
+            "tuning 109% of the grid's steps).") in text
     edge = "rd: the chosen rate 0.001 is the smallest tried; the best may lie beyond it (widen tune_learning_rates)"
     assert f"- {edge}" in text
-    assert paired["tuning"] == dict(choice=dict(parent=0.003, rd=0.001), tune_seeds=[1000, 1001], tune_iters=10,
-                                    max_iters=20, min_lr_ratio=0.1, notes=[edge], mean=dict(
-                                        parent={"0.001": pytest.approx(3.4), "0.003": pytest.approx(3.25), "0.01": None},
-                                        rd={"0.001": pytest.approx(3.2), "0.003": pytest.approx(3.3), "0.01": pytest.approx(3.4)}))
+    assert paired["tuning"] == dict(
+        choice=dict(parent=0.003, rd=0.001), reason=dict(parent=parent, rd="the lowest mean"),
+        tune_seeds=TUNE_SEEDS, tune_iters=10, max_iters=20, min_lr_ratio=0.1, notes=[edge],
+        tuning_text=dict(first_token=1000, tokens=1000), test_tokens=1000,
+        mean=dict(parent={"0.001": pytest.approx(3.4), "0.003": pytest.approx(3.25), "0.01": None},
+                  rd={"0.001": pytest.approx(3.2), "0.003": pytest.approx(3.3), "0.01": pytest.approx(3.4)}),
+        sd=dict(parent={"0.001": pytest.approx(0.1), "0.003": pytest.approx(0.05), "0.01": None},
+                rd={"0.001": pytest.approx(0.1), "0.003": pytest.approx(0.1), "0.01": pytest.approx(0.1)}),
+        cost=dict(tuning=dict(cells=18, steps=175, wall_time_s=180.0), grid=dict(cells=8, steps=160, wall_time_s=812.0)))
     assert paired["learning_rates"] == {"parent": [0.003], "rd": [0.001]}
     rated(out, "rd", 2e-3, [1])  # a seed not at the arm's choice
     paired, text = run(out)
@@ -837,37 +858,40 @@ def test_the_tuning_section_shows_each_arms_rates_and_its_choice(tmp_path, no_ma
     assert "- rd: trained at 0.001, 0.002, tune/choice.json chose 0.001" in text
 
 
-def changed_choice(change):
-    record = json.loads(json.dumps(CHOICE))
+def edited(path, change):
+    record = json.loads(path.read_text())
     change(record)
-    return record
+    path.write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize("choice, problem", [
     ('{"tune_seeds": [1000', "not JSON"),
     ("[]", "[], not a JSON object"),
-    (changed_choice(lambda c: c.pop("tune_iters")), "no tune_iters"),
-    (changed_choice(lambda c: c.update(tune_seeds=[True])), "tune_seeds is [true], not a list of distinct seeds"),
-    (changed_choice(lambda c: c.update(table=[])), "table is [], not a dict of arms"),
-    (changed_choice(lambda c: c.update(tune_seeds=[1000, 1], seeds=[0, 1])),
-     "tune_seeds and seeds share 1: rates chosen on compared seeds"),
-    (changed_choice(lambda c: c["table"]["rd"].update({"0.001": []})), "table.rd.0.001 is [], not a dict"),
-    (changed_choice(lambda c: c["table"]["rd"]["0.003"].update(mean=3.0)),
-     "table.rd.0.003.mean is 3.0, not the mean of its seeds' val_loss (null where one diverged)"),
-    (changed_choice(lambda c: c["table"]["parent"]["0.01"].update(mean=3.0)),
-     "table.parent.0.01.mean is 3.0, not the mean of its seeds' val_loss (null where one diverged)"),
-    (changed_choice(lambda c: c["table"]["rd"]["0.001"]["val_loss"].pop("1001")),
-     "table.rd.0.001.val_loss is of seeds 1000, not the tuning seeds 1000, 1001"),
-    (changed_choice(lambda c: c["table"]["rd"]["0.001"]["val_loss"].update({"1000": "3.1"})),
-     'table.rd.0.001.val_loss.1000 is "3.1", not null or a finite number'),
-    (changed_choice(lambda c: c["table"]["rd"]["0.001"].pop("learning_rate")), "no table.rd.0.001.learning_rate"),
-    (changed_choice(lambda c: c["choice"].update(rd=0.003)), "choice.rd is 0.003, not the rate of the lowest mean (0.001)"),
-    (changed_choice(lambda c: c["choice"].update(extra=0.003)), "choice.extra has no row in table"),
-    (changed_choice(lambda c: c["table"]["rd"].update({k: tuning_row(v["learning_rate"], None, 3.0) for k, v in
-                                                       c["table"]["rd"].items()})),
-     "table.rd: every rate diverged, so nothing was chosen"),
+    (lambda c: c.pop("tuning_text"), "no tuning_text: a choice.json made before the tuning split, whose rates were "
+                                     "chosen on the reported validation text itself; tune again in a new out_dir"),
+    (lambda c: c.update(tuning_text=dict(first_token=0, tokens=1000)),
+     "tuning_text begins at token 0, inside the reported validation text (its first 1000 tokens)"),
+    (lambda c: c.pop("tune_iters"), "no tune_iters"),
+    (lambda c: c.update(tune_seeds=[True]), "tune_seeds is [true], not a list of distinct seeds"),
+    (lambda c: c.update(table=[]), "table is [], not a dict of arms"),
+    (lambda c: c.update(tune_seeds=[1000, 1], seeds=[0, 1]), "tune_seeds and seeds share 1: rates chosen on compared seeds"),
+    (lambda c: c["table"]["rd"].update({"0.001": []}), "table.rd.0.001 is [], not a dict"),
+    (lambda c: c["table"]["rd"].pop("0.01"), "table.rd holds rates 0.001, 0.003, not learning_rates 0.001, 0.003, 0.01"),
+    # an edited loss, mean, s.d. or field: not what the tuning cells hold
+    (lambda c: c["table"]["rd"]["0.003"]["val_loss"].update({"1001": 3.0}),
+     "table.rd.0.003.val_loss.1001 is 3.0, but its tuning cells in tune/ give 3.4 (an edited or copied choice.json)"),
+    (lambda c: c["table"]["parent"]["0.01"]["val_loss"].update({"1000": 2.0}),
+     "table.parent.0.01.val_loss.1000 is 2.0, but its tuning cells in tune/ give null (an edited or copied choice.json)"),
+    (lambda c: c["table"]["rd"]["0.003"].update(mean=3.0),
+     "table.rd.0.003.mean is 3.0, but its tuning cells in tune/ give 3.3000000000000003 (an edited or copied "
+     "choice.json)"),
+    (lambda c: c["table"]["rd"]["0.001"].pop("learning_rate"),
+     "table.rd.0.001.learning_rate is null, but its tuning cells in tune/ give 0.001 (an edited or copied choice.json)"),
+    (lambda c: c["choice"].update(rd=0.003), "choice.rd is 0.003, not the tuning rule's 0.001 (the lowest mean)"),
+    (lambda c: c["reason"].update(rd="a hunch"), 'reason.rd is "a hunch", not the tuning rule\'s: the lowest mean'),
+    (lambda c: c["choice"].update(extra=0.003), "choice.extra has no row in table"),
 ])
-def test_a_malformed_choice_json_is_a_named_problem(tmp_path, no_matplotlib, choice, problem):
+def test_a_malformed_or_edited_choice_json_is_a_named_problem(tmp_path, no_matplotlib, choice, problem):
     paired, text = run(tuned_grid(tmp_path, choice))
     assert paired["tuning"] == dict(problem=problem)
     assert f"tune/choice.json: unreadable ({in_markdown(problem)}); the arms' rates cannot be traced" in text
@@ -875,6 +899,21 @@ def test_a_malformed_choice_json_is_a_named_problem(tmp_path, no_matplotlib, cho
 
 
 def test_the_report_says_the_model_every_cell_shares_dense_or_moe(tmp_path, no_matplotlib):
+def test_a_choice_json_is_checked_against_its_tuning_cells(tmp_path, no_matplotlib):
+    out = tuned_grid(tmp_path)
+    result = out / "tune" / "rd-lr0.001" / "seed1002" / "result.json"
+    edited(result, lambda r: r.update(val_loss=3.0))  # a tuning cell's loss changed after the choice
+    assert run(out)[0]["tuning"] == dict(problem="table.rd.0.001.val_loss.1002 is 3.2, but its tuning cells in tune/ "
+                                                 "give 3.0 (an edited or copied choice.json)")
+    result.unlink()
+    problem = run(out)[0]["tuning"]["problem"]
+    assert problem.startswith("table.rd.0.001 cannot be checked against its tuning cells: tuning cell rd-lr0.001/"
+                              "seed1002 has no result (") and "\n" not in problem
+    write_tuning_cell(str(out / "tune"), "rd", 1e-3, 1002, 3.2, 10, initial=3.1)  # ended above its step-0 loss
+    assert run(out)[0]["tuning"]["problem"] == ("table.rd.0.001.initial_loss.1002 is 5.8, but its tuning cells in tune/ "
+                                                "give 3.1 (an edited or copied choice.json)")
+
+
     out = make_grid(tmp_path, LOSSES)
     paired, text = run(out)
     assert "Model shared by every cell: n_layer 2; dense MLP." in text and paired["model"] == dict(n_layer=2, differing=[])
