@@ -8,7 +8,6 @@ $ OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_tune.py -q -p no:cache
 """
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ import report
 import train
 import tune
 from common import ConfigError, read_json
-from conftest import result, tiny
+from conftest import result, tiny, write_tuning_cell
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATES = [1e-3, 3e-3, 1e-2]
@@ -85,22 +84,6 @@ def test_tuning_settings_that_cannot_run_are_one_line(changes, message):
     assert "\n" not in str(e.value)
 
 
-def write_tuning_result(tune_dir, arm, rate, seed, val_loss, steps=125, initial=5.8):
-    """A tuning cell as train.py leaves it (the fields choose reads): result.json, and log.jsonl opening with the
-    step-0 validation loss initial; val_loss None: diverged."""
-    name = tune.tuning_arm(arm, rate)
-    cell = os.path.join(tune_dir, name, f"seed{seed}")
-    os.makedirs(cell, exist_ok=True)
-    finished = val_loss is not None
-    with open(os.path.join(cell, "result.json"), "w") as f:
-        json.dump(dict(arm=name, seed=seed, status="finished" if finished else "diverged", val_loss=val_loss,
-                       diverged_at=None if finished else 40, reason=None if finished else "train loss nan",
-                       steps=steps if finished else 40, tokens=1024 * steps, wall_time_s=2.0 * steps,
-                       pairing=dict(arm_settings=dict(residual=arm, learning_rate=rate, min_lr=rate / 10))), f)
-    with open(os.path.join(cell, "log.jsonl"), "w") as f:
-        f.write(json.dumps(dict(step=0, tokens=0, val_loss=initial, eval_s=0.1)) + "\n")
-
-
 # per arm and rate, the final loss on tuning seeds 1000, 1001 and 1002. standard: 1e-2 has the lowest mean (2.29)
 # and is lower than 3e-3 (2.32) on every seed, but by 0.03, inside 1e-2's own s.d. (0.044); and 3e-3 beats 1e-3 (2.50) on every seed by far
 # more than its s.d.: 3e-3. attnres: 1e-2 diverged on one seed (its other seeds would win), 1e-3 and 3e-3 tie
@@ -113,11 +96,11 @@ ARMS3 = dict(arms={"standard": {"residual": "standard"}, "attnres": {"residual":
                    "dar": {"residual": "dar"}})
 
 
-def tuned(tmp_path, losses=LOSSES, **changes):
+def tuned(tmp_path, losses=LOSSES):
     tune_dir = str(tmp_path / "out" / "tune")
     for (arm, rate), ends in losses.items():
         for seed, loss in zip((1000, 1001, 1002), ends):
-            write_tuning_result(tune_dir, arm, rate, seed, loss, **changes)
+            write_tuning_cell(tune_dir, arm, rate, seed, loss, 125)
     return tune_dir
 
 
@@ -229,12 +212,12 @@ def test_a_missing_or_foreign_tuning_cell_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^tuning cell attnres-lr0.003/seed1001 has no result \(.*result.json "
                                           r"missing\); run the same command to train it$"):
         tune.choose(cfg, tune_dir)
-    write_tuning_result(tune_dir, "attnres", 3e-3, 1001, 2.5, steps=250)  # trained for another budget
+    write_tuning_cell(tune_dir, "attnres", 3e-3, 1001, 2.5, 250)  # trained for another budget
     with pytest.raises(ConfigError, match=r"attnres-lr0.003/seed1001/result.json is not of this tuning \(learning_rate "
                                           r"0.003, 250 steps; this tuning: 0.003, 125 steps\)") as e:
         tune.choose(cfg, tune_dir)
     assert "\n" not in str(e.value) and not os.path.exists(os.path.join(tune_dir, "choice.json"))
-    write_tuning_result(tune_dir, "attnres", 3e-3, 1001, 2.5)
+    write_tuning_cell(tune_dir, "attnres", 3e-3, 1001, 2.5, 125)
     shutil.rmtree(os.path.join(tune_dir, "standard-lr0.001", "seed1000"))
     os.rename(os.path.join(tune_dir, "standard-lr0.01", "seed1000"), os.path.join(tune_dir, "standard-lr0.001", "seed1000"))
     with pytest.raises(ConfigError, match="is the record of arm 'standard-lr0.01' seed 1000 \\(a copied file"):
@@ -302,22 +285,25 @@ def run_train(args):
 @needs_snippet
 def test_one_command_tunes_on_tuning_seeds_then_pairs_at_each_arms_rate(shards, tmp_path, capsys):
     out = str(tmp_path / "out")
-    args = tiny(shards, out, "--arms=standard,attnres", "--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000",
+    args = tiny(shards, out, "--arms=standard,attnres", "--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001",
                 "--tune_iters=4")
     proc = run_train(args)  # the one command, as a user types it
     assert proc.returncode == 0, proc.stderr[-3000:]
     tune_dir = os.path.join(out, "tune")
-    means = {}
+    rows = {}
     for arm in ("standard", "attnres"):
         for rate in (1e-3, 3e-2):
-            r = result(tune_dir, tune.tuning_arm(arm, rate), 1000)
-            assert r["steps"] == 4 and r["pairing"]["arm_settings"]["learning_rate"] == rate
-            assert r["config"]["min_lr"] == pytest.approx(rate / 10)  # tiny's min_lr / learning_rate = 1e-3 / 1e-2
-            means[arm, rate] = r["val_loss"] if r["status"] == "finished" else math.inf
+            for seed in (1000, 1001):
+                r = result(tune_dir, tune.tuning_arm(arm, rate), seed)
+                assert r["steps"] == 4 and r["pairing"]["arm_settings"]["learning_rate"] == rate
+                assert r["config"]["min_lr"] == pytest.approx(rate / 10)  # tiny's min_lr / learning_rate = 1e-3 / 1e-2
+            rows[arm, rate] = tune.tuning_row(tune_dir, arm, rate, [1000, 1001], 4)
         assert not os.path.exists(os.path.join(tune_dir, tune.tuning_arm(arm, 1e-3), "seed0"))  # no compared seed
-    choice = read_json(os.path.join(tune_dir, "choice.json"))["choice"]
-    for arm in ("standard", "attnres"):  # the choice from the tuning cells alone; the compared cell at it
-        assert choice[arm] == min((1e-3, 3e-2), key=lambda rate: (means[arm, rate], rate))
+    record = read_json(os.path.join(tune_dir, "choice.json"))
+    choice = record["choice"]
+    for arm in ("standard", "attnres"):  # the choice from the tuning cells alone, said; the compared cell at it
+        assert (choice[arm], record["reason"][arm]) == tune.stable_choice([rows[arm, 1e-3], rows[arm, 3e-2]])
+        assert f"tuned: {arm} at learning_rate {tune.rate_name(choice[arm])} ({record['reason'][arm]})" in proc.stdout
         r = result(out, arm, 0)
         assert r["steps"] == 8 and r["pairing"]["arm_settings"]["learning_rate"] == choice[arm]
         assert r["config"]["min_lr"] == pytest.approx(choice[arm] / 10)
@@ -326,12 +312,61 @@ def test_one_command_tunes_on_tuning_seeds_then_pairs_at_each_arms_rate(shards, 
     assert "## Learning-rate tuning" in open(os.path.join(out, "report.md")).read()
     before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
     train.main(args)  # the same command again: every cell done already, the same choice
-    assert capsys.readouterr().out.count("done already") == 6  # 4 tuning cells, 2 compared
+    assert capsys.readouterr().out.count("done already") == 10  # 8 tuning cells, 2 compared
     assert open(os.path.join(tune_dir, "choice.json"), "rb").read() == before
     with pytest.raises(ConfigError, match=r"config.json was made with other settings: tune_learning_rates \("):
         train.main(args + ["--tune_learning_rates=1e-3,3e-2,0.1"])  # refused before the tuning trains a new rate
     assert not os.path.exists(os.path.join(tune_dir, "standard-lr0.1"))
     with pytest.raises(ConfigError, match="^tune_seeds and seeds share 0: "):
-        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", "--tune_learning_rates=1e-3", "--tune_seeds=0",
-                        "--tune_iters=4"))
+        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", "--tune_learning_rates=1e-3",
+                        "--tune_seeds=0,1000", "--tune_iters=4"))
+    assert not os.path.exists(tmp_path / "o2" / "tune")
+
+
+def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_its_rates(shards, tmp_path, monkeypatch):
+    # every validation token each cell reads, counted where it is read (validation_batch), as positions in the shard
+    out, E, T = str(tmp_path / "out"), 1000, 16
+    args = tiny(shards, out, "--arms=standard", "--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001",
+                "--tune_iters=4")
+    shard, read, cell = {}, {}, []
+    real_open, real_batch, real_cell, real_choose = train.open_data, train.validation_batch, train.train_cell, tune.choose
+
+    def open_data(*a):
+        shard["val"], train_shards = real_open(*a)
+        return shard["val"], train_shards
+
+    def validation_batch(val, seq_ids, T, device):  # val is the shard or a view into it: its offset from the address
+        first = (val.__array_interface__["data"][0] - shard["val"].__array_interface__["data"][0]) // val.itemsize
+        read.setdefault(cell[-1], set()).update(first + j * T + t for j in seq_ids for t in range(T + 1))
+        return real_batch(val, seq_ids, T, device)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "open_data", open_data)
+    monkeypatch.setattr(train, "validation_batch", validation_batch)
+    monkeypatch.setattr(train, "train_cell", lambda arm, *a: (cell.append(arm), real_cell(arm, *a)))
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    monkeypatch.setattr(tune, "choose", killed)  # killed after the tuning cells, before the choice
+    with pytest.raises(KeyboardInterrupt):
+        train.main(args)
+    n_seq = (E - 1) // T
+    tuning_text, test_text = set(range(E, E + n_seq * T + 1)), set(range(n_seq * T + 1))
+    assert sorted(read) == ["standard-lr0.001", "standard-lr0.03"]
+    for arm, positions in read.items():  # every tuning cell read the tuning text whole, and no test token
+        assert positions == tuning_text and not positions & test_text, arm
+    with pytest.raises(ConfigError, match=r"tune/config.json was made with other settings: tune_learning_rates "
+                                          r"\(\[0.001, 0.03\] -> \[0.001, 0.03, 0.1\]\); .*--allow_changes=True"):
+        train.main(args + ["--tune_learning_rates=1e-3,3e-2,0.1"])  # the killed tuning, with another rate list
+    assert not os.path.exists(os.path.join(out, "tune", "standard-lr0.1"))
+    monkeypatch.setattr(tune, "choose", real_choose)
+    read.clear()
+    train.main(args)  # the same command: the tuning done, the choice made, the compared cell trained
+    assert sorted(read) == ["standard"] and read["standard"] == test_text  # the reported text, as before the split
+    assert read_json(os.path.join(out, "tune", "choice.json"))["tuning_text"] == dict(first_token=E, tokens=E)
+    with pytest.raises(ConfigError, match=r"^the tuned protocol chooses rates on the 1,600 validation tokens after the "
+                                          r"1,600 it reports \(eval_tokens\), but the validation shard holds 3,000, fewer "
+                                          r"than 3,200; set --eval_tokens=1500 or less, or give a longer validation "
+                                          r"shard$"):
+        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", "--tune_learning_rates=1e-3",
+                        "--tune_seeds=1000,1001", "--tune_iters=4", "--eval_tokens=1600"))
     assert not os.path.exists(tmp_path / "o2" / "tune")
