@@ -39,7 +39,7 @@ def tiny_overrides(path, shards, out_dir):
             "block_size": 16, "vocab_size": 64, "batch_size": 2, "gradient_accumulation_steps": 4,
             "max_iters": STEPS, "warmup_iters": 1, "eval_interval": STEPS, "log_interval": 1, "eval_tokens": 65,
             "eval_batch_size": 2, "device": "cpu", "compile": False}
-    tuning = {"tune_iters": STEPS, "tune_seeds": 1} if settings_of(path).get("tune_learning_rates") else {}
+    tuning = {"tune_iters": STEPS, "tune_seeds": "1,2"} if settings_of(path).get("tune_learning_rates") else {}
     return base | tuning
 
 
@@ -72,7 +72,7 @@ def test_config_trains_at_a_tiny_size(path, shards, tmp_path_factory, monkeypatc
     out_dir = run_config(path, shards, tmp_path_factory, monkeypatch)
     kept = {k: v for k, v in settings.items() if k not in tiny_overrides(path, shards, out_dir) and k != "arms"}
     assert "arms" in settings, path
-    if settings.get("tune_learning_rates"):  # each arm's rate is chosen on the tuning seed: one of those tried
+    if settings.get("tune_learning_rates"):  # each arm's rate is chosen on the tuning seeds: one of those tried
         kept.pop("learning_rate", None), kept.pop("min_lr", None)
     for arm, arm_settings in settings["arms"].items():
         r = result(out_dir, arm)
