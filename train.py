@@ -167,11 +167,11 @@ def open_data(cfg, data, vocab_size, init_tokenizer):
     if manifest and vocab_size < needed:
         raise ConfigError(f"vocab_size={vocab_size} is less than the {needed} ids of {data_dir}'s {tokenizer} tokens; "
                           f"set --vocab_size={data_vocab_size(tokenizer)} (padded to a multiple of 64), or leave it unset")
-    val = open_shard(val_path, vocab_size)
+    val = open_shard(val_path, vocab_size, tokenizer)
     if cfg["eval_tokens"] > len(val):
         raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "
                           f"({len(val):,} tokens); lower eval_tokens")
-    train_shards = [open_shard(path, vocab_size) for path in train_paths]
+    train_shards = [open_shard(path, vocab_size, tokenizer) for path in train_paths]
     cfg["train_data_sha256"] = records.train_data_fingerprint(train_paths, manifest)
     return val, train_shards
 

@@ -146,7 +146,7 @@ def read_parquet(path, skip):
     if "text" not in pf.schema_arrow.names:
         raise DataError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
     kind = pf.schema_arrow.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not is_text(kind):
         raise DataError(f"{path}: column 'text' holds {kind}, not strings")
     groups, row = [], 0  # row: the file row of the next batch's first document
     for g in range(pf.num_row_groups):  # skip whole leading row groups on resume without reading them
@@ -165,6 +165,15 @@ def read_parquet(path, skip):
                 skip, row = max(0, skip - len(texts)), row + len(texts)
         except pa.ArrowInvalid as e:  # a damaged page
             raise unreadable(path, f"row {row} on: {str(e).splitlines()[0]}") from None
+
+
+def is_text(kind):
+    """Whether an arrow column type holds strings: plain, large, a view, or dictionary-encoded (pandas'
+    category dtype and many exporters write repeated strings so; the values read the same)."""
+    import pyarrow as pa
+    if pa.types.is_dictionary(kind):
+        return is_text(kind.value_type)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
 def read_jsonl(path, skip):
@@ -446,6 +455,10 @@ def prepare(out_dir, input=None, tokenizer="gpt2", subset="sample-10BT", max_tok
     max_tokens = None if max_tokens is None else count("max_tokens", max_tokens)
     val_tokens = count("val_tokens", val_tokens, most=MAX_SHARD)  # < 0 would copy validation tokens into training
     shard_tokens = count("shard_tokens", shard_tokens, most=MAX_SHARD)  # < 1: empty shards without end
+    if shard_tokens < MIN_SHARD:
+        raise DataError(f"--shard_tokens={shard_tokens} is below {MIN_SHARD:,}: a train shard must hold a sequence of "
+                        f"1,024 tokens and its target (sequences never cross shards, so a smaller shard would never "
+                        f"be trained on); raise it (default 1e8)")
     val_docs, workers = count("val_docs", val_docs, least=0), count("workers", os.cpu_count() if workers is None else workers)
     if max_tokens is not None and not val_docs and max_tokens <= val_tokens:
         raise DataError(f"--max_tokens={max_tokens} leaves no tokens to train on after --val_tokens={val_tokens}; "
@@ -463,6 +476,9 @@ def prepare(out_dir, input=None, tokenizer="gpt2", subset="sample-10BT", max_tok
 
 
 MAX_SHARD = 2**31 - 1  # a shard header holds its token count as an int32
+# a train shard holds at least one sequence of the paper configs' context (block_size 1024, plus its
+# target): sequences never cross shards, so a smaller shard's tokens would never be trained on
+MIN_SHARD = 1025
 
 
 def count(name, value, least=1, most=math.inf):

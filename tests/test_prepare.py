@@ -88,11 +88,11 @@ BYTES = dict(tokenizer="bytes", workers=1, quiet=True)  # most tests: the tokeni
 def test_shards_concatenate_to_the_documents_in_order(tmp_path, enc):
     pattern, docs = make_corpus(tmp_path)
     out = tmp_path / "out"
-    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1000, workers=1, quiet=True)
+    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1100, workers=1, quiet=True)
     manifest, stream = stream_of(out)
     assert np.array_equal(stream, expected_stream(enc, docs))
     sizes = [s["tokens"] for s in manifest["shards"]]
-    assert sizes[0] == 333 and all(n == 1000 for n in sizes[1:-1]) and 0 < sizes[-1] <= 1000
+    assert sizes[0] == 333 and all(n == 1100 for n in sizes[1:-1]) and 0 < sizes[-1] <= 1100 and len(sizes) > 3
     assert [s["name"] for s in manifest["shards"][:2]] == ["val_000000.bin", "train_000001.bin"]
     assert manifest["total_tokens"] == len(stream) and manifest["tokenizer_sha256"] == S.TOKENIZER_SHA256
     for s in manifest["shards"]:
@@ -324,10 +324,43 @@ def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path):
         S.open_shard(str(tmp_path / "junk_train_000001.npy"))
 
 
+def test_token_ids_the_data_tokenizer_does_not_have_are_refused(tmp_path):
+    # ids a padded model embeds (bytes 257-319 under vocab_size 320, GPT-2's 50257-50303 under 50304) that no
+    # tokenizer made: in headered shards, and under a manifest whose sha256s agree (verify_shards passes)
+    for tokenizer, bad in (("bytes", 300), ("gpt2", 50300)):
+        tokens = np.arange(1000, dtype=np.uint16) % 200
+        tokens[700:] = bad
+        path = str(tmp_path / f"{tokenizer}_train_000001.bin")
+        S.write_shard(path, tokens, tokenizer)
+        assert S.shard_tokenizer(path) == tokenizer and len(S.open_shard(path, 50304)) == 1000
+        ids = S.TOKENIZERS[tokenizer].vocab_size
+        with pytest.raises(DataError, match=rf"^{path}: token id {bad} at position 700 is not a {tokenizer} token "
+                                            rf"\(its ids are 0-{ids - 1}\), the tokenizer its data names"):
+            S.open_shard(path, 50304, tokenizer)
+        S.write_shard(path, tokens[:700], tokenizer)
+        assert len(S.open_shard(path, 50304, tokenizer)) == 700
+    pattern, _ = make_corpus(tmp_path)
+    out = tmp_path / "out"
+    P.prepare(str(out), input=pattern, val_tokens=2000, shard_tokens=6000, **BYTES)
+    manifest = json.loads((out / "manifest.json").read_text())
+    train1 = str(out / "train_000001.bin")
+    tokens = np.array(S.open_shard(train1))
+    tokens[123] = 319
+    manifest["shards"][1]["sha256"] = S.write_shard(train1, tokens, "bytes")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert S.verify_manifest(str(out), full=True)
+    import train
+    argv = [f"--data_dir={out}", f"--out_dir={tmp_path / 'o'}", "--vocab_size=320", "--verify_shards=True", "--device=cpu",
+            "--eval_tokens=1000"]
+    with pytest.raises(DataError, match=rf"^{train1}: token id 319 at position 123 is not a bytes token \(its ids are 0-256\)"):
+        train.main(argv)
+    assert not (tmp_path / "o").exists()
+
+
 def test_manifest_catches_changed_extra_missing_and_truncated_shards(tmp_path):
     pattern, _ = make_corpus(tmp_path)
     out = tmp_path / "out"
-    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1000, **BYTES)
+    P.prepare(str(out), input=pattern, val_tokens=333, shard_tokens=1100, **BYTES)
     assert S.verify_manifest(str(out), full=True)["shards"][0]["name"] == "val_000000.bin"
     train1 = out / "train_000001.bin"
     original = train1.read_bytes()
@@ -342,7 +375,7 @@ def test_manifest_catches_changed_extra_missing_and_truncated_shards(tmp_path):
     S.verify_manifest(str(out))
     fails(r"train_000001.bin: its tokens differ from manifest.json \(sha256\); re-run data/prepare.py", full=True)
     S.write_shard(str(train1), np.arange(600), "bytes")  # a valid shard of another size
-    fails("train_000001.bin holds 600 tokens, manifest.json lists 1,000; re-run data/prepare.py")
+    fails("train_000001.bin holds 600 tokens, manifest.json lists 1,100; re-run data/prepare.py")
     train1.write_bytes(original[:-2])
     fails("train_000001.bin: size .* truncated or corrupt")
     train1.unlink()
@@ -697,6 +730,7 @@ def test_a_shard_cut_at_the_end_of_a_tokenizer_task_records_the_next_document(tm
     # 100-character documents, two per tokenizer task (202 byte tokens), two files; every shard ends
     # where a task ends, so the next shard starts at the next task's first document, file boundary included
     monkeypatch.setattr(P, "TASK_CHARS", 200)
+    monkeypatch.setattr(P, "MIN_SHARD", 404)  # shards of a few documents, so that twelve fill several
     src = tmp_path / "src"
     src.mkdir()
     docs = [f"{i:03d}" + "x" * 97 for i in range(12)]
@@ -732,6 +766,9 @@ def test_a_shard_cut_at_the_end_of_a_tokenizer_task_records_the_next_document(tm
     (dict(val_docs=-1), "--val_docs=-1 must be a whole number of at least 0"),
     (dict(shard_tokens=0), "--shard_tokens=0 must be a whole number from 1"),  # empty shards forever
     (dict(shard_tokens=0.5), "--shard_tokens=0.5 must be a whole number"),
+    (dict(shard_tokens=1), "--shard_tokens=1 is below 1,025: a train shard must hold a sequence of 1,024 tokens and "
+                           "its target"),  # a file per token, none of them trained on
+    (dict(shard_tokens=1024), "--shard_tokens=1024 is below 1,025"),
     (dict(shard_tokens=-1), "--shard_tokens=-1 must be a whole number"),
     (dict(shard_tokens=2 ** 31), "--shard_tokens=2147483648 must be a whole number from 1 to 2,147,483,647"),
     (dict(workers=-1), "--workers=-1 must be a whole number of at least 1"),
@@ -829,6 +866,22 @@ def test_damaged_parquet_and_deeply_nested_jsonl_name_the_file(tmp_path):
         with pytest.raises(DataError, match=problem) as err:
             P.prepare(str(tmp_path / ("out_" + name)), input=str(tmp_path / name), val_tokens=100, **BYTES)
         assert "\n" not in str(err.value) and not list((tmp_path / ("out_" + name)).glob("*.bin"))
+
+
+def test_text_columns_of_every_string_encoding_read_the_same(tmp_path):
+    # pandas' category dtype and many exporters write a dictionary-encoded column; arrow also has large and view strings
+    rows = [f"document {i % 7} " * 5 for i in range(60)]
+    columns = dict(plain=pa.array(rows), dictionary=pa.array(rows).dictionary_encode(),
+                   large=pa.array(rows, pa.large_string()), view=pa.array(rows, pa.string_view()))
+    for name, column in columns.items():
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.table({"text": column}), tmp_path / name / "a.parquet", row_group_size=25)
+        assert pq.ParquetFile(tmp_path / name / "a.parquet").schema_arrow.field("text").type == column.type
+        P.prepare(str(tmp_path / f"out_{name}"), input=str(tmp_path / name / "a.parquet"), val_tokens=100, **BYTES)
+        assert np.array_equal(stream_of(tmp_path / f"out_{name}")[1], byte_stream(rows)), name
+    pq.write_table(pa.table({"text": pa.array(list(range(60))).dictionary_encode()}), tmp_path / "numbers.parquet")
+    with pytest.raises(DataError, match=r"numbers.parquet: column 'text' holds .*int64.*, not strings$"):
+        P.prepare(str(tmp_path / "out_numbers"), input=str(tmp_path / "numbers.parquet"), val_tokens=100, **BYTES)
 
 
 # --- locks, temporaries and names that leave the folder -----------------------------------------
