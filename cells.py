@@ -8,7 +8,9 @@ seeds, the same for every arm.
 
 import dataclasses
 import os
+import signal
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,18 +24,62 @@ import records
 from checkpoint import CellState
 from common import write_json
 from data.shards import get_tokenizer
-from machine import apply_fsdp
+from machine import apply_fsdp, machine_record
 from model import GPT, GPTConfig
 from progress import CellLog
 
 
 INIT, DATA_ORDER, DROPOUT = 0, 1, 2  # what a seed_for seed is for
+# the exit status of a run stopped by SIGTERM or SIGUSR1 (SLURM's notice before a time limit or a
+# preemption; torchrun passes SIGTERM on): its cell checkpointed at a step boundary, the same command
+# resumes it. 75 is EX_TEMPFAIL, "try again later".
+PREEMPTED = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def seed_for(seed, purpose, rank=0):
     """Independent integer seeds per run seed and purpose (INIT, DATA_ORDER, DROPOUT per rank)."""
     return int(np.random.SeedSequence([seed, purpose, rank]).generate_state(1)[0])
 
+
+
+class Preempted(Exception):
+    """A stop signal arrived: the cell in training is checkpointed (the message says where)."""
+
+
+stop_received = []  # the stop signals this process received: the handler only appends, the loop reads
+
+
+@contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGUSR1 set a flag that the loop reads at its next step boundary (stop_requested),
+    so a step is never cut in half; the handlers before are restored after."""
+    stop_received.clear()
+    before = {sig: signal.signal(sig, lambda signum, frame: stop_received.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def stop_requested(runtime):
+    """Whether any rank received a stop signal: every rank learns it at the same step (a signal may
+    reach only some ranks), so all stop there together."""
+    if runtime.world == 1:
+        return bool(stop_received)
+    flag = torch.tensor([len(stop_received)], device=runtime.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def rank0s(value, runtime):
+    """Rank 0's value on every rank (what rank 0 alone can see, such as who holds a cell's lock)."""
+    if runtime.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @dataclasses.dataclass
@@ -84,7 +130,8 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
                       + (f" --max_per_task={settings.downstream_max_per_task}" if settings.downstream_max_per_task else ""))
         return None
     config = GPTConfig(**{k: getattr(settings, k) for k in records.MODEL_KEYS})
-    record = dict(vars(settings), model=dataclasses.asdict(config), code=grid.code,
+    # machine: where it computes, provenance only (records.differences skips it): another machine rounds differently
+    record = dict(vars(settings), model=dataclasses.asdict(config), code=grid.code, machine=machine_record(runtime),
                   val_hash=records.validation_hash(val, settings.eval_tokens, settings.block_size))
     torch.manual_seed(seed_for(seed, INIT))  # the seed's shared init, bit-identical across arms
     model = GPT(config)
@@ -115,8 +162,7 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
         if runtime.world > 1 and not runtime.fsdp else compiled
     log = CellLog(settings, state, dict(record, init_hash=init_hash), model, grid, runtime)
     tasks = None if grid.bundle is None else downstream.encode_tasks(
-        grid.bundle.tasks, get_tokenizer(settings.tokenizer), settings.block_size, settings.downstream_max_per_task or None,
-        runtime.rank, runtime.world)
+        grid.bundle.tasks, get_tokenizer(settings.tokenizer), settings.block_size, runtime.rank, runtime.world)
     return Cell(settings, record, model, compiled, train_model, optimizer, state, log, init_hash, tasks)
 
 
@@ -149,11 +195,11 @@ def evaluate_downstream(cell, grid, runtime):
                                        s.eval_batch_size * s.block_size)
     cell.log.downstream(step, scores, time.monotonic() - t0)
     if step == s.max_iters and runtime.master:
-        downstream.write_scores(cell.dir, grid.bundle, s.downstream_max_per_task or None, step, scores)
+        downstream.write_scores(cell.dir, grid.bundle, step, scores, runtime.dtype)
 
 
-def finish_cell(cell, data, val_loss, diverged, routing, grid, runtime):
-    """result.json: how the cell ended (rank 0)."""
+def finish_cell(cell, data, val_loss, sequence_losses, diverged, routing, grid, runtime):
+    """result.json: how the cell ended (rank 0), with the final evaluation's loss per validation sequence."""
     if not runtime.master:
         return
     s, state = cell.settings, cell.state
@@ -162,6 +208,7 @@ def finish_cell(cell, data, val_loss, diverged, routing, grid, runtime):
     grid.record.write_once()
     cell.log.close(records.write_result(
         os.path.join(cell.dir, "result.json"), vars(s), cell.record, cell.model, grid.code, steps=state.step,
-        tokens=state.step * cell.log.tokens_per_step, val_loss=val_loss, diverged=diverged, routing=routing,
+        tokens=state.step * cell.log.tokens_per_step, val_loss=val_loss, sequence_losses=sequence_losses,
+        diverged=diverged, routing=routing,
         init_hash=cell.init_hash, data_hash=data.hash, eval_tokens=(s.eval_tokens - 1) // s.block_size * s.block_size,
         changes=state.changes, wall_time_s=cell.log.wall_time_s()))

@@ -7,6 +7,7 @@ kernels change what a cell computes.
 
 import dataclasses
 import os
+import platform
 from contextlib import nullcontext
 
 import torch
@@ -113,6 +114,28 @@ def cpu_threads(runtime):
             print(f"warning: this machine's load ({load:.1f}) exceeds its {cores} cores: training will be slow; "
                   f"with OMP_NUM_THREADS=1 it waits least")
     return threads
+
+
+# instruction sets whose kernels round differently (fused multiply-add, wider vectors, matrix units): a CPU flag
+# that begins with one of these joins the machine record
+ROUNDING_FLAGS = ("avx2", "avx512", "fma", "amx")
+
+
+def machine_record(runtime):
+    """Where this process computes, as provenance (recorded in each result, never a setting that refuses
+    pairing: another machine rounds differently, it computes the same thing): the CPU model and its
+    rounding-relevant instruction sets, the kernels torch dispatches to on it, the GPU, the torch build."""
+    cpu, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}  # the last core's
+        cpu = info.get("model name", cpu)
+        flags = sorted(flag for flag in info.get("flags", "").split() if flag.startswith(ROUNDING_FLAGS))
+    except OSError:  # not Linux: the platform's name alone
+        pass
+    gpu = torch.cuda.get_device_name(runtime.device) if runtime.device.startswith("cuda") else None
+    return dict(cpu=cpu, cpu_flags=flags, cpu_capability=torch.backends.cpu.get_cpu_capability(), gpu=gpu,
+                torch=str(torch.__version__), torch_git=torch.version.git_version, cuda=torch.version.cuda)
 
 
 def apply_fsdp(model):

@@ -5,7 +5,10 @@ Of per-seed deltas (arm - reference): n, wins, mean, sample s.d., 95% CI (t), th
 paired t-test and exact sign-test p-values, and the perplexity change exp(mean delta) - 1. Their
 power, sized from the s.d. of the deltas: the smallest true mean delta the paired t-test detects
 (two-sided, ALPHA, power POWER) at n seeds, the seeds it needs for a given delta (the noncentral t),
-and the smallest p the sign test can reach at n (from 6 seeds it can go below 0.05).
+and the smallest p the sign test can reach at n (from 6 seeds it can go below 0.05). Identical deltas have no
+p and no interval (t would be x/0). The validation text as a second source of uncertainty: from per-sequence
+deltas, the mean's interval over seeds and sequences together (a two-way bootstrap) and each source's share of
+its variance.
 """
 
 import itertools
@@ -17,6 +20,8 @@ from scipy import optimize, stats
 
 ALPHA, POWER = 0.05, 0.8  # the paired tests' two-sided level, and the power a grid is sized for
 MAX_SEEDS = 2 ** 30  # the seeds needed to detect an effect are searched no further
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 10_000, 0  # the two-way bootstrap of text_uncertainty
+FEW_SEQUENCES = 100  # below this many validation sequences the text's share is estimated from little text
 
 
 def paired_statistics(deltas, higher_is_better=False):
@@ -27,17 +32,15 @@ def paired_statistics(deltas, higher_is_better=False):
     n = len(d)
     exponent = math.frexp(float(np.abs(d).max()))[1] if n and np.isfinite(d).all() else 0
     u = np.ldexp(d, -exponent)  # |u| < 1: no sum of n of them overflows
+    identical = n > 1 and bool(np.all(d == d[0]))
     with np.errstate(over="ignore", invalid="ignore"):  # an infinite delta (a float's limit passed) gives inf or nan
         mean = float(np.ldexp(u.mean(), exponent)) if n else float("nan")
         std = float(np.ldexp(u.std(ddof=1), exponent)) if n > 1 else float("nan")
-        if n > 1:
+        if n > 1 and not identical:
             half = stats.t.ppf(0.975, n - 1) * u.std(ddof=1) / math.sqrt(n)
             ci95 = [float(np.ldexp(u.mean() - half, exponent)), float(np.ldexp(u.mean() + half, exponent))]
-            if np.all(d == d[0]):  # no spread: the t statistic is infinite (or 0/0 for all-zero deltas)
-                p_ttest = 0.0 if mean != 0 else 1.0
-            else:
-                p_ttest = float(stats.ttest_1samp(u, 0.0).pvalue)  # t is the same for any scale
-        else:
+            p_ttest = float(stats.ttest_1samp(u, 0.0).pvalue)  # t is the same for any scale
+        else:  # one seed, or identical deltas (t is x/0 or 0/0): neither a p nor an interval; the report says why
             ci95, p_ttest = [float("nan")] * 2, float("nan")
     wins, losses = int((d > 0).sum()), int((d < 0).sum())
     if not higher_is_better:
@@ -46,7 +49,38 @@ def paired_statistics(deltas, higher_is_better=False):
         p_sign = float(stats.binomtest(wins, wins + losses, 0.5).pvalue)
     else:  # all ties: no evidence either way; no seeds: nothing to test
         p_sign = 1.0 if n else float("nan")
-    return dict(deltas=d.tolist(), n=n, wins=wins, mean=mean, std=std, ci95=ci95, p_ttest=p_ttest, p_sign=p_sign)
+    return dict(deltas=d.tolist(), n=n, wins=wins, mean=mean, std=std, ci95=ci95, p_ttest=p_ttest, p_sign=p_sign,
+                identical=identical)
+
+
+def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
+    """The mean delta over seeds and validation text together, from per-sequence deltas (seeds x sequences, arm -
+    reference): its 95% interval by a two-way bootstrap that draws seeds and sequences independently, with
+    replacement (the generator seeded with BOOTSTRAP_SEED: the same interval on every run), and the variance of the
+    mean split among seeds, text and their interaction by the two-way random-effects ANOVA (method of moments:
+    var(mean) = s2_seed / n + s2_text / m + s2_seed_x_text / (n m), a component below 0 taken as 0). n, m >= 2."""
+    d = np.asarray(deltas, dtype=np.float64)
+    n, m = d.shape
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    means = np.empty(resamples)
+    chunk = max(1, (1 << 22) // m)  # resamples at a time: a (chunk, m) array of at most 4M floats
+    for start in range(0, resamples, chunk):
+        b = min(chunk, resamples - start)
+        seed_counts = rng.multinomial(n, np.full(n, 1 / n), size=b)  # how often each seed is drawn, per resample
+        sequence_counts = rng.multinomial(m, np.full(m, 1 / m), size=b)
+        means[start:start + b] = ((seed_counts @ d) * sequence_counts).sum(1) / (n * m)
+    seed_means, sequence_means, mean = d.mean(1), d.mean(0), d.mean()
+    interaction = d - seed_means[:, None] - sequence_means[None, :] + mean
+    mean_square_seed = m * ((seed_means - mean) ** 2).sum() / (n - 1)
+    mean_square_text = n * ((sequence_means - mean) ** 2).sum() / (m - 1)
+    mean_square_interaction = (interaction ** 2).sum() / ((n - 1) * (m - 1))
+    variance = dict(seeds=max(0.0, mean_square_seed - mean_square_interaction) / m / n,  # each over the mean's n, m
+                    text=max(0.0, mean_square_text - mean_square_interaction) / n / m,
+                    seed_x_text=mean_square_interaction / (n * m))
+    total = sum(variance.values())
+    return dict(n=n, sequences=m, mean=float(mean), ci95=[float(q) for q in np.quantile(means, [0.025, 0.975])],
+                bootstrap_sd=float(means.std()), resamples=resamples, variance={k: float(v) for k, v in variance.items()},
+                share={k: float(v / total) if total > 0 else float("nan") for k, v in variance.items()})
 
 
 def perplexity_change(mean):

@@ -38,7 +38,8 @@ and its reason as tune.py's rule gives them), else one line says why.
 
 Cells that hold a downstream.json (downstream.py) get a downstream section: CORE and each task's
 accuracy, arm - reference, with the same statistics, over the seeds paired above whose two
-downstream results are of the cells' final step and of one task bundle, max_per_task and task set.
+downstream results are of the cells' final step and of one task bundle, scoring code, precision and
+set of items; and each task's bits per byte of its right answers, arm - reference, lower is better.
 
 A cell is the arm and seed its result.json records: a copied, moved or linked cell folder, or two
 cells of one arm with the same init and data hashes, is listed under "Skipped" and never counted.
@@ -63,7 +64,8 @@ from scipy import stats
 
 import tune
 from common import DataError, UserError, read_json, write_atomic, write_text
-from paired_stats import ALPHA, POWER, paired_statistics, perplexity_change, power_analysis
+from paired_stats import (ALPHA, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, paired_statistics, perplexity_change,
+                          power_analysis, text_uncertainty)
 
 MISSING = object()  # a pairing key one cell does not record
 CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
@@ -410,6 +412,8 @@ def task_problem(task, prefix):
         return f"{prefix}accuracy is {accuracy!r}, not correct / items ({correct / items!r})"
     if not close(task["centered"], (accuracy - baseline) / (1 - baseline)):
         return f"{prefix}centered is {task['centered']!r}, not (accuracy - random_baseline) / (1 - random_baseline)"
+    if "bits_per_byte" in task and not (is_finite(task["bits_per_byte"]) and task["bits_per_byte"] >= 0):
+        return f"{prefix}bits_per_byte is {described(task['bits_per_byte'])}, not a finite number >= 0"
     return None
 
 
@@ -423,6 +427,10 @@ def downstream_problem(record):
     centered = [task["centered"] for task in record["tasks"].values()]
     if not close(record["core"], math.fsum(centered) / len(centered)):
         return f"core is {record['core']!r}, not the mean of its tasks' centered accuracies"
+    bits = [task.get("bits_per_byte") for task in record["tasks"].values()]  # none in a file of an earlier version
+    if ("bits_per_byte" in record or any(b is not None for b in bits)) and (
+            None in bits or not close(record.get("bits_per_byte"), math.fsum(bits) / len(bits))):
+        return f"bits_per_byte is {described(record.get('bits_per_byte'))}, not the mean of every task's bits_per_byte"
     return None
 
 
@@ -444,14 +452,16 @@ def load_downstream(out_dir, results):
 
 def evaluation(record):
     """What a downstream result was measured on: two results pair only when this agrees key by key."""
-    return dict(bundle_sha256=record["bundle_sha256"], max_per_task=record["max_per_task"],
+    # not max_per_task: the items scored are (500 items of a task of 400 are every item, its prompts the same)
+    return dict(bundle_sha256=record["bundle_sha256"],
                 scoring_code=record.get("scoring_code"),  # None: written before downstream.json recorded it
+                dtype=record.get("dtype"),  # None: as scoring_code
                 **{f"tasks.{label}.items": task["items"] for label, task in record["tasks"].items()})
 
 
 def downstream_unpaired_reason(reference, arm, seed, results, downstream, problems):
     """Why two cells' downstream results of one seed cannot be paired, or None: each must be of its cell's final
-    step, and both of one evaluation (task bundle, max_per_task, scoring code, tasks and their items)."""
+    step, and both of one evaluation (task bundle, scoring code, precision, tasks and their items)."""
     reasons = []
     for a in (reference, arm):
         where = f"{a}/seed{seed}"
@@ -476,6 +486,9 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
                 if (r := downstream_unpaired_reason(reference, arm, s, results, downstream, problems))}
     paired = [s for s in seeds if s not in left_out]
     core = paired_statistics([downstream[arm, s]["core"] - downstream[reference, s]["core"] for s in paired], True)
+    with_bits = [s for s in paired if "bits_per_byte" in downstream[reference, s]]  # both or neither (scoring_code)
+    bits = paired_statistics([downstream[arm, s]["bits_per_byte"] - downstream[reference, s]["bits_per_byte"]
+                              for s in with_bits]) | dict(seeds=with_bits)  # lower is better
     tasks = {}
     for label in dict.fromkeys(label for s in paired for label in downstream[reference, s]["tasks"]):
         with_task = [s for s in paired if label in downstream[reference, s]["tasks"]]
@@ -483,15 +496,19 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
         st = paired_statistics([t["accuracy"] - r["accuracy"] for t, r in zip(of[arm], of[reference])], True)
         kinds = dict.fromkeys(t["icl_task_type"] for t in of[reference])
         tasks[label] = dict(st, seeds=with_task, icl_task_type=" / ".join(kinds), items=sorted({t["items"] for t in of[reference]}))
+        if all("bits_per_byte" in t for t in of[reference]):
+            tasks[label]["bits_per_byte"] = paired_statistics(
+                [t["bits_per_byte"] - r["bits_per_byte"] for t, r in zip(of[arm], of[reference])])
     groups = {}
     for s in paired:
         record = downstream[reference, s]
-        groups.setdefault(f"bundle {record['bundle_sha256'][:12]}, max_per_task {json.dumps(record['max_per_task'])}",
+        groups.setdefault(f"bundle {record['bundle_sha256'][:12]}, {sum(t['items'] for t in record['tasks'].values())} "
+                          f"items, scoring code {str(record.get('scoring_code'))[:12]}, {record.get('dtype')}",
                           []).append(s)
     mixed = ["; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {e}" for e, g in groups.items())] \
         if len(groups) > 1 else []
     return dict(seeds=paired, left_out=[dict(seed=s, reason=r) for s, r in left_out.items()], mixed_evaluations=mixed,
-                core=core, tasks=tasks)
+                core=core, bits_per_byte=bits, tasks=tasks)
 
 
 def val_curve(log):
@@ -675,9 +692,76 @@ def strict(x):
 
 
 def statistics_cells(st):
-    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells."""
-    return [str(st["n"]), f"{st['wins']}/{st['n']}", fmt(st["mean"]), fmt(st["std"], ".4f"),
-            f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]", fmt(st["p_ttest"], ".3g"), fmt(st["p_sign"], ".3g")]
+    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells; identical
+    deltas have no t interval or p ("undefined", said under the table: identical_lines)."""
+    interval = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
+    return [str(st["n"]), f"{st['wins']}/{st['n']}", fmt(st["mean"]), fmt(st["std"], ".4f"), interval,
+            "undefined" if st["identical"] else fmt(st["p_ttest"], ".3g"), fmt(st["p_sign"], ".3g")]
+
+
+def identical_lines(statistics):
+    """A line per comparison ({name: paired_statistics}) whose seeds all have the same delta."""
+    lines = [f"- {md(name)}: every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are "
+             f"undefined (s.d. 0), not p = 0; the sign test still counts" for name, st in statistics.items() if st["identical"]]
+    return lines + [""] if lines else []
+
+
+def sequence_losses(result):
+    """(a finished result's per-sequence validation losses, None) or (None, why they cannot be used)."""
+    losses = result.get("val_sequence_losses")
+    if losses is None:
+        return None, "no per-sequence validation losses (a cell of an earlier version)"
+    if not isinstance(losses, list) or len(losses) < 2 or not all(is_finite(x) for x in losses):
+        return None, "val_sequence_losses is not a list of 2 or more finite numbers"
+    if not close(math.fsum(losses) / len(losses), result["val_loss"]):
+        return None, "val_sequence_losses do not average to its val_loss (an edited result?)"
+    return losses, None
+
+
+def text_comparison(results, reference, arm, seeds):
+    """The arm's mean delta over seeds and validation text together (paired_stats.text_uncertainty), or why it is
+    unavailable: it needs every paired seed's per-sequence losses (never a part of the seeds: that would mix)."""
+    if len(seeds) < 2:
+        return dict(unavailable=f"{len(seeds)} paired seed{'s' * (len(seeds) != 1)}: it needs 2 or more")
+    rows, problems = [], []
+    for s in seeds:
+        (ours, why), (theirs, their_why) = sequence_losses(results[arm, s]), sequence_losses(results[reference, s])
+        problems += [f"{a}/seed{s}: {w}" for a, w in ((arm, why), (reference, their_why)) if w]
+        if not (why or their_why):
+            rows.append(np.subtract(ours, theirs))
+    if problems:
+        return dict(unavailable="; ".join(problems))
+    if len({len(r) for r in rows}) > 1:
+        return dict(unavailable="the cells' validation sets hold different numbers of sequences")
+    return text_uncertainty(np.stack(rows))
+
+
+def text_lines(others, paired):
+    """The report's table of each arm's mean delta over seeds and validation text together, beside the seeds-only
+    t interval, with each source's share of the variance; why it is unavailable where it is."""
+    lines = [f"Seeds and validation text together: the 95% interval of the mean delta when both the seeds and the "
+             f"validation sequences are drawn again (a two-way bootstrap, {BOOTSTRAP_RESAMPLES:,} resamples, a fixed "
+             f"generator seed), beside the seeds-only t interval; and the share of the mean's variance that each "
+             f"source carries (two-way random-effects estimates): the seeds, the text (which sequences were "
+             f"evaluated) and how the seeds' deltas differ by sequence.", "",
+             "| arm | n | sequences | mean delta | 95% CI, seeds (t) | 95% CI, seeds and text | share: seeds | "
+             "share: text | share: seed x text |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for arm in others:
+        st, text = paired[arm], paired[arm]["text"]
+        seeds_only = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
+        if "unavailable" in text:
+            lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", "-", "-", "-"))
+            notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
+            continue
+        share = text["share"]
+        lines.append(table_row(arm, str(text["n"]), str(text["sequences"]), fmt(text["mean"]), seeds_only,
+                               f"[{fmt(text['ci95'][0])}, {fmt(text['ci95'][1])}]",
+                               *(fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text"))))
+        if text["sequences"] < FEW_SEQUENCES:
+            notes.append(f"- {md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
+                         f"{FEW_SEQUENCES}): the text's share is estimated from little text; raise eval_tokens")
+    return lines + [""] + (notes + [""] if notes else [])
 
 
 def table_row(name, *cells):
@@ -708,9 +792,10 @@ def downstream_lines(arms, seeds, downstream, problems, compared):
     downstream_comparison}}) each arm's CORE and task accuracy deltas."""
     lines = ["## Downstream tasks", "",
              f"delta = arm - reference in CORE (the mean over tasks of (accuracy - random baseline) / "
-             f"(1 - random baseline)) and in each task's accuracy; positive = better, a win is a delta above 0. Of the "
-             f"seeds paired above, a seed counts when both cells' downstream.json are of their final step and of one "
-             f"evaluation (task bundle, max_per_task, tasks and items).", "",
+             f"(1 - random baseline)) and in each task's accuracy, positive = better; and in bits per byte of the right "
+             f"answers (each task's, and their mean), negative = better; a win is a delta on the better side of 0. Of "
+             f"the seeds paired above, a seed counts when both cells' downstream.json are of their final step and of "
+             f"one evaluation (task bundle, scoring code, precision, tasks and items).", "",
              "CORE per cell:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
              "|---" * (len(seeds) + 1) + "|"]
     for arm in arms:
@@ -731,21 +816,35 @@ def downstream_comparison_lines(reference, compared):
         lines += ["**Downstream seeds left out** (of this section only):", "", *left_out, ""]
     lines += ["| arm | n | wins | mean CORE delta | std | 95% CI | p (t-test) | p (sign) |",
               "|---|---|---|---|---|---|---|---|",
-              *(table_row(arm, *statistics_cells(c["core"])) for arm, c in compared.items()), ""]
+              *(table_row(arm, *statistics_cells(c["core"])) for arm, c in compared.items()), "",
+              *identical_lines({arm: c["core"] for arm, c in compared.items()})]
     for arm, c in compared.items():
         lines.append(f"Per-seed CORE deltas, {md(arm)}: "
                      + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(c["seeds"], c["core"]["deltas"])) or "none"))
     lines.append("")
+    if bits := {arm: c["bits_per_byte"] for arm, c in compared.items() if c["bits_per_byte"]["n"]}:
+        lines += ["| arm | n | wins | mean bits-per-byte delta | std | 95% CI | p (t-test) | p (sign) |",
+                  "|---|---|---|---|---|---|---|---|",
+                  *(table_row(arm, *statistics_cells(st)) for arm, st in bits.items()), "",
+                  *identical_lines({f"{arm}, bits per byte": st for arm, st in bits.items()})]
     if mixed := [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]]:
         lines += ["**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
-                  "task bundles or max_per_task, so its means mix them; read the seeds apart:", "", *mixed, ""]
+                  "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:", "",
+                  *mixed, ""]
     for arm, c in compared.items():
         if c["tasks"]:
             lines += [f"Task accuracy, {md(arm)} - {md(reference)}:", "",
                       "| task | type | items | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) |",
                       "|---|---|---|---|---|---|---|---|---|---|",
                       *(table_row(label, md(t["icl_task_type"]), ", ".join(map(str, t["items"])), *statistics_cells(t))
-                        for label, t in c["tasks"].items()), ""]
+                        for label, t in c["tasks"].items()), "",
+                      *identical_lines({f"{arm}, {label}": t for label, t in c["tasks"].items()})]
+        if bits := {label: t["bits_per_byte"] for label, t in c["tasks"].items() if "bits_per_byte" in t}:
+            lines += [f"Task bits per byte, {md(arm)} - {md(reference)} (lower is better):", "",
+                      "| task | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) |",
+                      "|---|---|---|---|---|---|---|---|",
+                      *(table_row(label, *statistics_cells(st)) for label, st in bits.items()), "",
+                      *identical_lines({f"{arm}, {label} bits per byte": st for label, st in bits.items()})]
     return lines
 
 
@@ -1020,7 +1119,7 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
         mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
         paired[arm] = dict(st, seeds=seeds_of, left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
                            mixed_versions=mixed[arm], delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
-                           power=power_analysis(st, effect))
+                           power=power_analysis(st, effect), text=text_comparison(results, reference, arm, seeds_of))
     return dict(others=others, left_out=left_out, paired_seeds=paired_seeds, paired=paired, curves=curves, mixed=mixed)
 
 
@@ -1045,16 +1144,56 @@ def comparison_lines(reference, comparison, earlier, effect):
                                "off scale" if math.isinf(percent) else fmt(percent, "+.2f") + "%"))
         lines.append(f"Per-seed deltas, {md(arm)}: "
                      + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(st["seeds"], st["deltas"])) or "none"))
-    lines += ["", *table, ""]
+    lines += ["", *table, "", *identical_lines({arm: paired[arm] for arm in others})]
     if any(math.isinf(paired[arm]["ppl_change"]) for arm in others):
         lines += ["ppl change off scale: exp(mean delta) - 1 is past a float (a mean delta above 709 nats: a diverging "
                   "arm).", ""]
-    lines += power_lines(others, paired, effect)
+    lines += power_lines(others, paired, effect) + text_lines(others, paired)
     if any(mixed.values()):
         lines += ["**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
                   "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
                   "the grid in a new out_dir:", "",
                   *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]), ""]
+    return lines
+
+
+def machine_of(result):
+    """The machine a cell recorded (cells.open_cell: machine.machine_record), or None for an older cell."""
+    machine = (result.get("config") or {}).get("machine")
+    return machine if isinstance(machine, dict) else None
+
+
+def machine_name(machine):
+    where = machine.get("gpu") or f"{machine.get('cpu')} ({machine.get('cpu_capability')} kernels)"
+    return f"{where}, torch {machine.get('torch')}"
+
+
+def machines(arms, seeds, results):
+    """The machines the cells ran on (each once) and, per seed whose cells ran on more than one, each cell's:
+    they pair (another machine rounds differently; it computes the same thing), but their deltas carry rounding."""
+    recorded = {(a, s): m for a in arms for s in seeds if (r := results.get((a, s))) and (m := machine_of(r))}
+    distinct = list({json.dumps(m, sort_keys=True): m for m in recorded.values()}.values())
+    several = {}
+    for s in seeds:
+        cells = {a: m for (a, seed), m in recorded.items() if seed == s}
+        if len({json.dumps(m, sort_keys=True) for m in cells.values()}) > 1:
+            several[s] = {a: distinct.index(m) for a, m in cells.items()}
+    return dict(machines=distinct, seeds_on_several=several)
+
+
+def machine_lines(summary):
+    distinct, several = summary["machines"], summary["seeds_on_several"]
+    if not distinct:
+        return []
+    if len(distinct) == 1:
+        return [f"Every cell that records its machine ran on: {md(machine_name(distinct[0]))}.", ""]
+    lines = ["Machines (a result's last digits hold on its machine only: other instruction sets round differently):",
+             "", *(f"- machine {i}: {md(machine_name(m))}" for i, m in enumerate(distinct)), ""]
+    if several:
+        lines += ["**Seeds trained on different machines** (paired all the same: a machine changes rounding, not "
+                  "what is computed):", "",
+                  *(f"- seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in cells.items())
+                    for s, cells in several.items()), ""]
     return lines
 
 
@@ -1113,6 +1252,8 @@ def main(argv):
         lines += ["## Learning-rate tuning", "", f"{TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
                   f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.", ""]
     lines += final_loss_lines(arms, seeds, results)
+    ran_on = machines(arms, seeds, results)
+    lines += machine_lines(ran_on)
     for i, ref in enumerate(references):
         lines += comparison_lines(ref, comparisons[ref], references[:i], args.effect)
     if diverged:
@@ -1143,7 +1284,7 @@ def main(argv):
         diverged=diverged, downstream=compared and dict(core=core, arms=compared[references[0]]),
         tuning=tuning_summary(tuning, tuning_why, tuning_notes, cost, results), learning_rates={
             arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
-            for arm in arms}, wall_time_s=wall, skipped=notes)), indent=1, allow_nan=False))
+            for arm in arms}, wall_time_s=wall, machines=ran_on, skipped=notes)), indent=1, allow_nan=False))
     print(summary)
 
 

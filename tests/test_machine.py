@@ -53,3 +53,42 @@ def test_the_cpu_thread_count_is_said_and_a_busy_machine_warned_of(monkeypatch, 
     monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 3.0, 2.0))
     machine.cpu_threads(ONE_PROCESS)
     assert "warning" not in capsys.readouterr().out
+
+
+def test_setup_on_a_cpu_turns_on_the_deterministic_kernels_in_fp32():
+    # a global flag: a cell's numbers repeat run to run only with it (issue #41: setup dropping it failed no test)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        runtime = machine.setup(dict(device="cpu", dtype="auto", fsdp=False))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert (runtime.device, runtime.dtype, runtime.world, runtime.rank) == ("cpu", "float32", 1, 0)
+        assert not torch.is_autocast_enabled("cpu") and isinstance(runtime.autocast, nullcontext)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse4_2 avx avx2 fma bmi2
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse4_2 avx avx2 fma bmi2
+"""
+
+
+def test_the_machine_record_names_the_cpu_its_rounding_flags_and_the_torch_build(monkeypatch):
+    import io
+    import records
+    monkeypatch.setattr(machine, "open", lambda path, *a: io.StringIO(CPUINFO), raising=False)
+    m = machine.machine_record(ONE_PROCESS)
+    assert m["cpu"] == "AMD EPYC 7B13" and m["cpu_flags"] == ["avx2", "fma"]  # avx, sse4_2, bmi2 round as the rest
+    assert m["torch"] == torch.__version__ and m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert m["gpu"] is None and m["cuda"] == torch.version.cuda
+
+    def no_cpuinfo(path, *a):  # not Linux
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(machine, "open", no_cpuinfo, raising=False)
+    assert machine.machine_record(ONE_PROCESS)["cpu"] and machine.machine_record(ONE_PROCESS)["cpu_flags"] == []
+    # provenance, not a setting: a cell resumed or rerun on another machine is no change
+    assert records.differences(dict(lr=1, machine=m), dict(lr=1, machine=dict(m, cpu="Intel"))) == {}

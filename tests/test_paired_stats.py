@@ -80,6 +80,14 @@ def test_seeds_needed_against_the_textbook_and_by_integration(effect, textbook):
     assert power_by_integration(effect, n) >= 0.8 > power_by_integration(effect, n - 1)
 
 
+@pytest.mark.parametrize("n", [2, 3, 5, 10, 30])
+def test_power_at_no_effect_is_the_level_and_either_sign_alike(n):
+    # a two-sided test rejects a true null at its level: both tails count (issue #41: one lost gave alpha / 2)
+    assert paired_stats.t_test_power(0.0, n) == pytest.approx(paired_stats.ALPHA, rel=1e-9)
+    for effect in (0.3, 1.0):
+        assert paired_stats.t_test_power(-effect, n) == pytest.approx(paired_stats.t_test_power(effect, n), rel=1e-9)
+
+
 def test_detectable_effect_by_monte_carlo():
     # 40000 simulated grids of 5 seeds whose true mean delta is the detectable effect: 80% reject at 0.05
     rng = np.random.default_rng(0)
@@ -112,3 +120,60 @@ def test_statistics_near_the_float_limit_are_finite_where_the_true_value_is():
     assert st["p_ttest"] == pytest.approx(scaled["p_ttest"]) and st["ci95"][0] == pytest.approx(scaled["ci95"][0] * 1e308)
     assert st["ci95"][1] == math.inf  # the true bound, 2.3e308, is no float: null in paired.json
     assert paired_stats.perplexity_change(st["mean"]) == math.inf
+
+
+def test_identical_deltas_have_no_p_and_no_interval():
+    # issue #46: two seeds with the same delta once gave p = 0 and a zero-width interval
+    for deltas in ([-0.02, -0.02], [0.0, 0.0, 0.0], [800.0] * 3):
+        st = paired_stats.paired_statistics(deltas)
+        assert st["identical"] and math.isnan(st["p_ttest"]) and all(math.isnan(c) for c in st["ci95"])
+        assert st["mean"] == deltas[0] and st["std"] == 0
+    assert paired_stats.paired_statistics([-0.02, -0.02])["p_sign"] == pytest.approx(0.5)  # the sign test still counts
+    assert not paired_stats.paired_statistics([-0.02, -0.0200001])["identical"]
+    assert not paired_stats.paired_statistics([-0.02])["identical"]  # one seed: no spread to speak of
+
+
+def exact_bootstrap(d):
+    """Every two-way bootstrap resample of d (seeds x sequences), equally likely: the n^n x m^m means."""
+    n, m = d.shape
+    return np.array([d[np.ix_(s, j)].mean() for s in itertools.product(range(n), repeat=n)
+                     for j in itertools.product(range(m), repeat=m)])
+
+
+def test_text_interval_against_the_enumerated_bootstrap():
+    d = np.array([[-0.05, 0.02, -0.01, -0.08], [0.01, -0.03, -0.02, 0.04], [-0.04, -0.06, 0.03, -0.01]])
+    exact = exact_bootstrap(d)  # 27 x 256 resamples
+    tu = paired_stats.text_uncertainty(d, resamples=20000)
+    assert tu["n"] == 3 and tu["sequences"] == 4 and tu["mean"] == pytest.approx(d.mean())
+    low, high = tu["ci95"]
+    assert 0.015 < np.mean(exact <= low) < 0.035 and 0.015 < np.mean(exact >= high) < 0.035  # the 2.5% tails
+    assert tu["bootstrap_sd"] == pytest.approx(exact.std(), rel=0.03)
+    assert paired_stats.text_uncertainty(d, resamples=20000) == tu  # a fixed generator: the same interval each run
+    # with one sequence's worth of text per seed (every sequence alike), only seeds vary: the seeds-only bootstrap
+    seeds_only = paired_stats.text_uncertainty(np.repeat(d[:, :1], 4, axis=1), resamples=20000)
+    assert seeds_only["bootstrap_sd"] == pytest.approx(exact_bootstrap(d[:, :1]).std(), rel=0.03)
+    assert seeds_only["share"] == dict(seeds=1.0, text=0.0, seed_x_text=0.0)
+
+
+def test_variance_shares_in_closed_form():
+    # additive deltas (seed effect + sequence effect, no interaction): the components are the effects' variances
+    seed, text = np.array([0.03, -0.01, 0.05]), np.array([0.2, -0.1, 0.0, 0.4, -0.3])
+    tu = paired_stats.text_uncertainty(seed[:, None] + text[None, :], resamples=100)
+    parts = dict(seeds=seed.var(ddof=1) / 3, text=text.var(ddof=1) / 5, seed_x_text=0.0)
+    assert tu["variance"] == pytest.approx(parts, abs=1e-15)
+    assert tu["share"]["text"] == pytest.approx(parts["text"] / (parts["seeds"] + parts["text"]))
+    assert paired_stats.text_uncertainty(np.zeros((2, 3)), resamples=10)["ci95"] == [0.0, 0.0]
+
+
+def test_variance_components_by_simulation():
+    # deltas drawn from the two-way random-effects model with known components: the estimated variance of the mean
+    # is unbiased for the mean's true variance across 2000 simulated grids, and the shares match
+    rng = np.random.default_rng(1)
+    n, m, sd = 4, 60, dict(seeds=0.02, text=0.1, seed_x_text=0.05)
+    grids = (rng.normal(0, sd["seeds"], (2000, n, 1)) + rng.normal(0, sd["text"], (2000, 1, m))
+             + rng.normal(0, sd["seed_x_text"], (2000, n, m)))
+    true = dict(seeds=sd["seeds"] ** 2 / n, text=sd["text"] ** 2 / m, seed_x_text=sd["seed_x_text"] ** 2 / (n * m))
+    assert grids.mean((1, 2)).var() == pytest.approx(sum(true.values()), rel=0.08)
+    estimated = [paired_stats.text_uncertainty(g, resamples=1)["variance"] for g in grids]
+    for k in true:
+        assert np.mean([e[k] for e in estimated]) == pytest.approx(true[k], rel=0.1)

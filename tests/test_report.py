@@ -562,7 +562,8 @@ def test_a_diverging_but_finite_arm_still_gets_its_report(tmp_path, no_matplotli
     paired, text = run(out)
     json.loads((out / "paired.json").read_text(), parse_constant=raise_on_constant)
     rd = paired["arms"]["rd"]
-    assert rd["mean"] == pytest.approx(800) and rd["ppl_change"] is None and rd["p_ttest"] == 0.0
+    # every seed 800 nats worse: identical deltas, so no t-test (not p = 0)
+    assert rd["mean"] == pytest.approx(800) and rd["ppl_change"] is None and rd["p_ttest"] is None and rd["identical"]
     assert "| rd | 3 | 0/3 | +800.0000 |" in text and "| off scale |" in text and "ppl change off scale" in text
 
 
@@ -606,16 +607,20 @@ def test_text_from_files_cannot_forge_lines_tables_or_links(tmp_path, no_matplot
 TASKS = {"hellaswag": ("multiple_choice", 0.25), "arc_easy": ("multiple_choice", 0.25), "lambada": ("language_modeling", 0.0)}
 
 
-def write_downstream(out, arm, seed, correct, bundle="b" * 64, max_per_task=100, step=20, items=100, scoring="d" * 64):
-    """downstream.json as downstream.py writes it into a cell: correct = {task: items answered right}."""
+def write_downstream(out, arm, seed, correct, bundle="b" * 64, max_per_task=100, step=20, items=100, scoring="d" * 64,
+                     dtype="float32", bits=None):
+    """downstream.json as downstream.py writes it into a cell: correct = {task: items answered right}, bits =
+    {task: bits per byte} (default: 1 + correct / 1000)."""
     tasks = {}
     for label, right in correct.items():
         kind, baseline = TASKS[label]
         accuracy = right / items
         tasks[label] = dict(icl_task_type=kind, items=items, correct=right, accuracy=accuracy, random_baseline=baseline,
-                            centered=(accuracy - baseline) / (1 - baseline))
-    record = dict(bundle_sha256=bundle, max_per_task=max_per_task, scoring_code=scoring, step=step,
-                  core=sum(t["centered"] for t in tasks.values()) / len(tasks), tasks=tasks)
+                            centered=(accuracy - baseline) / (1 - baseline),
+                            bits_per_byte=(bits or {}).get(label, 1 + right / 1000))
+    record = dict(bundle_sha256=bundle, max_per_task=max_per_task, scoring_code=scoring, dtype=dtype, step=step,
+                  core=sum(t["centered"] for t in tasks.values()) / len(tasks),
+                  bits_per_byte=sum(t["bits_per_byte"] for t in tasks.values()) / len(tasks), tasks=tasks)
     (out / arm / f"seed{seed}" / "downstream.json").write_text(json.dumps(record))
     return record
 
@@ -651,6 +656,12 @@ def test_downstream_deltas_tables_and_statistics(tmp_path, no_matplotlib):
     assert f"| hellaswag | multiple_choice | 100 | 4 | 3/4 | +0.0275 | {np.std([0.03, 0.03, 0, 0.05], ddof=1):.4f} |" in text
     assert "| lambada | language_modeling | 100 | 4 | 2/4 | +0.0100 |" in text
     assert paired["arms"]["rd"]["deltas"] == pytest.approx([-0.03, -0.02, -0.04, -0.04])  # the loss untouched
+    # bits per byte (written as 1 + correct / 1000 a task): the mean over tasks, lower is better
+    bits = rd["bits_per_byte"]
+    assert bits["deltas"] == pytest.approx([0.0025, 0.0015, 0.002, 0.0015]) and bits["wins"] == 0
+    assert rd["tasks"]["hellaswag"]["bits_per_byte"]["deltas"] == pytest.approx([0.003, 0.003, 0.0, 0.005])
+    assert "| rd | 4 | 0/4 | +0.0019 |" in text and "Task bits per byte, rd - parent (lower is better):" in text
+    assert f"| hellaswag | 4 | 0/4 | {rd['tasks']['hellaswag']['bits_per_byte']['mean']:+.4f} | 0.0021 |" in text
 
 
 def test_downstream_scored_by_other_code_never_pairs(tmp_path, no_matplotlib):
@@ -664,6 +675,21 @@ def test_downstream_scored_by_other_code_never_pairs(tmp_path, no_matplotlib):
     assert rd["seeds"] == [0, 2]
     assert [d["reason"] for d in rd["left_out"]] == [
         "parent and rd differ in scoring_code (dddddddddddddddd... vs eeeeeeeeeeeeeeee...)"]
+
+
+def test_downstream_pairs_the_items_scored_and_the_precision(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {(arm, s): 3.0 - 0.01 * (arm == "rd") for arm in ("parent", "rd") for s in range(3)})
+    for arm in ("parent", "rd"):
+        for seed in range(3):
+            write_downstream(out, arm, seed, dict(hellaswag=30 + seed + 2 * (arm == "rd"), lambada=20), max_per_task=500)
+    # every item of tasks of 100 (downstream.py) against the first 500 (in training): the same items, paired
+    write_downstream(out, "rd", 1, dict(hellaswag=33, lambada=20), max_per_task=None)
+    write_downstream(out, "rd", 2, dict(hellaswag=34, lambada=20), dtype="bfloat16")  # another precision: never
+    paired, text = run(out)
+    rd = paired["downstream"]["arms"]["rd"]
+    assert rd["seeds"] == [0, 1] and rd["mixed_evaluations"] == []
+    assert [d["reason"] for d in rd["left_out"]] == ["parent and rd differ in dtype (float32 vs bfloat16)"]
+    assert "- rd, seed 2: parent and rd differ in dtype (float32 vs bfloat16)" in text
 
 
 def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matplotlib):
@@ -684,7 +710,7 @@ def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matp
     assert rd["seeds"] == [] and rd["core"]["n"] == 0 and rd["tasks"] == {}
     reasons = {d["seed"]: d["reason"] for d in rd["left_out"]}
     assert reasons == {0: "parent and rd differ in bundle_sha256 (bbbbbbbbbbbbbbbb... vs cccccccccccccccc...)",
-                       1: "parent and rd differ in max_per_task (100 vs 50)",
+                       1: "parent and rd differ in tasks.hellaswag.items (100 vs 50)",
                        2: "parent/seed2 has no downstream.json",
                        3: "rd/seed3 downstream.json is of step 10, its result.json of step 20",
                        4: "rd/seed4 unreadable downstream.json",
@@ -700,8 +726,8 @@ def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matp
     paired, text = run(out)  # now seeds 0 and 1 pair, each within one evaluation, but the two differ
     rd = paired["downstream"]["arms"]["rd"]
     assert rd["seeds"] == [0, 1] and rd["core"]["deltas"] == pytest.approx([(2 / 75) / 2, 0.0])
-    assert rd["mixed_evaluations"] == ["seed 0: bundle bbbbbbbbbbbb, max_per_task 100; "
-                                       "seed 1: bundle bbbbbbbbbbbb, max_per_task 50"]
+    assert rd["mixed_evaluations"] == ["seed 0: bundle bbbbbbbbbbbb, 200 items, scoring code dddddddddddd, float32; "
+                                       "seed 1: bundle bbbbbbbbbbbb, 100 items, scoring code dddddddddddd, float32"]
     assert "**Mixed evaluations**" in text and "| hellaswag | multiple_choice | 50, 100 | 2 |" in text
 
 
@@ -719,6 +745,9 @@ def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matp
     (lambda d: d["tasks"]["hellaswag"].update(centered=0.3),
      "tasks.hellaswag.centered is 0.3, not (accuracy - random_baseline) / (1 - random_baseline)"),
     (lambda d: d.update(core=0.5), "core is 0.5, not the mean of its tasks' centered accuracies"),
+    (lambda d: d["tasks"]["lambada"].update(bits_per_byte=-1.0), "tasks.lambada.bits_per_byte is -1.0, not a finite number >= 0"),
+    (lambda d: d.update(bits_per_byte=0.5), "bits_per_byte is 0.5, not the mean of every task's bits_per_byte"),
+    (lambda d: d["tasks"]["lambada"].pop("bits_per_byte"), "bits_per_byte is 1.025, not the mean of every task's bits_per_byte"),
     (lambda d: d.clear() or d.update(tasks=5), "no bundle_sha256")])
 def test_a_malformed_downstream_json_is_a_named_problem(tmp_path, no_matplotlib, change, problem):
     out = make_grid(tmp_path, {(arm, s): 3.0 for arm in ("parent", "rd") for s in range(2)})
@@ -898,7 +927,6 @@ def test_a_malformed_or_edited_choice_json_is_a_named_problem(tmp_path, no_matpl
     assert paired["arms"]["rd"]["n"] == 4 and "| rd | 2.9700 | 3.0800 | 3.0100 | 3.1600 | 0.001 |" in text
 
 
-def test_the_report_says_the_model_every_cell_shares_dense_or_moe(tmp_path, no_matplotlib):
 def test_a_choice_json_is_checked_against_its_tuning_cells(tmp_path, no_matplotlib):
     out = tuned_grid(tmp_path)
     result = out / "tune" / "rd-lr0.001" / "seed1002" / "result.json"
@@ -914,6 +942,7 @@ def test_a_choice_json_is_checked_against_its_tuning_cells(tmp_path, no_matplotl
                                                 "give 3.1 (an edited or copied choice.json)")
 
 
+def test_the_report_says_the_model_every_cell_shares_dense_or_moe(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     paired, text = run(out)
     assert "Model shared by every cell: n_layer 2; dense MLP." in text and paired["model"] == dict(n_layer=2, differing=[])
@@ -999,3 +1028,73 @@ def test_the_delta_curves_of_every_reference_are_one_figure(tmp_path):
     assert "Paired delta NLL(arm) - NLL(reference), a row per reference (standard, scaled_residual)" in text
     assert (out / "delta_curve.png").stat().st_size > 0
     assert paired["by_reference"]["scaled_residual"]["arms"]["gated"]["delta_curve"]["mean"] == pytest.approx([0, 0, -0.02])
+
+
+# --- seeds and validation text; machines ------------------------------------------------------------
+
+def with_sequences(out, arms, seeds, sequences, rng):
+    """Per-sequence losses in each cell's result.json around its val_loss (their mean, as train.py records);
+    returns {(arm, seed): losses}."""
+    recorded = {}
+    for arm in arms:
+        for seed in seeds:
+            def add(r):
+                wiggle = rng.normal(0, 0.3, sequences)
+                r["val_sequence_losses"] = (r["val_loss"] + wiggle - wiggle.mean()).tolist()
+                recorded[arm, seed] = r["val_sequence_losses"]
+            edit(out, arm, seed, add)
+    return recorded
+
+
+def test_the_text_interval_and_shares_are_paired_stats_on_the_sequence_deltas(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    losses = with_sequences(out, ("parent", "rd"), range(4), 50, np.random.default_rng(0))
+    paired, text = run(out)
+    deltas = np.array([np.subtract(losses["rd", s], losses["parent", s]) for s in range(4)])
+    expected = paired_stats.text_uncertainty(deltas)
+    got = paired["arms"]["rd"]["text"]
+    assert got["ci95"] == pytest.approx(expected["ci95"]) and got["share"] == pytest.approx(expected["share"])
+    assert got["n"] == 4 and got["sequences"] == 50 and got["mean"] == pytest.approx(paired["arms"]["rd"]["mean"])
+    assert got["ci95"][1] - got["ci95"][0] > paired["arms"]["rd"]["ci95"][1] - paired["arms"]["rd"]["ci95"][0]
+    row = next(line for line in text.splitlines() if line.startswith("| rd | 4 | 50 |"))
+    assert f"[{got['ci95'][0]:+.4f}, {got['ci95'][1]:+.4f}]" in row
+    assert "only 50 sequences (fewer than 100)" in text
+
+
+def test_the_text_interval_is_never_computed_on_part_of_the_seeds(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    with_sequences(out, ("parent", "rd"), range(4), 120, np.random.default_rng(0))
+    edit(out, "parent", 2, lambda r: r.pop("val_sequence_losses"))  # a cell of an earlier version
+    edit(out, "rd", 3, lambda r: r.update(val_sequence_losses=[x + 0.01 for x in r["val_sequence_losses"]]))
+    paired, text = run(out)
+    why = paired["arms"]["rd"]["text"]["unavailable"]
+    assert why == ("parent/seed2: no per-sequence validation losses (a cell of an earlier version); rd/seed3: "
+                   "val_sequence_losses do not average to its val_loss (an edited result?)")
+    assert "| rd | 4 | - | -0.0325 | " in text and "unavailable" in text and "fewer than 100" not in text
+
+
+def test_identical_deltas_are_said_not_given_p_0(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {(arm, s): 3.0 + s - 0.5 * (arm == "rd") for arm in ("parent", "rd") for s in range(2)})
+    paired, text = run(out)
+    rd = paired["arms"]["rd"]
+    assert rd["identical"] and rd["p_ttest"] is None and rd["ci95"] == [None, None]
+    assert "| rd | 2 | 2/2 | -0.5000 | 0.0000 | undefined | undefined | 0.5 |" in text
+    assert "every seed has the same delta (-0.5000): the t-test's p and interval are undefined" in text
+
+
+def test_seeds_trained_on_different_machines_are_named_and_still_pair(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    machine = dict(cpu="Intel(R) Xeon(R) Processor", cpu_flags=["avx2", "fma"], cpu_capability="AVX512", gpu=None,
+                   torch="2.13.0+cpu", torch_git="x", cuda=None)
+    for arm in ("parent", "rd"):
+        for seed in range(4):
+            edit(out, arm, seed, lambda r: r.update(config=dict(machine=machine)))
+    paired, text = run(out)
+    assert paired["machines"] == dict(machines=[machine], seeds_on_several={})
+    assert "Every cell that records its machine ran on: Intel(R) Xeon(R) Processor (AVX512 kernels)" in text
+    epyc = dict(machine, cpu="AMD EPYC 7B13", cpu_capability="AVX2")
+    edit(out, "rd", 1, lambda r: r.update(config=dict(machine=epyc)))
+    paired, text = run(out)
+    assert paired["arms"]["rd"]["n"] == 4  # it pairs: rounding, not a change
+    assert paired["machines"] == dict(machines=[machine, epyc], seeds_on_several={"1": {"parent": 0, "rd": 1}})
+    assert "- seed 1: parent on machine 0, rd on machine 1" in text and "- machine 1: AMD EPYC 7B13 (AVX2 kernels)" in text

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import cells
+import checkpoint
 import machine
 import progress
 import records
@@ -158,6 +159,12 @@ def test_evaluation_is_independent_of_eval_batch_size(shards):
         logits, _ = model(seqs[:, :-1], seqs[:, 1:])
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten()).item()
     assert abs(losses[0] - expected) < 1e-6
+    # each sequence's loss on its own, in order; val_loss is their mean
+    per_sequence = train.sequence_losses(model, val, SimpleNamespace(**cell, eval_batch_size=7), ONE_PROCESS)
+    with torch.no_grad():
+        one_by_one = [model(seqs[j:j + 1, :-1], seqs[j:j + 1, 1:])[1].item() for j in range(62)]
+    assert per_sequence.dtype == np.float64 and per_sequence == pytest.approx(one_by_one, abs=1e-6)
+    assert per_sequence.mean() == pytest.approx(losses[1], abs=1e-12)
     # two ranks' halves, summed as the all-reduce does, are the same set
     half = SimpleNamespace(**cell | dict(eval_tokens=500, eval_batch_size=7))
     assert abs(train.evaluate(model, val, half, ONE_PROCESS) - losses[0]) > 1e-6
@@ -191,12 +198,41 @@ def test_every_cell_writes_its_files_and_result(grid, arm, seed):
     r = result(grid, arm, seed)
     assert r["tokens"] == 8 * 4 * 16 and r["steps"] == 8 and np.isfinite(r["val_loss"])
     assert r["status"] == "finished" and r["diverged_at"] is None and r["reason"] is None and r["wall_time_s"] > 0
+    # the final evaluation per validation sequence (62 whole sequences of 16 + 1 in the first 1000 tokens)
+    assert len(r["val_sequence_losses"]) == 62 and np.mean(r["val_sequence_losses"]) == pytest.approx(r["val_loss"], abs=1e-12)
+    assert r["config"]["machine"]["cpu"] and r["config"]["machine"]["torch"] == torch.__version__
+
+
+def test_the_grids_config_json_is_what_build_config_assembles(grid, shards):
+    """One function builds the run's config: the grid's config.json is build_config's output (keys, their order
+    and values) plus the grid's own record; the given settings are not changed; docs/protocol.md names each key
+    it adds or replaces."""
+    given = configure(train.DEFAULTS, tiny(shards, grid, "--seeds=0,1"), entries=dict(arms=train.SCHEME_ARMS))
+    before = json.dumps(given)
+    runtime = machine.setup(given)
+    data = train.find_data(given, runtime)
+    cfg = train.build_config(given, runtime, data, checkpoint.load_init_from(""))
+    assert json.dumps(given) == before
+    recorded = json.load(open(os.path.join(grid, "config.json")))
+    assert list(recorded) == list(cfg) + ["code", "changes"] and {k: recorded[k] for k in cfg} == cfg
+    added = [k for k in cfg if k not in given]
+    assert added == ["tokenizer", "torch_version", "world_size", "cpu_threads", "init_from_sha256", "train_data_sha256"]
+    assert cfg["data_dir"] == os.path.abspath(shards) and cfg["tokenizer"] == "gpt2" and cfg["init_from_sha256"] is None
+    assert (cfg["device"], cfg["compile"], cfg["world_size"]) == ("cpu", False, 1) and given["device"] == "cpu"
+    # the data sets the vocabulary unless given; each arm's settings typed as --key=value types them
+    unset = train.build_config(dict(given, vocab_size=None, arms={"a": {"dropout": 0}}), runtime, data,
+                               checkpoint.load_init_from(""))
+    assert unset["vocab_size"] == 50304 and type(unset["arms"]["a"]["dropout"]) is float
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        protocol = f.read()
+    assert all(f"`{key}`" in protocol for key in added + ["data_dir", "vocab_size", "arms", "device", "dtype", "compile"])
 
 
 @pytest.mark.parametrize("arm, seed", CELLS)
 def test_every_cell_records_its_settings_and_code(grid, arm, seed):
     code = records.code_record()
-    assert len(code["fingerprint"]) == 64 and set(code) == {"fingerprint", "files", "git_commit", "git_dirty"}
+    assert len(code["fingerprint"]) == 64 and set(code) == {"fingerprint", "definitions", "schemes", "git_commit",
+                                                            "git_dirty"}
     config = json.load(open(os.path.join(grid, arm, f"seed{seed}", "config.json")))
     r = result(grid, arm, seed)
     assert config["residual"] == arm and config["model"]["residual"] == arm and config["code"] == code
@@ -225,10 +261,14 @@ def test_the_arms_of_a_seed_pair(grid, seed):
     # within a seed: the same shared init, batches and settings
     a, b = result(grid, "attnres", seed)["pairing"], result(grid, "rd_attnres", seed)["pairing"]
     assert (a.pop("arm_settings"), b.pop("arm_settings")) == ({"residual": "attnres"}, {"residual": "rd_attnres"})
+    code = records.code_record()  # the arms share the code but their schemes', which is each arm's own
+    assert (a.pop("scheme_code"), b.pop("scheme_code")) == tuple(records.code_fingerprints(code, s)[1]
+                                                                 for s in ("attnres", "rd_attnres"))
     # a scheme's own options (rd_control) are recorded by its arms only: report.py pairs on the rest
     assert b["settings"].pop("rd_control") == "none" and "rd_control" not in a["settings"]
     assert a == b and set(a) == {"init_hash", "data_hash", "eval_tokens", "val_hash", "code", "init_from", "settings"}
-    assert a["eval_tokens"] == 62 * 16 and a["code"] == records.code_record()["fingerprint"] and a["init_from"] is None
+    assert a["eval_tokens"] == 62 * 16 and a["code"] == records.code_fingerprints(code, "attnres")[0]
+    assert a["init_from"] is None
     assert a["settings"]["learning_rate"] == 1e-2 and "residual" not in a["settings"]
     assert not {"arm", "seed", "seeds", "arms", "out_dir", "log_interval", "eval_batch_size"} & set(a["settings"])
 
@@ -268,16 +308,26 @@ def test_a_changed_rerun_is_refused_naming_what_changed(grid, shards):
     assert open(os.path.join(grid, "config.json")).read() == before  # nothing is written
 
 
-def other_code(code):
-    return dict(code, fingerprint="0" * 64, files=dict(code["files"], **{"model.py": "0" * 64}))
+def other_code(code, definition="GPT"):
+    return dict(code, fingerprint="0" * 64, definitions=dict(code["definitions"], **{definition: "0" * 16}))
 
 
-def test_a_code_change_is_refused_naming_the_file(grid, shards, monkeypatch):
+def test_a_code_change_is_refused_naming_the_definition(grid, shards, monkeypatch):
     code = records.code_record()
     monkeypatch.setattr(records, "code_record", lambda: other_code(code))
-    with pytest.raises(ConfigError, match=r"made with other settings: code changed \(model.py\); .*a new --out_dir"):
+    with pytest.raises(ConfigError, match=r"made with other settings: code changed \(GPT\); .*a new --out_dir"):
         train.main(tiny(shards, grid))
     assert json.load(open(os.path.join(grid, "config.json")))["code"] == code
+
+
+def test_a_change_to_a_scheme_no_arm_trains_locks_nothing(grid, shards, monkeypatch, capsys):
+    code = records.code_record()
+    monkeypatch.setattr(records, "code_record", lambda: other_code(code, "HyperConnections"))
+    train.main(tiny(shards, grid))  # every cell done: nothing trains, nothing is refused
+    assert "recorded with other settings" not in capsys.readouterr().out
+    monkeypatch.setattr(records, "code_record", lambda: other_code(code, "AttnRes"))  # rd_attnres derives from it
+    with pytest.raises(ConfigError, match=r"code changed \(AttnRes\)"):
+        train.main(tiny(shards, grid, "--arms=rd_attnres"))
 
 
 def test_a_grid_extended_under_new_code_records_it(grid, shards, tmp_path, monkeypatch, capsys):
@@ -288,8 +338,8 @@ def test_a_grid_extended_under_new_code_records_it(grid, shards, tmp_path, monke
     monkeypatch.setattr(records, "code_record", lambda: other_code(code))
     train.main(tiny(shards, out, "--seeds=0,2", "--allow_changes=True"))
     assert "(recorded with other settings: code; not retrained)" in capsys.readouterr().out
-    assert result(out, "attnres", 0)["pairing"]["code"] == code["fingerprint"]
-    assert result(out, "attnres", 2)["pairing"]["code"] == "0" * 64
+    assert result(out, "attnres", 0)["pairing"]["code"] == records.code_fingerprints(code, "attnres")[0]
+    assert result(out, "attnres", 2)["pairing"]["code"] == records.code_fingerprints(other_code(code), "attnres")[0]
     recorded = json.load(open(os.path.join(out, "config.json")))
     assert recorded["seeds"] == [0, 1, 2] and recorded["code"]["fingerprint"] == "0" * 64
     assert recorded["changes"] == [{"code": [code["fingerprint"], "0" * 64]}]
@@ -600,11 +650,11 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
 # --- what users see: the evaluated tokens, the timings, the keys that change a result ---------------
 
 class TargetMean(torch.nn.Module):
-    """A stand-in model whose 'loss' is the sum of its (non-ignored) target ids: evaluate() then
-    returns the mean id of the tokens it evaluated, which a direct count can check."""
+    """A stand-in model whose per-token 'loss' is its target id (0 where ignored): evaluate() then returns
+    the mean id of the tokens it evaluated, and sequence_losses each sequence's, which a direct count can check."""
 
-    def forward(self, x, y, reduction="sum"):
-        return None, (y * (y != -1)).sum().float()
+    def forward(self, x, y, reduction="none"):
+        return None, (y * (y != -1)).float()
 
 
 @pytest.mark.parametrize("eval_tokens", [1024, 1000, 17, 33, 32])
@@ -617,6 +667,8 @@ def test_evaluation_covers_every_whole_sequence_in_eval_tokens(eval_tokens):
         cell = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=batch)
         mean = train.evaluate(TargetMean(), val, cell, ONE_PROCESS)
         assert mean == pytest.approx(np.mean(val[targets].astype(np.float64)), rel=1e-12)
+        per_sequence = [np.mean(val[j * T + 1:j * T + T + 1].astype(np.float64)) for j in range((eval_tokens - 1) // T)]
+        assert train.sequence_losses(TargetMean(), val, cell, ONE_PROCESS).tolist() == pytest.approx(per_sequence, rel=1e-12)
     assert len(targets) == (eval_tokens - 1) // T * T  # what result.json records as eval_tokens
 
 
@@ -630,7 +682,7 @@ def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypa
     fake = type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0]), "time": staticmethod(wall)})
     monkeypatch.setattr(train, "time", fake)
     monkeypatch.setattr(progress, "time", fake)
-    real_step, real_eval, real_setup = train.backward_step, train.evaluate, train.setup
+    real_step, real_eval, real_setup = train.backward_step, train.sequence_losses, train.setup
 
     def step(*args):
         clock[0] += tick["step"]
@@ -641,7 +693,7 @@ def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypa
         clock[0] += tick["evaluation"]
         return real_eval(*args)
     monkeypatch.setattr(train, "backward_step", step)
-    monkeypatch.setattr(train, "evaluate", evaluation)
+    monkeypatch.setattr(train, "sequence_losses", evaluation)
     # as on a GPU of a 1 TFLOP/s peak, so that MFU is reported
     monkeypatch.setattr(train, "setup", lambda cfg: dataclasses.replace(real_setup(cfg), peak_flops=1e12))
     args = ["--max_iters=8", "--eval_interval=4", "--log_interval=2", "--arms=attnres"]
