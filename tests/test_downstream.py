@@ -200,6 +200,23 @@ def test_prompts_are_assembled_exactly():
     assert downstream.prompts(task_of("language_modeling", lm, 1, ": "), 0) == ["C1: T1\n\nC0:", "C1: T1\n\nC0: T0"]
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
+def test_a_language_modelling_item_scores_exactly_its_continuation(tokenizer):
+    # the scored span decodes to the continuation (with the delimiter's space), and what comes before it to the
+    # context alone: its first token scored (issue #41: skipping it raised LM accuracy and CORE, and no test saw it)
+    tok = get_tokenizer(tokenizer)
+    items = [dict(context=" The capital of France is\n", continuation="Paris, on the Seine"),
+             dict(context="2 + 2 =", continuation=" 4 (four)"), dict(context="Grass is", continuation="green and lush")]
+    for delimiter in (" ", "\nAnswer: "):
+        task = task_of("language_modeling", items, 1, delimiter)
+        (encoded,) = downstream.encode_tasks([task], tok, 1024)
+        for index, item in enumerate(items):
+            ((tokens, start, end),) = encoded.sequences[index]
+            context_alone, whole = downstream.prompts(task, index)
+            assert tok.decode(tokens[1:start]) == context_alone and end == len(tokens)
+            assert tok.decode(tokens[start:end]).strip() == item["continuation"].strip()
+
+
 def test_fewshot_never_includes_the_item_and_repeats_with_its_seed():
     items = [dict(query=f"Q{i}", choices=["a", "b"], gold=0) for i in range(8)]
     task = task_of("multiple_choice", items, 7)
@@ -592,6 +609,18 @@ def test_the_downstream_evaluation_changes_no_training_and_the_report_pairs_it(c
         assert without_timings(on) == without_timings(log_records(tmp_path / "off", arm))
         assert result(out, arm)["pairing"] == result(tmp_path / "off", arm)["pairing"]
         assert not os.path.exists(tmp_path / "off" / arm / "seed0" / "downstream.json")
+    report = (out / "report.md").read_text()
+    assert "CORE per cell" in report and "unreadable downstream.json" not in report
+
+
+def test_downstream_max_per_task_0_scores_every_item_and_the_report_takes_it(byte_shards, tmp_path):
+    # the edge value of the setting (issue #41: 0 once reached downstream.json as 0, which the report refused)
+    bundle = write_bundle(tmp_path / "bundle", mixed_tasks())  # 7 items a task
+    out = tmp_path / "o"
+    train.main(with_core(byte_shards, out, bundle, "--downstream_max_per_task=0", "--max_iters=2", "--eval_interval=2",
+                         "--arms=attnres"))
+    got = read(out / "attnres" / "seed0" / "downstream.json")
+    assert got["max_per_task"] is None and [t["items"] for t in got["tasks"].values()] == [7, 7, 7]
     report = (out / "report.md").read_text()
     assert "CORE per cell" in report and "unreadable downstream.json" not in report
 

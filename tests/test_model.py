@@ -680,6 +680,18 @@ def test_dar_mixing_is_exactly_doubly_stochastic():
     assert torch.allclose(q1, p0, atol=1e-6)  # rows sum to 1
 
 
+@pytest.mark.parametrize("variant", ["dar", "dar_copy", "dar_self"])
+def test_dar_partials_start_mostly_kept_at_sigmoid_3(variant):
+    # inside a block, at init: each stream keeps sigmoid(3) of its own partial and takes the rest from the other's
+    # (docs/variants.md; issue #41: an even 1/2 mix is still standard at init, so nothing else sees it)
+    model = make(variant)
+    ones, zero = torch.ones(2, 3, 32), torch.zeros(2, 3, 32)
+    for k in (1, 2):  # the sublayers whose write mixes (not the block's last)
+        (_, q0, _), (_, q1, _) = model.residual.write((History([zero], ones, {}), History([zero], zero, {})), k, zero)
+        assert torch.allclose(q0, torch.full_like(q0, 1 / (1 + math.exp(-3))), rtol=0, atol=1e-6)
+        assert torch.allclose(q1, torch.full_like(q1, 1 / (1 + math.exp(3))), rtol=0, atol=1e-6)
+
+
 def test_mhc_mixing_is_doubly_stochastic():
     model = make("mhc")
     for m in model.routing_diagnostics(tokens())["stream_mixing"].values():  # at init

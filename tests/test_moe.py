@@ -8,6 +8,7 @@ import json
 import math
 import os
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import train
 from configurator import configure
 from conftest import killed_at_step, log_records, logged, result, torchrun, without_timings
 from data.shards import BUNDLED
-from model import GPT, MLP, RESIDUALS, GPTConfig, MoE, expert_hidden
+from model import GPT, GROUPED_MM, MLP, RESIDUALS, GPTConfig, MoE, expert_hidden
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -134,6 +135,42 @@ def test_grouped_path_equals_the_loop_path():
     for g, e in zip(torch.autograd.grad((grouped * upstream).sum(), weights),
                     torch.autograd.grad((loop * upstream).sum(), weights)):
         assert ((g - e).norm() / e.norm()).item() < 2e-2
+
+
+def test_the_grouped_path_is_taken_on_cuda_under_bf16_only():
+    # the path-decision table (issue #41: the grouped path on a CPU under bf16 autocast failed no test). The CPU
+    # rows on real tensors; the CUDA rows on a stand-in, with autocast as CUDA would report it
+    layer, narrow = moe_layer(dtype=torch.float32), moe_layer(dtype=torch.float32, moe_expert_hidden=36)
+    x = inputs(dtype=torch.float32)
+    assert not layer.grouped(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not layer.grouped(x)
+        assert layer(x[None]).shape == (1, 24, 32)  # and the forward runs the loop path under it
+
+    def on_cuda(autocast_dtype, width=32, module=layer):
+        stand_in = SimpleNamespace(is_cuda=True, device=torch.device("cuda"), size=lambda dim: width)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch, "is_autocast_enabled", lambda kind: kind == "cuda" and autocast_dtype is not None)
+            m.setattr(torch, "get_autocast_dtype", lambda kind: autocast_dtype)
+            return module.grouped(stand_in)
+    assert on_cuda(torch.bfloat16) == (GROUPED_MM is not None)
+    assert not on_cuda(None) and not on_cuda(torch.float16)
+    assert not on_cuda(torch.bfloat16, width=36) and not on_cuda(torch.bfloat16, module=narrow)  # strides of 16 bytes
+
+
+@pytest.mark.parametrize("top_k, shared", [(4, 0), (2, 2), (2, 6)])
+def test_shared_experts_at_the_automatic_width_cost_what_the_dense_mlp_does(top_k, shared):
+    # 4d / (k + shared) a multiple of 64: the k routed and the shared experts a token reaches are the dense MLP's
+    # parameters, each shared expert one expert's width (issue #41: 2 shared experts built as one failed no test)
+    d, L, E = 128, 2, 8
+    h = 4 * d // (top_k + shared)
+    config = dict(TINY, n_embd=d, n_layer=L)
+    moe = GPT(GPTConfig(**config, n_experts=E, moe_top_k=top_k, moe_shared_experts=shared))
+    dense = GPT(GPTConfig(**config))
+    routers = L * E * d
+    assert moe.num_params(active=True) == dense.num_params() + routers
+    assert moe.num_params() == dense.num_params() + routers + L * (E - top_k) * 2 * d * h
+    assert moe.flops_per_token(16) == dense.flops_per_token(16) + 6 * routers
 
 
 # --- balancing ------------------------------------------------------------------------------
