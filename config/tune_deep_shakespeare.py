@@ -2,10 +2,12 @@
 # non-embedding parameters, as 4 x 128), where Block AttnRes (S=4) reads 8 blocks instead of 2 - the papers' claim
 # is that depth routing matters more as depth grows. Otherwise as config/tune_shakespeare.py: 250 steps of 1,024
 # byte tokens on the bundled Shakespeare corpus, each arm's rate chosen from 1e-3 to 3e-2 (a factor of about 3
-# apart; a narrower model may want a higher rate) on tuning seeds 1000 and 1001 at 125 steps, then paired over
-# seeds 0-4. Cost: 5 arms x (4 rates x 2 seeds x 125 steps + 5 seeds x 250 steps) = 11,250 steps of 16 layers:
-# 65 cells, 103 cell-minutes on the busy 2-core CPU (2026-12-01, one thread per process; a 250-step cell 70-190 s).
-# Measured there (docs/comparisons.md): Block AttnRes ahead of standard on 5/5 seeds by 0.069 nats and of
+# apart; a narrower model may want a higher rate) on tuning seeds 1000-1002 at 125 steps, then paired over seeds
+# 0-4. Cost: 5 arms x (4 rates x 3 seeds x 125 steps + 5 seeds x 250 steps) = 13,750 steps of 16 layers: 85 cells,
+# about 125 cell-minutes on the busy 2-core CPU (estimated from the 103 measured for the 11,250 steps of 2 tuning
+# seeds: 2026-12-01, one thread per process; a 250-step cell 70-190 s).
+# Measured there under the earlier protocol (2 tuning seeds, the lowest mean chosen on the reported validation
+# text; docs/comparisons.md): Block AttnRes ahead of standard on 5/5 seeds by 0.069 nats and of
 # scaled_residual on 4/5 by 0.030; RD-AttnRes and DAR chose 1e-2, where one seed of five stalls.
 # $ python train.py config/tune_deep_shakespeare.py      # then out/tune_deep_shakespeare/report.md
 import os
