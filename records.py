@@ -24,7 +24,7 @@ import torch
 from common import ConfigError, cannot_write, read_json, temporary_name, write_json
 from configurator import coerce
 from data.shards import TOKENIZERS
-from model import RESIDUALS, GPTConfig, option_owners
+from model import GPT, RESIDUALS, GPTConfig, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
@@ -147,8 +147,17 @@ def check_config(cfg, world, command_line=()):
         if cfg["eval_tokens"] < config.block_size + 1:
             raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is less than one sequence of block_size+1 = "
                               f"{config.block_size + 1} tokens" + (f" (arm {arm!r})" if "block_size" in settings else ""))
+        unused = unused_settings(cfg, config)
+        for key in settings:  # what the arm sets itself; its value from the run is recorded for every arm alike
+            if key in unused and settings[key] != cfg[key]:
+                raise ConfigError(f"arm {arm!r}: {key}={settings[key]!r} changes nothing: {unused[key]}; drop it "
+                                  f"from the arm")
     cfg["arms"] = arms
     for key in command_line:
+        unused = [unused_settings(cfg, model_config(cfg, s)).get(key) for s in arms.values()]
+        if all(unused):
+            every = f" (nor does any arm's: {', '.join(arms)})" if key in MODEL_KEYS and len(arms) > 1 else ""
+            raise ConfigError(f"--{key}={cfg[key]!r} changes nothing: {unused[0]}{every}; drop --{key}")
         if key not in MODEL_KEYS + ARM_LEARNING_RATES:
             continue
         overriding = [arm for arm, settings in arms.items() if key in settings and settings[key] != cfg[key]]
@@ -187,6 +196,55 @@ def check_config(cfg, world, command_line=()):
     if len(set(references)) < len(references):
         raise ConfigError(f"reference_arm={cfg['reference_arm']!r} names an arm twice; name each reference once")
     check_downstream(cfg, [model_config(cfg, s).vocab_size for s in arms.values()])
+
+
+def unused_settings(cfg, config):
+    """{key: where it applies} for the settings that change nothing in a cell of cfg whose model is config.
+    Set where they do nothing, they would only be recorded (and a rerun without them refused as a change),
+    so they are refused where given, as a scheme's own options and the MoE options are (model.py)."""
+    unused = {}
+    if cfg["optimizer"] != "muon":
+        unused["muon_learning_rate"] = f"it applies under optimizer='muon' (this run's is {cfg['optimizer']!r})"
+    if cfg["lr_schedule"] != "wsd":
+        unused["cooldown_frac"] = f"it applies under lr_schedule='wsd' (this run's is {cfg['lr_schedule']!r})"
+    if not cfg["tune_learning_rates"]:
+        unused |= dict.fromkeys(("tune_seeds", "tune_iters"), "it applies to the tuned protocol, and "
+                                                              "tune_learning_rates is empty")
+    if not RESIDUALS[config.residual].extra_params(config):
+        unused["routing_lr_scale"] = f"residual={config.residual!r} has no routing parameters for it to scale"
+    return unused
+
+
+def notes(cfg, models):
+    """What a run says before it trains, of settings that run but not as one may expect: arms that can
+    never pair (another block_size: other batches; shared weights of other shapes, as an MoE arm beside
+    a dense one: another init), and a warmup longer than the run (allowed: a quick run of a paper config)."""
+    said = []
+    groups = {}
+    for arm, config in models.items():
+        groups.setdefault((config.block_size, shared_shapes(config)), []).append(arm)
+    if len(groups) > 1:
+        configs = [[models[arm] for arm in arms] for arms in groups.values()]
+        why = [k for k in MODEL_KEYS if all(len({getattr(c, k) for c in group}) == 1 for group in configs)
+               and len({getattr(group[0], k) for group in configs}) > 1 and not option_owners(k) and k != "residual"]
+        effects = [effect for i, effect in enumerate(("other batches", "another init"))
+                   if len({group[i] for group in groups}) > 1]
+        said.append(f"note: arms {' | '.join(', '.join(arms) for arms in groups.values())} differ in "
+                    f"{', '.join(why) or 'the shapes of their shared weights'} ({' and '.join(effects)}): the report "
+                    f"pairs no arm with one of another group")
+    if cfg["warmup_iters"] > cfg["max_iters"]:
+        said.append(f"note: warmup_iters={cfg['warmup_iters']} is longer than max_iters={cfg['max_iters']}: the run "
+                    f"ends in its warmup, at {cfg['max_iters'] / cfg['warmup_iters']:.0%} of learning_rate, and never "
+                    f"decays to min_lr")
+    return said
+
+
+def shared_shapes(config):
+    """The names and shapes of a model's shared weights, built on the meta device (no memory, no numbers
+    drawn): shapes alike are drawn alike from a seed (shared_init_hash), others never are."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items() if not name.startswith("residual."))
 
 
 def check_number(key, value, where):

@@ -443,9 +443,8 @@ def main(argv):
         cfg["vocab_size"] = data_vocab_size(cfg["tokenizer"])
     records.check_config(cfg, runtime.world, [a[2:].partition("=")[0] for a in argv if a.startswith("--")])
     models = {arm: records.model_config(cfg, settings) for arm, settings in cfg["arms"].items()}
-    if runtime.master and len({m.block_size for m in models.values()}) > 1:  # allowed (a sweep over context), never paired
-        print(f"note: the arms' block_size differ ({', '.join(f'{a} {m.block_size}' for a, m in models.items())}): "
-              f"their batches differ, so the report pairs none of them with another")
+    for note in records.notes(cfg, models) if runtime.master else []:  # allowed (a sweep over context), said
+        print(note)
     code = records.code_record()
     # recorded as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the
     # same); the world size changes a step's rounding, so it is a setting too

@@ -86,8 +86,8 @@ def test_each_parameter_steps_at_the_schedules_rate_times_its_scale(optimizer, s
     real_open = train.open_cell
     monkeypatch.setattr(train, "open_cell", open_and_watch)
     train.main(small(shards, tmp_path / "o", f"--optimizer={optimizer}", "--max_iters=4", "--n_experts=4",
-                     "--moe_top_k=2", "--routing_lr_scale=30", "--moe_router_lr_scale=0.25", "--muon_learning_rate=0.05",
-                     "--batch_size=4"))
+                     "--moe_top_k=2", "--routing_lr_scale=30", "--moe_router_lr_scale=0.25", "--batch_size=4",
+                     *(["--muon_learning_rate=0.05"] if optimizer == "muon" else [])))  # AdamW refuses it as unused
     (cell,) = opened
     s, model = cell.settings, cell.model
     scales = {expected_scale(model, p, s) for p, *_ in steps[0]}

@@ -237,6 +237,60 @@ def test_every_float_setting_is_bounded_at_float32_the_same_way():
     records.check_config(dict(moe, moe_bias_rate=1e36, max_iters=100), 1)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--muon_learning_rate=0.05"], "--muon_learning_rate=0.05 changes nothing: it applies under optimizer='muon' "
+                                    "(this run's is 'adamw'); drop --muon_learning_rate"),
+    (["--cooldown_frac=0.5"], "--cooldown_frac=0.5 changes nothing: it applies under lr_schedule='wsd' (this run's is "
+                              "'cosine'); drop --cooldown_frac"),
+    (["--tune_seeds=5"], "--tune_seeds=[5] changes nothing: it applies to the tuned protocol, and tune_learning_rates "
+                         "is empty; drop --tune_seeds"),
+    (["--tune_iters=4"], "--tune_iters=4 changes nothing: it applies to the tuned protocol"),
+    (["--arms=standard", "--routing_lr_scale=2"], "--routing_lr_scale=2.0 changes nothing: residual='standard' has no "
+                                                  "routing parameters for it to scale; drop --routing_lr_scale"),
+    (["--arms={'s': {'residual': 'standard'}, 'd': {'residual': 'standard', 'dropout': 0.1}}", "--routing_lr_scale=2"],
+     "has no routing parameters for it to scale (nor does any arm's: s, d); drop --routing_lr_scale"),
+    (["--arms={'a': {'muon_learning_rate': 0.05}, 'b': {}}"], "arm 'a': muon_learning_rate=0.05 changes nothing: it "
+                                                              "applies under optimizer='muon' (this run's is 'adamw'); "
+                                                              "drop it from the arm"),
+    (["--arms={'a': {'residual': 'standard', 'routing_lr_scale': 3.0}, 'b': {'residual': 'attnres'}}"],
+     "arm 'a': routing_lr_scale=3.0 changes nothing: residual='standard' has no routing parameters for it to scale"),
+])
+def test_a_setting_that_changes_nothing_is_refused_where_it_is_given(argv, message):
+    # recorded, it would only make two arms of one model look compared, and a rerun without it a change
+    with pytest.raises(ConfigError) as e:
+        checked(argv)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_setting_is_accepted_where_it_changes_something():
+    checked(["--optimizer=muon", "--muon_learning_rate=0.05", "--arms={'a': {'muon_learning_rate': 0.01}, 'b': {}}"])
+    checked(["--lr_schedule=wsd", "--cooldown_frac=0.5"])
+    checked(["--tune_learning_rates=1e-3,3e-3", "--tune_seeds=5", "--tune_iters=4"])
+    checked(["--arms=standard,attnres", "--routing_lr_scale=2"])  # the attnres arm's routing steps at 2x
+    # an arm's unused setting at the run's value changes nothing in its record either: accepted, as GPTConfig does
+    checked(["--arms={'a': {'residual': 'standard', 'routing_lr_scale': 1.0, 'muon_learning_rate': 0.02}}"])
+
+
+def test_arms_that_can_never_pair_are_said_before_training_and_do_not_pair(shards, tmp_path, monkeypatch, capsys):
+    # a dense and an MoE arm of one scheme: their shared weights differ in shape, so their inits differ (measured)
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    arms = "{'dense': {'residual': 'standard'}, 'moe': {'residual': 'standard', 'n_experts': 4}, 'a': {'residual': 'attnres'}}"
+    train.main(tiny(shards, tmp_path / "o", f"--arms={arms}", "--max_iters=1", "--warmup_iters=0"))
+    out = capsys.readouterr().out
+    assert ("note: arms dense, a | moe differ in n_experts (another init): the report pairs no arm with one of another "
+            "group\n") in out
+    inits = {arm: result(tmp_path / "o", arm)["pairing"]["init_hash"] for arm in ("dense", "moe", "a")}
+    assert inits["dense"] == inits["a"] != inits["moe"]  # what the note said, as trained
+    cfg = dict(DEFAULTS, max_iters=10)
+    assert records.notes(cfg, {"s": GPTConfig(), "b": GPTConfig(block_size=64), "w": GPTConfig(n_embd=384)}) == [
+        "note: arms s | b | w differ in block_size, n_embd (other batches and another init): the report pairs no arm "
+        "with one of another group",
+        "note: warmup_iters=20 is longer than max_iters=10: the run ends in its warmup, at 50% of learning_rate, and "
+        "never decays to min_lr"]
+    assert records.notes(DEFAULTS, {"s": GPTConfig(), "d": GPTConfig(residual="dar", dropout=0.1)}) == []
+
+
 def test_min_lr_above_learning_rate_is_one_line_and_a_long_warmup_is_accepted():
     one_line(dict(DEFAULTS, learning_rate=1e-4, min_lr=3e-4),
              "min_lr=0.0003 is above learning_rate=0.0001: the schedule decays from learning_rate down to min_lr")

@@ -796,10 +796,9 @@ RERUN_GOES_ON = dict(seeds=[0], arms="attnres", reference_arm="rd_attnres", log_
 RERUN_REFUSED = dict(
     block_size=8, vocab_size=128, n_layer=4, n_head=4, n_embd=64, dropout=0.1, norm_eps=1e-5, attnres_block_size=2,
     rd_control="dup", routing_lr_scale=2.0, learning_rate=2e-2, max_iters=3, weight_decay=0.0, beta1=0.8, beta2=0.99,
-    grad_clip=0.5, lr_schedule="wsd", warmup_iters=1, min_lr=1e-4, cooldown_frac=0.5, batch_size=2,
+    grad_clip=0.5, lr_schedule="wsd", warmup_iters=1, min_lr=1e-4, batch_size=2,
     gradient_accumulation_steps=2, dtype="bfloat16", compile=True, eval_interval=1, eval_tokens=900,
-    optimizer="muon", muon_learning_rate=0.01, activation_checkpointing=True, n_experts=2,
-    tune_learning_rates=[1e-3], tune_seeds=[5], tune_iters=1)
+    optimizer="muon", activation_checkpointing=True, n_experts=2, tune_learning_rates=[1e-3])
 RERUN_OTHERWISE = dict(
     out_dir="another out_dir is another grid", residual="every arm sets it: refused as overridden",
     dar_keys="no dar arm: refused as an option no arm trains", dar_start="likewise", hc_streams="no hc arm: likewise",
@@ -808,7 +807,10 @@ RERUN_OTHERWISE = dict(
     wandb_log="needs wandb; goes on (test_wandb_logs_one_run_per_cell)",
     downstream_bundle="needs byte-token data; goes on (test_downstream.py: test_the_downstream_evaluation_changes_no_training)",
     **dict.fromkeys(("moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate", "moe_router_lr_scale"),
-                    "needs n_experts > 1: GPTConfig refuses it alone"))
+                    "needs n_experts > 1: GPTConfig refuses it alone"),
+    **dict.fromkeys(("muon_learning_rate", "cooldown_frac", "tune_seeds", "tune_iters"),
+                    "unused alone (AdamW, cosine, no tuning): refused where given (test_records.py: "
+                    "test_a_setting_that_changes_nothing_is_refused_where_it_is_given)"))
 
 
 def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch):
