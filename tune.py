@@ -5,14 +5,15 @@ states, so one rate for every arm can favour one of them (on the default run, Bl
 standard by 0.22 nats at a shared 1e-2, loses by 0.027 at 3e-3 and ties at 1e-3).
 
 $ python train.py config/tune_shakespeare.py                       # tuning grid, choice, paired grid: one command
-$ python train.py --tune_learning_rates=1e-3,3e-3,1e-2 --tune_seeds=1000 --tune_iters=125
+$ python train.py --tune_learning_rates=1e-3,3e-3,1e-2 --tune_seeds=1000,1001,1002 --tune_iters=125
 
 train.py calls, with tune_learning_rates set: tuning_config (the tuning grid: one arm <arm>-lr<rate>
-per arm and rate, in out_dir/tune, on tune_seeds for tune_iters steps), trains it, then choose (each
-arm's rate from the tuning cells' final validation loss, written to out_dir/tune/choice.json) and
-tuned_arms (the arms at their chosen rates) for the paired grid. The compared seeds never choose a
-rate: tune_seeds and seeds may not overlap. An empty tune_learning_rates is the frozen protocol
-(one setting for every arm), the default.
+per arm and rate, in out_dir/tune, on tune_seeds for tune_iters steps), trains it on tuning_text
+(the validation tokens after the reported ones), then choose (each arm's rate by stable_choice from
+the tuning cells' final validation losses, printed and written to out_dir/tune/choice.json with
+its reason) and tuned_arms (the arms at their chosen rates) for the paired grid. The compared
+seeds never choose a rate (tune_seeds and seeds may not overlap), nor does the compared text. An
+empty tune_learning_rates is the frozen protocol (one setting for every arm), the default.
 """
 
 import json
