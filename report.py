@@ -861,8 +861,8 @@ def arm_learning_rates(results, arm):
     return ", ".join(f"{rate:g}" for rate in sorted(rates)) or "-"
 
 
-TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 0 and all(map(is_seed, s))
-                  and len(set(s)) == len(s), "a list of distinct seeds"),
+TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 1 and all(map(is_seed, s))
+                  and len(set(s)) == len(s), "a list of 2 or more distinct seeds"),  # fewer: no s.d.
                  ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
                  ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
                  ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
