@@ -55,10 +55,12 @@ def paired_statistics(deltas, higher_is_better=False):
 
 def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
     """The mean delta over seeds and validation text together, from per-sequence deltas (seeds x sequences, arm -
-    reference): its 95% interval by a two-way bootstrap that draws seeds and sequences independently, with
-    replacement (the generator seeded with BOOTSTRAP_SEED: the same interval on every run), and the variance of the
-    mean split among seeds, text and their interaction by the two-way random-effects ANOVA (method of moments:
-    var(mean) = s2_seed / n + s2_text / m + s2_seed_x_text / (n m), a component below 0 taken as 0). n, m >= 2."""
+    reference): the variance of the mean split among seeds, text and their interaction by the two-way random-effects
+    ANOVA (method of moments: var(mean) = s2_seed / n + s2_text / m + s2_seed_x_text / (n m), a component below 0
+    taken as 0), with its 95% interval mean +- t(n - 1) sqrt(var(mean)) (ci95_t: the seeds' degrees of freedom);
+    and the 95% interval of a two-way bootstrap that draws seeds and sequences independently, with replacement
+    (ci95; the generator seeded with BOOTSTRAP_SEED: the same on every run). The bootstrap draws only from the n
+    seeds seen, so at few seeds it is narrower than ci95_t, and than the seeds-only t interval. n, m >= 2."""
     d = np.asarray(deltas, dtype=np.float64)
     n, m = d.shape
     rng = np.random.default_rng(BOOTSTRAP_SEED)
@@ -78,7 +80,9 @@ def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
                     text=max(0.0, mean_square_text - mean_square_interaction) / n / m,
                     seed_x_text=mean_square_interaction / (n * m))
     total = sum(variance.values())
-    return dict(n=n, sequences=m, mean=float(mean), ci95=[float(q) for q in np.quantile(means, [0.025, 0.975])],
+    half = stats.t.ppf(0.975, n - 1) * math.sqrt(total)
+    return dict(n=n, sequences=m, mean=float(mean), ci95_t=[float(mean - half), float(mean + half)],
+                ci95=[float(q) for q in np.quantile(means, [0.025, 0.975])],
                 bootstrap_sd=float(means.std()), resamples=resamples, variance={k: float(v) for k, v in variance.items()},
                 share={k: float(v / total) if total > 0 else float("nan") for k, v in variance.items()})
 

@@ -64,12 +64,13 @@ from scipy import stats
 
 import tune
 from common import DataError, UserError, read_json, write_atomic, write_text
+from model import MOE_OPTIONS
 from paired_stats import (ALPHA, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, paired_statistics, perplexity_change,
                           power_analysis, text_uncertainty)
 
 MISSING = object()  # a pairing key one cell does not record
 CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
-TUNE_DIR = "tune"  # the tuned protocol's tuning grid inside out_dir, with its choice.json (tune.py)
+TUNE_DIR = tune.TUNE_DIR  # the tuned protocol's tuning grid inside out_dir, with its choice.json
 
 
 def is_number(x):
@@ -739,23 +740,25 @@ def text_comparison(results, reference, arm, seeds):
 def text_lines(others, paired):
     """The report's table of each arm's mean delta over seeds and validation text together, beside the seeds-only
     t interval, with each source's share of the variance; why it is unavailable where it is."""
-    lines = [f"Seeds and validation text together: the 95% interval of the mean delta when both the seeds and the "
-             f"validation sequences are drawn again (a two-way bootstrap, {BOOTSTRAP_RESAMPLES:,} resamples, a fixed "
-             f"generator seed), beside the seeds-only t interval; and the share of the mean's variance that each "
-             f"source carries (two-way random-effects estimates): the seeds, the text (which sequences were "
-             f"evaluated) and how the seeds' deltas differ by sequence.", "",
-             "| arm | n | sequences | mean delta | 95% CI, seeds (t) | 95% CI, seeds and text | share: seeds | "
-             "share: text | share: seed x text |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Seeds and validation text together: the share of the mean delta's variance that each source carries "
+             f"(two-way random-effects estimates): the seeds, the text (which sequences were evaluated) and how the "
+             f"seeds' deltas differ by sequence; the 95% interval from that variance (t, the seeds' n - 1 degrees of "
+             f"freedom), beside the seeds-only t interval; and a two-way bootstrap's ({BOOTSTRAP_RESAMPLES:,} "
+             f"resamples of seeds and sequences, a fixed generator seed), which draws only from the seeds seen: "
+             f"at few seeds it is the narrower.", "",
+             "| arm | n | sequences | mean delta | 95% CI, seeds (t) | 95% CI, seeds and text (t) | bootstrap | "
+             "share: seeds | share: text | share: seed x text |", "|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for arm in others:
         st, text = paired[arm], paired[arm]["text"]
         seeds_only = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
         if "unavailable" in text:
-            lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", "-", "-", "-"))
+            lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", "-", "-", "-", "-"))
             notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
             continue
         share = text["share"]
         lines.append(table_row(arm, str(text["n"]), str(text["sequences"]), fmt(text["mean"]), seeds_only,
+                               f"[{fmt(text['ci95_t'][0])}, {fmt(text['ci95_t'][1])}]",
                                f"[{fmt(text['ci95'][0])}, {fmt(text['ci95'][1])}]",
                                *(fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text"))))
         if text["sequences"] < FEW_SEQUENCES:
@@ -1039,7 +1042,7 @@ def parse_cell(text, arms, seeds, results, logs):
 
 
 SIZE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-MOE_KEYS = ("n_experts", "moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate")
+MOE_KEYS = ("n_experts",) + MOE_OPTIONS
 
 
 def shared_model(results):
@@ -1080,6 +1083,8 @@ def parse_args(argv):
     parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
     parser.add_argument("--effect", type=float, default=0.03,
                         help="mean delta (nats) to count the seeds needed for (default 0.03: RD-AttnRes's gain)")
+    parser.add_argument("--beside", help="another grid's out_dir (the same grid on another corpus, with its own report) "
+                                         "whose paired results to set beside these")
     args = parser.parse_args(argv)
     if not (math.isfinite(args.effect) and args.effect > 0):
         sys.exit(f"error: --effect={args.effect}: give a positive number of nats, e.g. --effect=0.03")
@@ -1197,6 +1202,48 @@ def machine_lines(summary):
     return lines
 
 
+GRID_ONLY_KEYS = ("out_dir", "code", "changes", "arms", "seeds", "reference_arm", "wandb_run_name")  # not the grid's setup
+
+
+def beside(out_dir, other, comparisons):
+    """Each comparison of this grid beside the same comparison in another grid (its paired.json, from its own
+    report), with the grid settings the two differ in (config.json): the same grid on two corpora differs in the
+    data alone (data_dir, train_data_sha256, tokenizer)."""
+    theirs, why = json_object(os.path.join(other, "paired.json"))
+    if why:
+        raise DataError(f"--beside={other}: its paired.json cannot be read ({why}); run python report.py {other} first")
+    by_reference = theirs.get("by_reference") or {theirs.get("reference"): dict(arms=theirs.get("arms") or {})}
+    configs = [json_object(os.path.join(d, "config.json"))[0] or {} for d in (out_dir, other)]
+    differ = sorted(k for k in set(configs[0]) | set(configs[1])
+                    if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k))
+    rows = []
+    for reference, comparison in comparisons.items():
+        there = (by_reference.get(reference) or {}).get("arms") or {}
+        rows += [dict(arm=arm, reference=reference, here=here, there=there[arm] if isinstance(there.get(arm), dict) else None)
+                 for arm, here in comparison["paired"].items()]
+    return dict(out_dir=other, differ=differ, rows=rows)
+
+
+def beside_lines(side):
+    """The report's side-by-side table of this grid's comparisons and the other grid's (beside)."""
+    def cells(st):
+        if st is None:
+            return ["-"] * 4
+        text = st.get("text") or {}
+        interval = "unavailable" if "ci95_t" not in text else f"[{fmt(text['ci95_t'][0])}, {fmt(text['ci95_t'][1])}]"
+        return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), interval]
+    differ = ", ".join(side["differ"]) or "nothing"
+    lines = [f"## Beside {md(side['out_dir'])}", "",
+             f"Each comparison here and the same one there (from its paired.json): mean delta, wins, p (t-test) and the "
+             f"95% interval over seeds and text (t). The grids' settings differ in: {md(differ)}.", "",
+             "| arm | reference | here: mean delta | wins | p | CI, seeds and text | there: mean delta | wins | p | "
+             "CI, seeds and text |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [table_row(row["arm"], md(row["reference"]), *cells(row["here"]), *cells(row["there"])) for row in side["rows"]]
+    if missing := [f"{row['arm']} against {row['reference']}" for row in side["rows"] if row["there"] is None]:
+        lines += ["", f"Not in {md(side['out_dir'])}: {md(', '.join(missing))}."]
+    return lines + [""]
+
+
 def final_loss_lines(arms, seeds, results):
     """Each cell's final validation loss and each arm's learning rate."""
     lines = ["Final validation loss:", "",
@@ -1256,6 +1303,9 @@ def main(argv):
     lines += machine_lines(ran_on)
     for i, ref in enumerate(references):
         lines += comparison_lines(ref, comparisons[ref], references[:i], args.effect)
+    side = args.beside and beside(args.out_dir, args.beside, comparisons)
+    if side:
+        lines += beside_lines(side)
     if diverged:
         lines += ["**Diverged cells** (never in the statistics):", "",
                   "| arm | seed | step | reason |", "|---|---|---|---|",
@@ -1284,7 +1334,7 @@ def main(argv):
         diverged=diverged, downstream=compared and dict(core=core, arms=compared[references[0]]),
         tuning=tuning_summary(tuning, tuning_why, tuning_notes, cost, results), learning_rates={
             arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
-            for arm in arms}, wall_time_s=wall, machines=ran_on, skipped=notes)), indent=1, allow_nan=False))
+            for arm in arms}, wall_time_s=wall, machines=ran_on, beside=side, skipped=notes)), indent=1, allow_nan=False))
     print(summary)
 
 

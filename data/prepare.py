@@ -5,6 +5,7 @@ gpt2 (50,257 ids, the default) and bytes (the 256 UTF-8 byte values plus end-of-
 
 $ python data/prepare.py shakespeare                       # the bundled corpus -> data/shakespeare_gpt2
 $ python data/prepare.py shakespeare --tokenizer=bytes     # the bundled corpus -> data/shakespeare_bytes
+$ python data/prepare.py pydoc --tokenizer=bytes           # the second, Python's own docs -> data/pydoc_bytes
 $ python data/prepare.py --max_tokens=2.1e9               # FineWeb-Edu sample-10BT from the HF hub
 $ python data/prepare.py --input='docs/*.parquet' --out_dir=data/mine   # local parquet/jsonl/txt
 
@@ -25,6 +26,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import platform
 import socket
 import stat
 import sys
@@ -36,12 +38,13 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run as a script: the repository's modules too
-from common import DataError, check_writable, pid_lock, write_json  # noqa: E402
-from data.shards import (BUNDLED, HEADER_INTS, TOKENIZER_SHA256, TOKENIZERS, get_tokenizer, open_shard,  # noqa: E402
-                         read_record, shard_header, shard_problems)
+from common import DataError, check_writable, pid_lock, write_json, write_text  # noqa: E402
+from data.shards import (BUNDLED, HEADER_INTS, TOKENIZER_SHA256, TOKENIZERS, bundled_corpus, get_tokenizer,  # noqa: E402
+                         open_shard, read_prepare_record, shard_header, shard_problems)
 
 BUNDLED_CORPUS = os.path.join(HERE, "shakespeare")  # Open Shakespeare (see data/README.md)
 BUNDLED_VAL_DOCS = 3  # whole held-out plays: the first three in sorted order
+PYDOC_VAL_DOCS = 20  # whole held-out topics of the second corpus: the first 20 in sorted order (54 KB of 466 KB on 3.11)
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"
 TASK_CHARS = 1 << 22  # text per tokenizer task (4 MB): big enough to amortise IPC, small enough to bound memory
 FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 64, 1 << 16  # an input file's sampled content hash: 4 MiB at most
@@ -494,7 +497,7 @@ def prepare_locked(out_dir, arguments, local, workers, quiet):
     from tqdm import tqdm
     tokenizer, max_tokens = arguments["tokenizer"], arguments["max_tokens"]
     manifest_path, progress_path = os.path.join(out_dir, "manifest.json"), os.path.join(out_dir, "progress.json")
-    previous = {path: read_record(path) for path in (manifest_path, progress_path) if os.path.exists(path)}
+    previous = {path: read_prepare_record(path) for path in (manifest_path, progress_path) if os.path.exists(path)}
     for record in previous.values():
         recorded = {"tokenizer": "gpt2"} | record["arguments"]  # by a prepare.py before the tokenizer was an argument
         if recorded != arguments:
@@ -591,16 +594,37 @@ def rebuild_shard(out_dir, paths, shard, workers, tokenizer):
     out.close()
 
 
-def prepare_bundled(out_dir, tokenizer=None, quiet=False):
-    """The embedded dataset: Shakespeare, three whole plays held out for validation; tokenizer: the one
-    BUNDLED names for out_dir unless given."""
+def pydoc_topics():
+    """The second bundled corpus's source: the CPython documentation every interpreter ships
+    (pydoc_data.topics, the text help('topic') shows: the language reference), one topic per line
+    of a jsonl file in sorted order. Another Python version ships other text, so the file is named
+    by the version that wrote it, and the manifest's inputs name it: its shards and data fingerprint differ."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise DataError("this Python has no pydoc_data (a trimmed install); use the Shakespeare corpus "
+                        "(--data_dir=data/shakespeare_bytes) or prepare local files with --input") from None
+    path = os.path.join(HERE, "pydoc", f"topics_python{platform.python_version()}.jsonl")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_text(path, "".join(json.dumps(dict(topic=name, text=topics[name])) + "\n" for name in sorted(topics)))
+    return path
+
+
+def prepare_bundled(out_dir, tokenizer=None, quiet=False, corpus=None):
+    """A bundled corpus, whole documents held out for validation: Shakespeare (three plays) or Python's
+    documentation (pydoc_topics: 20 topics). corpus and tokenizer: those BUNDLED names for out_dir
+    (data/<corpus>_<tokenizer>) unless given; Shakespeare for a folder of another name."""
     tokenizer = tokenizer or BUNDLED.get(os.path.abspath(out_dir))
     if tokenizer is None:
         raise DataError(f"{out_dir} is not one of the bundled outputs ({', '.join(BUNDLED)}); give the tokenizer")
+    corpus = corpus or bundled_corpus(out_dir)
+    input, val_docs = (pydoc_topics(), PYDOC_VAL_DOCS) if corpus == "pydoc" else \
+        (os.path.join(BUNDLED_CORPUS, "*.txt"), BUNDLED_VAL_DOCS)
     # seconds in this process; a spawned worker would first re-import the caller's main module
     # (train.py: torch), which takes longer
-    return prepare(out_dir, input=os.path.join(BUNDLED_CORPUS, "*.txt"), tokenizer=tokenizer, val_docs=BUNDLED_VAL_DOCS,
-                   shard_tokens=100_000_000, workers=1, quiet=quiet)
+    return prepare(out_dir, input=input, tokenizer=tokenizer, val_docs=val_docs, shard_tokens=100_000_000, workers=1,
+                   quiet=quiet)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -610,7 +634,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def main():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("preset", nargs="?", choices=["shakespeare"], help="prepare the bundled corpus")
+    parser.add_argument("preset", nargs="?", choices=["shakespeare", "pydoc"],
+                        help="prepare a bundled corpus: Shakespeare, or the Python documentation this interpreter ships")
     parser.add_argument("--input", help="glob of local .parquet/.jsonl/.txt files (default: FineWeb-Edu from the hub)")
     parser.add_argument("--tokenizer", default="gpt2", choices=list(TOKENIZERS), help="gpt2 (50,257 ids) or bytes (257)")
     parser.add_argument("--subset", default="sample-10BT", help="FineWeb-Edu subset (sample-10BT, sample-100BT, CC-MAIN-2024-10, ...)")
@@ -622,8 +647,9 @@ def main():
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
     args = parser.parse_args()
     try:
-        if args.preset == "shakespeare":
-            prepare_bundled(args.out_dir or os.path.join(HERE, f"shakespeare_{args.tokenizer}"), args.tokenizer)
+        if args.preset:
+            prepare_bundled(args.out_dir or os.path.join(HERE, f"{args.preset}_{args.tokenizer}"), args.tokenizer,
+                            corpus=args.preset)
         else:
             source = "local" if args.input else "fineweb_edu_" + args.subset
             out_dir = args.out_dir or os.path.join(HERE, source + ("" if args.tokenizer == "gpt2" else "_" + args.tokenizer))

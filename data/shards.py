@@ -82,8 +82,16 @@ class GPT2(Tokenizer):
 
 
 TOKENIZERS = {"bytes": Bytes, "gpt2": GPT2}
-# the bundled corpus's outputs, one per tokenizer: data/prepare.py's prepare_bundled makes them on demand
-BUNDLED = {os.path.join(HERE, f"shakespeare_{name}"): name for name in TOKENIZERS}
+# the bundled corpora's outputs, data/<corpus>_<tokenizer> -> tokenizer: data/prepare.py's prepare_bundled makes
+# them on demand (Shakespeare; the Python documentation the interpreter ships, another genre)
+BUNDLED_CORPORA = ("shakespeare", "pydoc")
+BUNDLED = {os.path.join(HERE, f"{corpus}_{name}"): name for corpus in BUNDLED_CORPORA for name in TOKENIZERS}
+
+
+def bundled_corpus(path):
+    """The corpus a bundled output holds, by its name data/<corpus>_<tokenizer> (Shakespeare for another name)."""
+    corpus = os.path.basename(os.path.abspath(path)).rpartition("_")[0]
+    return corpus if corpus in BUNDLED_CORPORA else "shakespeare"
 
 
 def get_tokenizer(name):
@@ -209,7 +217,7 @@ def shard_kind(name):
 def find_shards(data_dir):
     """The validation shard and the sorted train shards in data_dir, all of one tokenizer."""
     bundled = BUNDLED.get(os.path.abspath(data_dir))
-    make = (f"create it with: python data/prepare.py shakespeare --tokenizer={bundled}" if bundled else
+    make = (f"create it with: python data/prepare.py {bundled_corpus(data_dir)} --tokenizer={bundled}" if bundled else
             "create it with data/prepare.py (python data/prepare.py shakespeare --tokenizer=bytes for the bundled "
             "corpus), or point data_dir at a directory of llm.c / modded-nanogpt .bin or build-nanogpt .npy shards")
     if not os.path.exists(data_dir):
@@ -251,7 +259,7 @@ RECORD_FIELDS = {"manifest.json": dict(arguments=dict, inputs=list, tokenizer=st
                  "progress.json": dict(arguments=dict, shards=list, next=list)}
 
 
-def read_record(path):
+def read_prepare_record(path):
     """manifest.json or progress.json, checked: a torn file, or one prepare.py did not write, is one line."""
     remedy = (f"restore it, or delete {os.path.dirname(path) or '.'} and run data/prepare.py again (or, for shards "
               f"made elsewhere, remove {os.path.basename(path)})")
@@ -310,7 +318,7 @@ def verify_manifest(data_dir, full=False):
     path = os.path.join(data_dir, "manifest.json")
     if not os.path.exists(path):
         return None
-    manifest = read_record(path)
+    manifest = read_prepare_record(path)
     problems = shard_problems(data_dir, manifest, full)
     if problems:
         raise DataError(next(iter(problems.values())))

@@ -162,6 +162,11 @@ def test_variance_shares_in_closed_form():
     parts = dict(seeds=seed.var(ddof=1) / 3, text=text.var(ddof=1) / 5, seed_x_text=0.0)
     assert tu["variance"] == pytest.approx(parts, abs=1e-15)
     assert tu["share"]["text"] == pytest.approx(parts["text"] / (parts["seeds"] + parts["text"]))
+    half = 4.302653 * math.sqrt(parts["seeds"] + parts["text"])  # t(0.975, 2) from the tables
+    assert tu["ci95_t"] == pytest.approx([tu["mean"] - half, tu["mean"] + half], rel=1e-6)
+    # the same seeds with no text effect: the seeds-only t interval of the per-seed deltas
+    seeds_only = paired_stats.text_uncertainty(np.repeat(seed[:, None], 5, axis=1), resamples=100)
+    assert seeds_only["ci95_t"] == pytest.approx(paired_stats.paired_statistics(seed)["ci95"], rel=1e-12)
     assert paired_stats.text_uncertainty(np.zeros((2, 3)), resamples=10)["ci95"] == [0.0, 0.0]
 
 

@@ -4,6 +4,7 @@ their manifest, tokenizer throughput, locks, temporaries and the one-line errors
 import hashlib
 import json
 import os
+import platform
 import resource
 import socket
 import subprocess
@@ -209,8 +210,8 @@ def test_fineweb_offline_fails_fast_with_one_line(tmp_path, env):
 
 
 def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, monkeypatch, capsys):
-    assert S.BUNDLED == {os.path.join(ROOT, "data", "shakespeare_bytes"): "bytes",
-                         os.path.join(ROOT, "data", "shakespeare_gpt2"): "gpt2"}
+    assert S.BUNDLED == {os.path.join(ROOT, "data", f"{corpus}_{t}"): t for corpus in ("shakespeare", "pydoc")
+                         for t in ("bytes", "gpt2")}
     monkeypatch.chdir(tmp_path)
     manifest = P.prepare_bundled(str(tmp_path / "sh"), "bytes", quiet=True)
     plays = [open(os.path.join(P.BUNDLED_CORPUS, p), encoding="utf-8").read() for p in sorted(os.listdir(P.BUNDLED_CORPUS))]
@@ -223,12 +224,29 @@ def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, m
         P.prepare_bundled(str(tmp_path / "elsewhere"))
 
 
-def test_bundled_outputs_are_prepared_with_their_tokenizer(monkeypatch):
+def test_bundled_outputs_are_prepared_with_their_corpus_and_tokenizer(monkeypatch):
     made = []
-    monkeypatch.setattr(P, "prepare", lambda out_dir, **kw: made.append((out_dir, kw["tokenizer"], kw["val_docs"])))
+    monkeypatch.setattr(P, "prepare", lambda out_dir, **kw: made.append((out_dir, kw["input"], kw["tokenizer"],
+                                                                         kw["val_docs"])))
     for out_dir, tokenizer in S.BUNDLED.items():
         P.prepare_bundled(out_dir)
-    assert made == [(d, t, 3) for d, t in S.BUNDLED.items()]
+    topics = os.path.join(ROOT, "data", "pydoc", f"topics_python{platform.python_version()}.jsonl")
+    assert made == [(d, topics, t, 20) if "pydoc" in d else (d, os.path.join(P.BUNDLED_CORPUS, "*.txt"), t, 3)
+                    for d, t in S.BUNDLED.items()]
+
+
+def test_the_second_bundled_corpus_is_pythons_documentation_named_by_its_version(tmp_path, monkeypatch):
+    from pydoc_data.topics import topics
+    manifest = P.prepare_bundled(str(tmp_path / "pydoc_bytes"), "bytes", quiet=True, corpus="pydoc")
+    texts = [topics[name] for name in sorted(topics)]
+    assert manifest["val_tokens"] == len(byte_stream(texts[:20]))  # 20 whole topics
+    assert manifest["total_tokens"] == len(byte_stream(texts))
+    assert manifest["inputs"][0][0].endswith(f"topics_python{platform.python_version()}.jsonl")  # which Python made it
+    again = P.prepare_bundled(str(tmp_path / "again"), "bytes", quiet=True, corpus="pydoc")
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]  # deterministic bytes
+    monkeypatch.setattr(S, "BUNDLED", {str(tmp_path / "gone" / "pydoc_bytes"): "bytes"})
+    with pytest.raises(DataError, match="does not exist; create it with: python data/prepare.py pydoc --tokenizer=bytes$"):
+        S.find_shards(str(tmp_path / "gone" / "pydoc_bytes"))
 
 
 def write_llmc_shard(path, tokens):

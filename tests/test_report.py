@@ -1055,10 +1055,11 @@ def test_the_text_interval_and_shares_are_paired_stats_on_the_sequence_deltas(tm
     expected = paired_stats.text_uncertainty(deltas)
     got = paired["arms"]["rd"]["text"]
     assert got["ci95"] == pytest.approx(expected["ci95"]) and got["share"] == pytest.approx(expected["share"])
+    assert got["ci95_t"] == pytest.approx(expected["ci95_t"])
     assert got["n"] == 4 and got["sequences"] == 50 and got["mean"] == pytest.approx(paired["arms"]["rd"]["mean"])
-    assert got["ci95"][1] - got["ci95"][0] > paired["arms"]["rd"]["ci95"][1] - paired["arms"]["rd"]["ci95"][0]
+    assert got["ci95_t"][1] - got["ci95_t"][0] > paired["arms"]["rd"]["ci95"][1] - paired["arms"]["rd"]["ci95"][0]
     row = next(line for line in text.splitlines() if line.startswith("| rd | 4 | 50 |"))
-    assert f"[{got['ci95'][0]:+.4f}, {got['ci95'][1]:+.4f}]" in row
+    assert f"[{got['ci95_t'][0]:+.4f}, {got['ci95_t'][1]:+.4f}] | [{got['ci95'][0]:+.4f}, {got['ci95'][1]:+.4f}]" in row
     assert "only 50 sequences (fewer than 100)" in text
 
 
@@ -1099,3 +1100,32 @@ def test_seeds_trained_on_different_machines_are_named_and_still_pair(tmp_path, 
     assert paired["arms"]["rd"]["n"] == 4  # it pairs: rounding, not a change
     assert paired["machines"] == dict(machines=[machine, epyc], seeds_on_several={"1": {"parent": 0, "rd": 1}})
     assert "- seed 1: parent on machine 0, rd on machine 1" in text and "- machine 1: AMD EPYC 7B13 (AVX2 kernels)" in text
+
+
+def test_the_shared_model_names_every_moe_option_that_differs():
+    # every MoE option of model.py, the router's learning-rate scale included
+    results = {("a", s): {"pairing": {"settings": dict(n_experts=8, moe_router_lr_scale=scale)}}
+               for s, scale in ((0, 1.0), (1, 2.0))}
+    assert report.shared_model(results) == ({"n_experts": 8}, ["moe_router_lr_scale"])
+
+
+def test_a_grid_beside_the_same_grid_on_another_corpus(tmp_path, no_matplotlib):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    here = make_grid(tmp_path / "a", LOSSES)
+    there = make_grid(tmp_path / "b", {(arm, s): loss + 0.5 + 0.02 * s * (arm == "rd") for (arm, s), loss in LOSSES.items()})
+    for out, data in ((here, "data/shakespeare_bytes"), (there, "data/pydoc_bytes")):
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(dict(config, data_dir=data, train_data_sha256=data[5:])))
+    with_sequences(here, ("parent", "rd"), range(4), 120, np.random.default_rng(0))
+    with pytest.raises(common.DataError, match="paired.json cannot be read .*; run python report.py .* first"):
+        run(here, f"--beside={there}")
+    theirs, _ = run(there)
+    paired, text = run(here, f"--beside={there}")
+    side = paired["beside"]
+    assert side["differ"] == ["data_dir", "train_data_sha256"] and side["out_dir"] == str(there)
+    assert side["rows"][0]["here"] == paired["arms"]["rd"] and side["rows"][0]["there"] == theirs["arms"]["rd"]
+    here_rd, there_rd = paired["arms"]["rd"], theirs["arms"]["rd"]
+    ci = here_rd["text"]["ci95_t"]
+    assert (f"| rd | parent | {here_rd['mean']:+.4f} | 4/4 | {here_rd['p_ttest']:.3g} | [{ci[0]:+.4f}, {ci[1]:+.4f}] | "
+            f"{there_rd['mean']:+.4f} | {there_rd['wins']}/4 | {there_rd['p_ttest']:.3g} | unavailable |") in text
+    assert "settings differ in: data_dir, train_data_sha256." in text
