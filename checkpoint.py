@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import records
 from common import ConfigError, DataError, write_atomic, write_text
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, is_routing
 
 REMEDY = "delete it to train the cell from scratch"
 
@@ -242,17 +242,26 @@ def log_until(log_path, step):
 ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size")
 
 
-def load_init_from(cfg):
+@dataclasses.dataclass
+class WarmStart:
+    """The weights every cell starts from (None: the seed's init), the sha256 of their file, the tokenizer of
+    the data they were trained on and their model settings (None and {} for a plain state_dict, which cannot say)."""
+    path: str = ""
+    weights: dict | None = None
+    sha256: str | None = None
+    tokenizer: str | None = None
+    model: dict = dataclasses.field(default_factory=dict)
+
+
+def load_init_from(path):
     """
-    The weights every cell starts from when init_from is set, the sha256 of their file and the
-    tokenizer of the data they were trained on (None for a plain state_dict, which cannot say): a
-    train.py ckpt.pt of a residual='standard' arm, or a file holding a state_dict of one. Checked
-    against every arm before anything runs; each cell then copies them by name over its seed's
-    init, leaving its routing parameters (residual.*) at their init, which is the standard residual.
+    The WarmStart of init_from=path ("" for none): a train.py ckpt.pt of a residual='standard' arm, or
+    a file holding a state_dict of one. check_init_fits checks it against every arm before anything
+    runs; each cell then copies the weights by name over its seed's init, leaving its routing
+    parameters (residual.*) at their init, which is the standard residual.
     """
-    path = cfg["init_from"]
     if not path:
-        return None, None, None
+        return WarmStart()
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
@@ -269,7 +278,7 @@ def load_init_from(cfg):
         raise ConfigError(f"init_from={path} holds neither a train.py ckpt.pt nor a state_dict")
     record = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}  # a train.py checkpoint says what it is
     source = record.get("model") if isinstance(record.get("model"), dict) else {}
-    routing = [k for k in weights if k.startswith("residual.")]
+    routing = [k for k in weights if is_routing(k)]
     if routing:
         raise ConfigError(f"init_from={path} is not a standard checkpoint (residual={source.get('residual', '?')!r}, "
                           f"routing parameters {routing[0]}, ...); warm starts begin from a residual='standard' model")
@@ -282,6 +291,14 @@ def load_init_from(cfg):
     if embedding is not None and head is not None and not torch.equal(embedding, head):  # one tensor here
         raise ConfigError(f"init_from={path} has an embedding (transformer.wte.weight) and a head (lm_head.weight) "
                           f"that differ; this model ties them, so one would be lost: give a tied checkpoint")
+    return WarmStart(path, weights, h.hexdigest(), record.get("tokenizer"), source)
+
+
+def check_init_fits(init, cfg):
+    """One line for an arm of cfg whose model the warm start's weights do not fit."""
+    if init.weights is None:
+        return
+    path, weights, source = init.path, init.weights, init.model
     for arm, settings in cfg["arms"].items():
         config = records.model_config(cfg, settings)
         for key in ARCHITECTURE_KEYS:
@@ -289,11 +306,10 @@ def load_init_from(cfg):
                 raise ConfigError(f"init_from={path} has {key}={source[key]}, arm {arm!r} has {key}="
                                   f"{getattr(config, key)}; set --{key}={source[key]} or use another checkpoint")
         with torch.device("meta"):
-            shapes = {k: v.shape for k, v in GPT(config).state_dict().items() if not k.startswith("residual.")}
+            shapes = {k: v.shape for k, v in GPT(config).state_dict().items() if not is_routing(k)}
         for name in sorted(set(shapes) | set(weights)):
             have = tuple(weights[name].shape) if name in weights else "absent"
             want = tuple(shapes[name]) if name in shapes else "absent"
             if have != want:
                 raise ConfigError(f"init_from={path} does not fit arm {arm!r}: {name} is {have} there, {want} in "
                                   f"the arm (n_layer, n_embd, vocab_size must be the checkpoint's)")
-    return weights, h.hexdigest(), record.get("tokenizer")

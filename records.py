@@ -24,7 +24,7 @@ import torch
 from common import ConfigError, cannot_write, read_json, temporary_name, write_json
 from configurator import coerce
 from data.shards import TOKENIZERS
-from model import GPT, RESIDUALS, GPTConfig, option_owners
+from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
@@ -89,6 +89,24 @@ def pairing_settings(cell, arm_settings):
             if k not in NOT_RESULT_KEYS and k not in arm_settings and not foreign_option(k, cell["residual"])}
 
 
+def typed_arms(cfg):
+    """cfg's arms with each setting typed as --key=value types it (dropout=0 is 0.0), and one line for an arm
+    name or settings that cannot be: {arm: settings}."""
+    arms = {}
+    for arm, settings in cfg["arms"].items():
+        if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm.endswith(OUT_DIR_SUFFIXES):
+            raise ConfigError(f"arm name {arm!r}: use letters, digits, '_', '.' and '-' (not first), not ending in "
+                              f"{', '.join(OUT_DIR_SUFFIXES)} (the grid's own files in out_dir)")
+        if len(arm) > ARM_NAME_MAX:
+            raise ConfigError(f"arm name {arm[:20]}... is {len(arm)} characters; use at most {ARM_NAME_MAX} (it names "
+                              f"a folder, and the report's files)")
+        if not isinstance(settings, dict) or set(settings) - set(MODEL_KEYS + ARM_LEARNING_RATES):
+            raise ConfigError(f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)}) or "
+                              f"learning rates ({', '.join(ARM_LEARNING_RATES)})")
+        arms[arm] = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS.get(k, cfg.get(k))) for k, v in settings.items()}
+    return arms
+
+
 def check_config(cfg, world, command_line=()):
     """One line for each setting that cannot run, before anything is trained. command_line: the
     keys set by --key=value, so that a key every arm overrides is not silently lost."""
@@ -120,19 +138,8 @@ def check_config(cfg, world, command_line=()):
                           "or arms = {'standard': {}}")
     if cfg["residual"] not in RESIDUALS:
         raise ConfigError(f"residual={cfg['residual']!r} is not a residual scheme; choose one of {', '.join(RESIDUALS)}")
-    arms = {}  # type-checked like --key=value
-    for arm, settings in cfg["arms"].items():
-        if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm.endswith(OUT_DIR_SUFFIXES):
-            raise ConfigError(f"arm name {arm!r}: use letters, digits, '_', '.' and '-' (not first), not ending in "
-                              f"{', '.join(OUT_DIR_SUFFIXES)} (the grid's own files in out_dir)")
-        if len(arm) > ARM_NAME_MAX:
-            raise ConfigError(f"arm name {arm[:20]}... is {len(arm)} characters; use at most {ARM_NAME_MAX} (it names "
-                              f"a folder, and the report's files)")
-        if not isinstance(settings, dict) or set(settings) - set(MODEL_KEYS + ARM_LEARNING_RATES):
-            raise ConfigError(f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)}) or "
-                              f"learning rates ({', '.join(ARM_LEARNING_RATES)})")
-        settings = arms[arm] = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS.get(k, cfg.get(k)))
-                                for k, v in settings.items()}
+    arms = typed_arms(cfg)  # as train.build_config records them (cfg itself is not changed)
+    for arm, settings in arms.items():
         for key, value in settings.items():
             check_number(key, value, f"arm {arm!r}: ")
         try:
@@ -152,7 +159,6 @@ def check_config(cfg, world, command_line=()):
             if key in unused and settings[key] != cfg[key]:
                 raise ConfigError(f"arm {arm!r}: {key}={settings[key]!r} changes nothing: {unused[key]}; drop it "
                                   f"from the arm")
-    cfg["arms"] = arms
     for key in command_line:
         unused = [unused_settings(cfg, model_config(cfg, s)).get(key) for s in arms.values()]
         if all(unused):
@@ -244,7 +250,7 @@ def shared_shapes(config):
     drawn): shapes alike are drawn alike from a seed (shared_init_hash), others never are."""
     with torch.device("meta"):
         model = GPT(config)
-    return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items() if not name.startswith("residual."))
+    return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items() if not is_routing(name))
 
 
 def check_number(key, value, where):
@@ -655,7 +661,7 @@ def shared_init_hash(model):
     """sha256 of the shared (non-routing) parameters: equal across the arms of a seed, by design."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
-        if not name.startswith("residual."):
+        if not is_routing(name):
             h.update(name.encode())
             h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

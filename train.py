@@ -18,6 +18,7 @@ is the config, the data order, the step and the loop; machine.py sets up the pro
 cells.py opens, checkpoints and finishes a cell. The grid ends with the paired report (report.py).
 """
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -119,11 +120,21 @@ def resolve_data_dir(path):
     return os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), path))
 
 
+@dataclasses.dataclass
+class DataFiles:
+    """What find_data found: the absolute data_dir, its tokenizer (byte and GPT-2 cells never pair), its
+    manifest (None without one) and its shards."""
+    dir: str
+    tokenizer: str
+    manifest: dict | None
+    val_path: str
+    train_paths: list
+
+
 def find_data(cfg, runtime):
-    """The data's manifest (or None), validation shard and train shards, with names and sizes
-    checked against the manifest (the bundled corpus prepared on first use). Records in cfg the
-    absolute data_dir and its tokenizer (byte and GPT-2 cells never pair)."""
-    cfg["data_dir"] = data_dir = resolve_data_dir(cfg["data_dir"])
+    """cfg's data_dir as DataFiles, with the shards' names and sizes checked against the manifest
+    (the bundled corpus prepared on first use)."""
+    data_dir = resolve_data_dir(cfg["data_dir"])
     if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
         if runtime.master:
             prepare_bundled_or_wait(data_dir)
@@ -131,8 +142,8 @@ def find_data(cfg, runtime):
             dist.barrier()
     manifest = verify_manifest(data_dir, full=cfg["verify_shards"] and runtime.master)  # the sha256s once, on rank 0
     val_path, train_paths = find_shards(data_dir)
-    cfg["tokenizer"] = manifest["tokenizer"] if manifest else shard_tokenizer(val_path)
-    return manifest, val_path, train_paths
+    tokenizer = manifest["tokenizer"] if manifest else shard_tokenizer(val_path)
+    return DataFiles(data_dir, tokenizer, manifest, val_path, train_paths)
 
 
 def prepare_bundled_or_wait(data_dir):
@@ -156,9 +167,8 @@ def data_vocab_size(tokenizer):
 
 def open_data(cfg, data, vocab_size, init_tokenizer):
     """The validation shard and the train shards of find_data's data, every one checked before
-    anything trains. Records in cfg train_data_sha256 (other train data is a change, like other
-    weights; other validation tokens show in each cell's val_hash)."""
-    manifest, val_path, train_paths = data
+    anything trains (other validation tokens show in each cell's val_hash)."""
+    manifest, val_path, train_paths = data.manifest, data.val_path, data.train_paths
     tokenizer, data_dir = cfg["tokenizer"], cfg["data_dir"]
     if init_tokenizer not in (None, tokenizer):  # the same ids would be other tokens
         raise ConfigError(f"init_from={cfg['init_from']} was trained on {init_tokenizer} tokens, data_dir {data_dir} "
@@ -172,7 +182,6 @@ def open_data(cfg, data, vocab_size, init_tokenizer):
         raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "
                           f"({len(val):,} tokens); lower eval_tokens")
     train_shards = [open_shard(path, vocab_size, tokenizer) for path in train_paths]
-    cfg["train_data_sha256"] = records.train_data_fingerprint(train_paths, manifest)
     return val, train_shards
 
 
@@ -327,7 +336,10 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     step_sequences = s.gradient_accumulation_steps * s.batch_size  # all ranks together
     per_rank = step_sequences // runtime.world
     sizes = micro_batches(per_rank, s.batch_size)
-    loss_sum = torch.tensor(state.loss_sum, device=runtime.device)  # the log interval's, on this rank
+    # the log interval's loss on this rank; under several ranks in float64, where the ranks' float32 parts add
+    # exactly in any order, so a cell resumed mid-interval (its sum on rank 0) logs what it would have
+    loss_sum = torch.tensor(state.loss_sum, device=runtime.device,
+                            dtype=torch.float64 if runtime.world > 1 else torch.float32)
     diverged = val_loss = losses = routing = None
     while True:
         if state.step % s.eval_interval == 0 or state.step == s.max_iters:
@@ -435,29 +447,46 @@ def write_report(cfg, rewrite):
         pass  # another worker is writing it
 
 
+def build_config(given, runtime, data, init):
+    """
+    The run's config, as out_dir/config.json records it (each cell's config.json adds its arm's
+    settings over it; docs/protocol.md lists the keys). given: DEFAULTS updated by config files and
+    --key=value. Over it: each arm's settings typed, and what this run found: the data's absolute
+    folder, tokenizer and train shards' fingerprint (other train data is a change, like other
+    weights), the vocabulary (the data's unless given), the machine as used, and the warm start's
+    sha256 (a rerun from other weights is a change). The tuned protocol's grids are this config with
+    other arms (tune.py).
+    """
+    vocab_size = given["vocab_size"]
+    if vocab_size is None and data:  # the data sets the vocabulary
+        vocab_size = data_vocab_size(data.tokenizer)
+    # the machine as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the same);
+    # the world size changes a step's rounding, and on a CPU compiled kernels round differently on another
+    # thread count (measured), so both are settings too. torch.__version__ is a str subclass, which weights_only
+    # checkpoint loads refuse. No data (an empty data_dir) is check_config's line.
+    return dict(given, data_dir=data.dir if data else given["data_dir"], tokenizer=data and data.tokenizer,
+                vocab_size=vocab_size, arms=records.typed_arms(given), device=runtime.device.split(":")[0],
+                dtype=runtime.dtype, torch_version=str(torch.__version__), world_size=runtime.world,
+                compile=resolve_compile(given["compile"], runtime.device),
+                cpu_threads=cpu_threads(runtime) if runtime.device == "cpu" else None, init_from_sha256=init.sha256,
+                train_data_sha256=data and records.train_data_fingerprint(data.train_paths, data.manifest))
+
+
 def main(argv):
-    cfg = configure(DEFAULTS, argv, entries=dict(arms=SCHEME_ARMS))
-    runtime = setup(cfg)
-    data = find_data(cfg, runtime) if cfg["data_dir"] else None  # an empty one is check_config's line
-    if cfg["vocab_size"] is None and data:  # the data sets the vocabulary
-        cfg["vocab_size"] = data_vocab_size(cfg["tokenizer"])
+    given = configure(DEFAULTS, argv, entries=dict(arms=SCHEME_ARMS))
+    runtime = setup(given)
+    data = find_data(given, runtime) if given["data_dir"] else None
+    init = checkpoint.load_init_from(given["init_from"])
+    cfg = build_config(given, runtime, data, init)
     records.check_config(cfg, runtime.world, [a[2:].partition("=")[0] for a in argv if a.startswith("--")])
+    checkpoint.check_init_fits(init, cfg)
     models = {arm: records.model_config(cfg, settings) for arm, settings in cfg["arms"].items()}
     for note in records.notes(cfg, models) if runtime.master else []:  # allowed (a sweep over context), said
         print(note)
     code = records.code_record()
-    # recorded as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the
-    # same); the world size changes a step's rounding, so it is a setting too
-    # (torch.__version__ is a str subclass, which weights_only checkpoint loads refuse); on a CPU, compiled
-    # kernels round differently on another thread count (measured), so the count is a setting too
-    cfg.update(device=runtime.device.split(":")[0], dtype=runtime.dtype, torch_version=str(torch.__version__),
-               world_size=runtime.world, compile=resolve_compile(cfg["compile"], runtime.device),
-               cpu_threads=cpu_threads(runtime) if runtime.device == "cpu" else None)
-    # the checkpoint's hash joins the config: recorded in every cell, and a rerun from other weights is a change
-    init_weights, cfg["init_from_sha256"], init_tokenizer = checkpoint.load_init_from(cfg)
     bundle = downstream.load_bundle(cfg["downstream_bundle"], cfg["downstream_max_per_task"] or None) \
         if cfg["downstream_bundle"] else None  # every rank
-    val, train_shards = open_data(cfg, data, min(m.vocab_size for m in models.values()), init_tokenizer)
+    val, train_shards = open_data(cfg, data, min(m.vocab_size for m in models.values()), init.tokenizer)
     for config in models.values():  # enough tokens for a sequence of every arm, before anything is written
         TrainData(train_shards, config.block_size, 0)
     if cfg["tune_learning_rates"]:  # the tuned protocol: each arm's rate chosen on the tuning seeds, then the grid
@@ -466,9 +495,9 @@ def main(argv):
         records.check_config(tuning, runtime.world)  # its arms' rates, as any arm's
         # no downstream tasks (tune.py); the choice needs every tuning cell, other workers' too
         # on the validation text after the reported one (tune.tuning_text): the choice never reads a test token
-        train_grid(tuning, code, tune.tuning_text(cfg, val), train_shards, init_weights, None, runtime, wait=True)
-        cfg["arms"] = tune.tuned_arms(cfg, tune.choose(cfg, tuning["out_dir"], runtime.master))
-    todo = train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime)
+        train_grid(tuning, code, tune.tuning_text(cfg, val), train_shards, init.weights, None, runtime, wait=True)
+        cfg = dict(cfg, arms=tune.tuned_arms(cfg, tune.choose(cfg, tuning["out_dir"], runtime.master)))
+    todo = train_grid(cfg, code, val, train_shards, init.weights, bundle, runtime)
     if runtime.world > 1:
         dist.destroy_process_group()
     if runtime.master:

@@ -24,8 +24,8 @@ import records
 import train
 from common import ConfigError
 from configurator import configure
-from conftest import log_records, result, tiny
-from model import GPT, GPTConfig
+from conftest import README_SCHEME, log_records, result, tiny
+from model import GPT, RESIDUALS, GPTConfig
 
 DEFAULTS = dict(train.DEFAULTS, vocab_size=320)  # as train.main resolves it from the bundled corpus' bytes
 
@@ -40,7 +40,7 @@ def test_every_model_field_is_a_key_and_can_be_set_per_arm():
         assert getattr(records.model_config(cfg, cfg["arms"]["a"]), field.name) == value
     cfg = dict(DEFAULTS, arms={"a.1": {"dropout": 0}})  # an int for a float, as --dropout=0
     records.check_config(cfg, 1)
-    assert type(cfg["arms"]["a.1"]["dropout"]) is float
+    assert cfg["arms"]["a.1"]["dropout"] == 0 and type(records.typed_arms(cfg)["a.1"]["dropout"]) is float
     # the ablations the README names, as arms
     cfg = configure(DEFAULTS, ["--arms={'self': {'residual': 'dar', 'dar_keys': 'self'}, "
                                      "'hc2': {'residual': 'hc', 'hc_streams': 2}}"])
@@ -430,6 +430,96 @@ def test_editing_messages_never_locks_a_grid_and_editing_math_does(tmp_path, mon
     assert records.code_record()["fingerprint"] == before
 
 
+def lines(source, name):
+    """The line numbers of source's top-level definitions of name."""
+    return {i for n in ast.parse(source).body if records.bound_name(n) == name for i in range(n.lineno, n.end_lineno + 1)}
+
+
+@pytest.fixture
+def code_copy(tmp_path, monkeypatch):
+    """Copies of the CODE_FILES, which code_record reads instead of the real ones; (folder, edit)."""
+    for name in records.CODE_FILES:
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(records.HERE, name), tmp_path / name)
+    monkeypatch.setattr(records, "HERE", str(tmp_path))
+
+    def edit(name, old, new):
+        text = (tmp_path / name).read_text()
+        assert text.count(old) == 1, old
+        (tmp_path / name).write_text(text.replace(old, new))
+    return tmp_path, edit
+
+
+def cut(folder, name, definition):
+    """Remove the top-level definition of `definition` from a copied file; returns its text."""
+    source = (folder / name).read_text()
+    node = next(n for n in ast.parse(source).body if records.bound_name(n) == definition)
+    text = ast.get_source_segment(source, node, padded=True)
+    (folder / name).write_text(source.replace(text, "", 1))
+    return text
+
+
+def test_moving_or_reordering_definitions_and_adding_a_scheme_no_arm_trains_lock_nothing(code_copy, monkeypatch):
+    folder, edit = code_copy
+    recorded = records.code_record()
+    trained = set(recorded["schemes"]) - {"gated"}  # the README's example scheme, registered by conftest
+    seed_for = cut(folder, "cells.py", "seed_for")  # a function moved to another fingerprinted file
+    with open(folder / "data/shards.py", "a") as f:
+        f.write("\n\n" + seed_for + "\n")
+    sinkhorn = cut(folder, "model.py", "sinkhorn")  # a definition moved below the others
+    edit("model.py", "\nRESIDUALS = dict(", "\n" + sinkhorn + "\n\n\nRESIDUALS = dict(")
+    # a new scheme: its class and its registry entry (and the registry's class, as importing the new model.py gives)
+    edit("model.py", "scaled_residual=ScaledResidual)", "scaled_residual=ScaledResidual, gated2=GatedResidual)")
+    (folder / "model.py").write_text((folder / "model.py").read_text() + "\n\n" + README_SCHEME)
+    monkeypatch.setitem(RESIDUALS, "gated2", RESIDUALS["gated"])
+    now = records.code_record()
+    assert now["definitions"]["seed_for"] == recorded["definitions"]["seed_for"]
+    assert records.code_changes(recorded, now, trained) == []  # the grid of every scheme model.py had
+    for scheme in trained:
+        assert records.code_changes(recorded, now, {scheme}) == [], scheme
+    assert records.code_changes(recorded, now, {"gated"}) == ["GatedResidual"]  # conftest's: not in the files before
+    assert records.code_fingerprints(recorded, "attnres") == records.code_fingerprints(now, "attnres")
+
+
+def test_a_change_locks_the_schemes_that_compute_with_it(code_copy):
+    folder, edit = code_copy
+    recorded = records.code_record()
+    trained = set(recorded["schemes"]) - {"gated"}
+    assert recorded["schemes"]["rd_attnres"] == ["AttnRes", "RDAttnRes"]  # its base class
+    assert recorded["schemes"]["dar"] == ["AttnRes", "DualAttnRes"]  # a class it calls
+    # a registered base class: its own scheme and the schemes built on it, no other
+    edit("model.py", "return [(\"uniform\", self.name_of(k)) for k in range(1, self.output_read + 1)]",
+         "return [(\"uniform\", self.name_of(k)) for k in range(2, self.output_read + 1)]")
+    now = records.code_record()
+    assert {s for s in trained if records.code_changes(recorded, now, {s})} == {"attnres", "rd_attnres", "dar"}
+    assert records.code_changes(recorded, now, {"rd_attnres"}) == ["AttnRes"]
+    shared, own = records.code_fingerprints(now, "rd_attnres")
+    assert shared == records.code_fingerprints(recorded, "rd_attnres")[0] != own
+    assert own != records.code_fingerprints(recorded, "rd_attnres")[1]
+    # the base class of every scheme, which the registry does not list: every scheme
+    edit("model.py", "class ResidualScheme(nn.Module):", "class ResidualScheme(nn.Module):\n    extra = 1\n")
+    now = records.code_record()
+    assert all("ResidualScheme" in records.code_changes(recorded, now, {s}) for s in trained)
+    assert records.code_fingerprints(now, "standard")[0] != records.code_fingerprints(recorded, "standard")[0]
+    # the registry pointing a scheme at another class
+    edit("model.py", "dar=DualAttnRes,", "dar=AttnRes,")
+    before = dict(RESIDUALS)
+    try:
+        RESIDUALS["dar"] = RESIDUALS["attnres"]
+        assert "RESIDUALS['dar']" in records.code_changes(recorded, records.code_record(), {"dar"})
+    finally:
+        RESIDUALS.update(before)
+
+
+def test_a_record_of_an_earlier_version_is_a_change_said_once(tmp_path):
+    old = dict(DEFAULTS, arm="a", seed=0, code=dict(fingerprint="e" * 64, files={"model.py": "e" * 64}))
+    new = dict(old, code=records.code_record())
+    with pytest.raises(ConfigError, match=r"code changed \(all of it: recorded per file by an earlier version\); "
+                                          r".*--allow_changes=True"):
+        records.check_rerun("config.json", old, new, False)
+    assert records.check_rerun("config.json", old, new, True) == {"code": ["e" * 64, new["code"]["fingerprint"]]}
+
+
 # --- the rerun check: one for the grid's record, a cell's, a checkpoint's --------------------------
 
 CODE = dict(fingerprint="f" * 64, definitions={"GPT": "f" * 16}, schemes={}, git_commit=None, git_dirty=None)
@@ -571,13 +661,18 @@ def test_damaged_or_foreign_init_from_files_are_one_line(tmp_path):
     torch.save({"config": [1], "model": {1: torch.zeros(1)}}, tmp_path / "intkeys.pt")
     for name, message in (("text.pt", "is missing or unreadable"), ("intkeys.pt", "holds neither a train.py ckpt.pt")):
         with pytest.raises(ConfigError, match=message):
-            checkpoint.load_init_from(dict(DEFAULTS, init_from=str(tmp_path / name)))
+            checkpoint.load_init_from(str(tmp_path / name))
     cfg = grid_cfg(tmp_path, n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, eval_tokens=100,
                    arms={"s": {"residual": "standard"}, "d": {"residual": "denseformer"}})
     weights = GPT(records.model_config(cfg, {})).state_dict()
     torch.save(weights, tmp_path / "good.pt")
-    loaded, sha, tokenizer = checkpoint.load_init_from(dict(cfg, init_from=str(tmp_path / "good.pt")))
-    assert set(loaded) == set(weights) and len(sha) == 64 and tokenizer is None
+    init = checkpoint.load_init_from(str(tmp_path / "good.pt"))
+    assert set(init.weights) == set(weights) and len(init.sha256) == 64 and init.tokenizer is None
+    checkpoint.check_init_fits(init, cfg)
+    with pytest.raises(ConfigError, match=r"init_from=.*good.pt does not fit arm 'w': lm_head.weight is "
+                                          r"\(32, 16\) there, \(32, 32\) in the arm"):
+        checkpoint.check_init_fits(init, dict(cfg, arms=dict(cfg["arms"], w={"n_embd": 32})))
+    assert checkpoint.load_init_from("") == checkpoint.WarmStart()  # none: every cell from its seed's init
     # a diverged run's weights: every cell would diverge at step 0
     for value in (float("nan"), float("inf")):
         broken = dict(weights, **{"transformer.h.1.mlp.c_fc.weight": weights["transformer.h.1.mlp.c_fc.weight"].clone()})
@@ -585,13 +680,13 @@ def test_damaged_or_foreign_init_from_files_are_one_line(tmp_path):
         torch.save(broken, tmp_path / "broken.pt")
         with pytest.raises(ConfigError, match=r"broken.pt holds non-finite values \(NaN or inf\) in "
                                               r"transformer.h.1.mlp.c_fc.weight; warm-start from a checkpoint"):
-            checkpoint.load_init_from(dict(cfg, init_from=str(tmp_path / "broken.pt")))
+            checkpoint.load_init_from(str(tmp_path / "broken.pt"))
     # an untied head: loading it into this model's one tensor would silently drop the embedding
     untied = dict(weights, **{"lm_head.weight": weights["lm_head.weight"] + 1})
     torch.save(untied, tmp_path / "untied.pt")
     with pytest.raises(ConfigError, match=r"untied.pt has an embedding \(transformer.wte.weight\) and a head "
                                           r"\(lm_head.weight\) that differ; this model ties them"):
-        checkpoint.load_init_from(dict(cfg, init_from=str(tmp_path / "untied.pt")))
+        checkpoint.load_init_from(str(tmp_path / "untied.pt"))
 
 
 def test_a_grid_made_between_the_look_and_the_write_is_checked_not_overwritten(tmp_path, monkeypatch):
