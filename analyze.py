@@ -39,7 +39,7 @@ import records
 import train
 from common import ConfigError, UserError, check_writable, write_atomic, write_json, write_text
 from data.shards import find_shards, open_shard
-from model import GPT, GPTConfig
+from model import GPTConfig
 
 
 # what analyze.py reads from a cell's config.json (train.py writes them all), and their types
@@ -51,8 +51,9 @@ def not_a_record(path, why):
     return ConfigError(f"{path} is not a cell record of this code ({why}); rerun train.py for the cell")
 
 
-def load_cell(cell_dir):
-    """(the cell's config.json record, its model with the checkpoint's weights, on the CPU, the checkpoint's step)"""
+def open_cell(cell_dir):
+    """(its model with the checkpoint's weights, on the CPU, the cell's config.json record, the
+    checkpoint's step), as checkpoint.load_cell, with the record the analysis reads checked too."""
     give = "give OUT_DIR/<arm>/seed<k> of a train.py run"
     if not os.path.exists(cell_dir):
         raise ConfigError(f"{cell_dir} does not exist; {give}")
@@ -74,26 +75,20 @@ def load_cell(cell_dir):
     if missing:  # a default filled in here would be a model other than the one trained
         raise not_a_record(config_path, f"model has no {', '.join(missing)}")
     try:
-        config = GPTConfig(**cfg["model"])
+        GPTConfig(**cfg["model"])  # its own checks, one line each
     except (ValueError, TypeError) as e:
         raise not_a_record(config_path, f"model: {e}") from None
     if not os.path.isfile(ckpt_path):
         raise ConfigError(f"{ckpt_path} is missing: the cell saves it at its first evaluation after step 0; "
                           f"train the cell (train.py) first")
-    ckpt = checkpoint.load_checkpoint(ckpt_path, "cpu")
-    weights = ckpt["model"]
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise ConfigError(f"{ckpt_path} holds no model weights; delete it to train the cell from scratch")
-    model = GPT(config)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        raise ConfigError(f"{ckpt_path} does not fit the model in {config_path} "
-                          f"({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e})") from None
-    if not all(v.isfinite().all() for v in weights.values() if v.is_floating_point()):
+    model, record, step = checkpoint.load_cell(cell_dir, "cpu")
+    if record["model"] != cfg["model"]:  # the evaluation settings below are config.json's
+        raise ConfigError(f"{ckpt_path} holds another model than {config_path} (a file copied from another cell?); "
+                          f"restore the cell's own files, or rerun train.py for the cell")
+    if not all(v.isfinite().all() for v in model.state_dict().values() if v.is_floating_point()):
         raise ConfigError(f"{ckpt_path} has non-finite weights (a diverged cell): there is nothing to analyse; "
                           f"retrain the cell, e.g. with a lower learning_rate")
-    return cfg, model, ckpt["step"]
+    return model, cfg, step
 
 
 def recorded_val_loss(cell_dir):
@@ -188,13 +183,14 @@ def markdown(a):
                   "| layer | load per expert | router entropy |", "|---|---|---|"]
         lines += [f"| {name} | {' '.join(f'{v:.2f}' for v in load)} | {rep['router_entropy'][name]:.3f} |"
                   for name, load in rep["expert_load"].items()] + [""]
-    if not a["interventions"]:
-        return "\n".join(lines + [f"residual={a['residual']!r} has no depth reads: no interventions and no routing "
-                                  f"representations.", ""])
-    lines += ["## Interventions", "", "NLL with the change minus NLL without it, on the same tokens "
-              "(positive: the learned routing that the change removes was helping).", "",
-              "| change | NLL | delta NLL |", "|---|---|---|"]
-    lines += [f"| {describe(r['change'])} | {r['nll']:.4f} | {r['delta']:+.3g} |" for r in a["interventions"]]
+    if not a["interventions"] and not any(v for g, v in rep.items() if g not in ("expert_load", "router_entropy")):
+        return "\n".join(lines + [f"residual={a['residual']!r} lists no interventions and records no routing "
+                                  f"diagnostics: nothing more to show.", ""])
+    if a["interventions"]:
+        lines += ["## Interventions", "", "NLL with the change minus NLL without it, on the same tokens "
+                  "(positive: the learned routing that the change removes was helping).", "",
+                  "| change | NLL | delta NLL |", "|---|---|---|"]
+        lines += [f"| {describe(r['change'])} | {r['nll']:.4f} | {r['delta']:+.3g} |" for r in a["interventions"]]
     if rep["weights"]:
         lines += ["", "## Depth reads", "", "Effective number of sources: exp(entropy of the read's weights) per token, "
                   "averaged over tokens (1: one source; S: all S equally).", "",
@@ -246,13 +242,14 @@ def plots(a, cell_dir):
         return
     save = lambda fig, name: write_atomic(os.path.join(cell_dir, name), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     rows = a["interventions"]
-    fig, ax = plt.subplots(figsize=(6, 0.25 * len(rows) + 1))
-    ax.barh([describe(r["change"]) for r in rows][::-1], [r["delta"] for r in rows][::-1])
-    ax.set_xlabel("delta validation NLL (nats/token)")
-    ax.set_title(f"{a['arm']}/seed{a['seed']}: interventions", fontsize=9)
-    fig.tight_layout()
-    save(fig, "analysis_interventions.png")
-    plt.close(fig)
+    if rows:
+        fig, ax = plt.subplots(figsize=(6, 0.25 * len(rows) + 1))
+        ax.barh([describe(r["change"]) for r in rows][::-1], [r["delta"] for r in rows][::-1])
+        ax.set_xlabel("delta validation NLL (nats/token)")
+        ax.set_title(f"{a['arm']}/seed{a['seed']}: interventions", fontsize=9)
+        fig.tight_layout()
+        save(fig, "analysis_interventions.png")
+        plt.close(fig)
     matrices = [(f"sources {k}", m) for k, m in a["representations"].get("source_cosine", {}).items()]
     if isinstance(a["representations"].get("stream_cosine", {}).get("out"), list):
         matrices.append(("streams", a["representations"]["stream_cosine"]["out"]))
@@ -273,7 +270,7 @@ def main(argv):
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="", help="auto, bfloat16 or float32 (default: the cell's)")
     args = parser.parse_args(argv)
-    cfg, model, step = load_cell(args.cell)
+    model, cfg, step = open_cell(args.cell)
     runtime = machine.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
     data_dir = train.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
@@ -291,9 +288,10 @@ def main(argv):
                               "writable and analyse the copy")
     code = records.code_record()  # the analysis is of this code's model: recorded, and said when it is not the cell's
     trained = cfg.get("code") if isinstance(cfg.get("code"), dict) else {}
-    if trained.get("fingerprint") != code["fingerprint"]:
+    if records.code_changes(trained, code, {model.config.residual}):
         print(f"note: the code differs from the one {args.cell} was trained with "
-              f"({', '.join(records.changed_files(trained, code))}); these numbers are of the current code")
+              f"({records.described_changes(trained, code, {model.config.residual})}); these numbers are of the "
+              f"current code")
     model.to(runtime.device)
     evaluation = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
     base, rows = interventions(model, val, evaluation, runtime)
@@ -303,14 +301,12 @@ def main(argv):
              capped=capped, base_nll=base, recorded_val_loss=recorded, code=code,
              trained_code=trained.get("fingerprint"),
              interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
-             representations=records.rounded(representations(model, val, evaluation, runtime))
-             if rows or model.moes() else None)
+             representations=records.rounded(representations(model, val, evaluation, runtime)))
     if model.config.residual == "dar":
         a["dar"] = dar_summary(a)
     write_json(os.path.join(args.cell, "analysis.json"), a)
     write_text(os.path.join(args.cell, "analysis.md"), markdown(a))
-    if rows:
-        plots(a, args.cell)
+    plots(a, args.cell)
     print(markdown(a))
 
 

@@ -110,9 +110,10 @@ def cpu_threads(runtime):
     if runtime.master:
         print(f"cpu: {threads} thread(s) per process (set with OMP_NUM_THREADS)")
         load, cores = os.getloadavg()[0], os.cpu_count()
-        if load > cores:
-            print(f"warning: this machine's load ({load:.1f}) exceeds its {cores} cores: training will be slow; "
-                  f"with OMP_NUM_THREADS=1 it waits least")
+        if load > cores:  # one thread is the advice; with one already, only fewer processes help
+            way_on = "with OMP_NUM_THREADS=1 it waits least" if threads > 1 else \
+                "it computes with one thread already: run fewer processes at once, or wait for a quieter machine"
+            print(f"warning: this machine's load ({load:.1f}) exceeds its {cores} cores: training will be slow; {way_on}")
     return threads
 
 

@@ -32,10 +32,12 @@ Adding a scheme:
   3. optionally: read_attention (separate query, key and value inputs), interventions() with
      `intervention_kinds` (analysis switches, read from self.intervention), diagnostics through
      self.note(name, compute) (free when off), dead_rows() (rows that get no gradient by construction);
-  4. add one line to RESIDUALS and run `pytest tests/test_model.py -k NAME`: every generic test
-     (zero init, shared init, gradients from init, causality, compile, counts, diagnostics,
-     interventions) is parametrized over the registry and reads what the scheme declares; its
-     failure message says what to fix. Add a reference test of your formulas beside the others.
+  4. add one line to RESIDUALS and run `pytest tests -k NAME`: every generic test (zero init,
+     shared init, gradients from init, causality, an fp32 stream under autocast, compile, counts,
+     diagnostics, interventions, MoE, warm start, analysis) is parametrized over the registry and
+     reads what the scheme declares; its failure message says what to fix. Add a reference test of
+     your formulas beside the others. README.md's "Add a scheme" gives the contract of
+     read_attention, where a scheme of several reads keeps them (its state) and the precision rule.
 """
 
 import hashlib
@@ -1180,6 +1182,11 @@ def scheme_seed(name):
     """The seed of a scheme's init: from the seed the model is drawn with (torch.initial_seed(), the
     last torch.manual_seed) and the scheme's name; sha256, as Python's str hash changes per process."""
     return int.from_bytes(hashlib.sha256(f"{torch.initial_seed()}/{name}".encode()).digest()[:8], "little")
+
+
+def is_routing(name):
+    """Whether a GPT parameter or state_dict name is its scheme's (GPT.residual), not a shared weight."""
+    return name.startswith("residual.")
 
 
 class GPT(nn.Module):

@@ -61,9 +61,9 @@ def main(argv):
 
     model, record, _ = load_cell(args.cell, device)
     trained, code = record.get("code") if isinstance(record.get("code"), dict) else {}, records.code_record()
-    if trained.get("fingerprint") != code["fingerprint"]:  # the weights are the cell's, the model code is today's
+    if records.code_changes(trained, code, {model.config.residual}):  # the weights are the cell's, the code today's
         print(f"note: the code differs from the one the cell was trained with "
-              f"({', '.join(records.changed_files(trained, code))})", file=sys.stderr)
+              f"({records.described_changes(trained, code, {model.config.residual})})", file=sys.stderr)
     try:
         # the cell records its data's tokenizer; older cells are asked of their data_dir
         tokenizer = get_tokenizer(record.get("tokenizer") or tokenizer_of(record["data_dir"]))

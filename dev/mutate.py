@@ -113,7 +113,7 @@ MUTANTS = [
     ("cells.py", "torch.manual_seed(seed_for(seed, DROPOUT, runtime.rank))", "torch.manual_seed(seed_for(seed, DROPOUT))",
      "tests/test_loop.py", "every rank seeds dropout as rank 0"),
     # records.py
-    ("records.py", "        if not name.startswith(\"residual.\"):\n            h.update(name.encode())",
+    ("records.py", "        if not is_routing(name):\n            h.update(name.encode())",
      "        if True:\n            h.update(name.encode())", "tests/test_train.py",
      "the init hash includes routing parameters (arms never pair)"),
     ("records.py", "\"eval_batch_size\", \"verify_shards\", \"allow_changes\",",
@@ -135,6 +135,10 @@ MUTANTS = [
      "a scheme option set for the run reaches every arm"),
     ("records.py", "create_json(self.path, self.merged())", "write_json(self.path, self.merged())",
      "tests/test_records.py", "a new grid's record not created exclusively (of two runs at once, one's arms lost)"),
+    ("records.py", "todo += sorted(references.get(name, set()) & registered)", "pass", "tests/test_records.py",
+     "a scheme's code misses the registered classes it derives from or calls (editing AttnRes never locks RD)"),
+    ("records.py", "and (name not in registered or name in used)]", "]", "tests/test_records.py",
+     "every scheme class is in every cell's code (adding or editing a scheme no arm trains locks every grid)"),
     # common.py, data/
     ("common.py", "json.dump(obj, f, indent=1, allow_nan=False)", "json.dump(obj, f, indent=1)", "tests/test_common.py",
      "write_json writes NaN (not strict JSON)"),

@@ -7,9 +7,33 @@ a seeded model and token batch, random routing parameters, and the depth read wr
 definition. Other files may append their own shared fixtures below, each in a marked section.
 """
 
+import os
+import re
+
 import torch
 
+import model as model_code
 from model import GPT, RESIDUALS, GPTConfig, depth_read, depth_read_extend
+
+# --- the README's example scheme, registered for the session ---------------------------------------
+# README.md's "Add a scheme" promises that a correct new scheme passes every generic test without an
+# edit to a test: its example, taken verbatim from the README, is registered as `gated` while the tests
+# run (in this process only), so every run of the suite checks that promise on it.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_scheme():
+    """The first python block of README.md's "Add a scheme" section: (source, class name)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("\n## Add a scheme\n")[1].split("\n## ")[0]
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return source, re.search(r"^class (\w+)\(", source, re.M).group(1)
+
+
+README_SCHEME, README_CLASS = readme_scheme()
+exec(compile(README_SCHEME, "README.md (Add a scheme)", "exec"), namespace := dict(vars(model_code)))
+RESIDUALS["gated"] = namespace[README_CLASS]  # the name the README registers it under
 
 # --- model helpers (owner: test_model.py) ---------------------------------------------------------
 

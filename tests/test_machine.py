@@ -50,6 +50,10 @@ def test_the_cpu_thread_count_is_said_and_a_busy_machine_warned_of(monkeypatch, 
     assert machine.cpu_threads(ONE_PROCESS) == torch.get_num_threads() == 1
     out = capsys.readouterr().out
     assert "cpu: 1 thread(s) per process" in out and "load (3.5) exceeds its 2 cores" in out
+    assert "one thread already: run fewer processes" in out and "OMP_NUM_THREADS=1" not in out  # it is 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    machine.cpu_threads(ONE_PROCESS)
+    assert "with OMP_NUM_THREADS=1 it waits least" in capsys.readouterr().out
     monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 3.0, 2.0))
     machine.cpu_threads(ONE_PROCESS)
     assert "warning" not in capsys.readouterr().out

@@ -7,7 +7,7 @@ and the generic contract every scheme in RESIDUALS must meet (parametrized over 
 a new scheme is tested with no edit here, and a failure says what to fix).
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_model.py -q          # all (about a minute or two)
-    OMP_NUM_THREADS=1 python -m pytest tests/test_model.py -q -k dar   # the tests of one scheme
+    OMP_NUM_THREADS=1 python -m pytest tests -q -k dar                 # every test of one scheme, all files
 """
 
 import math
@@ -21,7 +21,7 @@ from conftest import (ROUTED, TINY, VARIANTS, logits_of, make, naive_depth_read,
                       two_phase_read)
 from model import (GPT, RESIDUALS, CausalSelfAttention, DualAttnRes, GPTConfig, History, HyperConnections,
                    StandardResidual, Streams, depth_read, depth_read_extend, depth_read_sealed, depth_weights_extend,
-                   depth_weights_sealed, js_divergence, sinkhorn)
+                   depth_weights_sealed, is_routing, js_divergence, sinkhorn)
 
 
 @pytest.mark.parametrize("variant", ROUTED)
@@ -29,8 +29,8 @@ def test_zero_init_equals_standard(variant):
     standard = make("standard", seed=3, norm_eps=1e-10)
     model = make(variant, seed=4, norm_eps=1e-10)  # another seed: the weights must come from the load
     missing, unexpected = model.load_state_dict(standard.state_dict(), strict=False)
-    assert unexpected == []
-    assert all(k.startswith("residual.") for k in missing), "a scheme keeps its parameters under GPT.residual"
+    assert unexpected == [], f"{variant} lacks parameters of `standard` ({unexpected}): keep every shared weight"
+    assert all(is_routing(k) for k in missing), "a scheme keeps its parameters under GPT.residual"
     idx = tokens()
     assert rel_err(logits_of(model, idx), logits_of(standard, idx)) < 1e-5, (
         f"{variant} is not `standard` at init: make its routing parameters start at the identity")
@@ -47,17 +47,19 @@ def shared_init_and_rng_after(build, seed):
     """The shared (non-routing) parameters of a model that build() makes, and the global RNG state after it."""
     torch.manual_seed(seed)
     model = build()
-    return {n: p for n, p in model.named_parameters() if not n.startswith("residual.")}, torch.get_rng_state()
+    return {n: p for n, p in model.named_parameters() if not is_routing(n)}, torch.get_rng_state()
 
 
 @pytest.mark.parametrize("variant", ROUTED)
 def test_shared_init_is_bit_identical_across_variants(variant):
     reference, reference_rng = shared_init_and_rng_after(lambda: make("standard", seed=5), 5)
     shared, rng = shared_init_and_rng_after(lambda: make(variant, seed=5), 5)
-    assert shared.keys() == reference.keys()
+    assert shared.keys() == reference.keys(), f"{variant}: a scheme's parameters live under GPT.residual only"
     for n in reference:
         assert torch.equal(shared[n], reference[n]), f"{n}: a scheme must not draw from the shared RNG"
-    assert torch.equal(rng, reference_rng)  # what is drawn after the model (data order, dropout) is paired too
+    # what is drawn after the model (data order, dropout) is paired too
+    assert torch.equal(rng, reference_rng), (f"building {variant} moved the global RNG: draw only in the scheme's "
+                                             f"__init__ (GPT builds it under a generator of its own)")
     assert not torch.equal(make("standard", seed=6).lm_head.weight, reference["transformer.wte.weight"])
 
 
@@ -290,8 +292,9 @@ def test_causality(variant):
     changed[:, t + 1:] = (changed[:, t + 1:] + 1) % TINY["vocab_size"]
     with torch.no_grad():
         a, b = logits_of(model, idx), logits_of(model, changed)
-    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
-    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1]), (f"{variant} lets a position see later tokens: a read or "
+                                                       f"write mixes over the sequence axis (mix over depth only)")
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:]), f"{variant}'s logits ignore the tokens"
 
 
 @pytest.mark.parametrize("variant", ["attnres", "rd_attnres"])
@@ -308,6 +311,45 @@ def test_bf16_autocast_depth_weights_are_fp32(variant):
     assert all(v.dtype == torch.float32 for v in record.values())
     for w in (v for name, v in record.items() if "/" not in name):  # the depth weights
         assert (w.sum(-1) - 1).abs().max().item() < 1e-6  # bf16 softmax would be off by ~1e-3
+
+
+def stream_under_autocast(model, idx):
+    """GPT.hidden with every sublayer output zero (every block weight zeroed), in fp32 and under CPU bf16
+    autocast: the stream is then the embedding times what the routing makes of it, so the two differ
+    only where the scheme rounds the stream itself (the final norm takes out a per-token scale)."""
+    with torch.no_grad():
+        for p in model.transformer.h.parameters():
+            p.zero_()
+        fp32 = model.hidden(idx)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model.hidden(idx)
+    return fp32, autocast
+
+
+class RoundingMix(StandardResidual):
+    """Broken on purpose: x <- [x, out] @ (1, 1), a depth mix written as a matmul, which autocast runs in bf16."""
+
+    def write(self, x, k, out):
+        return torch.stack([x, out], -1) @ torch.ones(2, device=x.device)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_stream_stays_fp32_under_bf16_autocast(variant):
+    model = make(variant)
+    randomize_routing(model)
+    fp32, autocast = stream_under_autocast(model, tokens())
+    assert autocast.dtype == torch.float32, f"{variant}'s stream is {autocast.dtype} under autocast; keep it fp32"
+    assert rel_err(autocast, fp32) < 1e-5, (
+        f"{variant} rounds the residual stream under bf16 autocast (a depth mix written as a matmul or einsum "
+        f"runs in bf16): mix the stream by sums of products, or in fp32 with torch.autocast(..., enabled=False)")
+
+
+def test_a_scheme_that_rounds_the_stream_is_caught(monkeypatch):
+    monkeypatch.setitem(RESIDUALS, "rounding_mix", RoundingMix)
+    torch.manual_seed(0)
+    fp32, autocast = stream_under_autocast(GPT(GPTConfig(**TINY, residual="rounding_mix")), tokens())
+    assert rel_err(autocast, fp32) > 1e-3  # bf16 keeps 8 bits of mantissa
+    assert rel_err(*stream_under_autocast(make("standard"), tokens())) == 0
 
 
 def dead_rows(model, name):
@@ -561,7 +603,9 @@ def test_compile_fullgraph_matches_eager(variant):
     torch._dynamo.reset()  # each test is a fresh compile, not a recompile counted against dynamo's limit
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
-        assert rel_err(compiled(idx, idx)[0], model(idx, idx)[0]) < 1e-5
+        assert rel_err(compiled(idx, idx)[0], model(idx, idx)[0]) < 1e-5, (
+            f"{variant} compiled differs from eager: Python state that changes between calls (a counter, a "
+            f"cache) is baked into the graph; keep what varies in tensors or in the state start() returns")
 
 
 # --- DAR, HC, mHC -----------------------------------------------------------------------------
@@ -569,7 +613,10 @@ def test_compile_fullgraph_matches_eager(variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_parameter_counts_as_each_scheme_states(variant):
     model = make(variant)  # extra_params is the scheme's formula (docs/variants.md writes the same)
-    assert model.num_params() - make("standard").num_params() == model.residual.extra_params(model.config)
+    extra = model.num_params() - make("standard").num_params()
+    assert extra == model.residual.extra_params(model.config), (
+        f"{variant} has {extra} parameters beyond `standard`, but its extra_params(config) says "
+        f"{model.residual.extra_params(model.config)}: fix the formula (or the tensors)")
 
 
 @pytest.mark.parametrize("variant", ["dar", "dar_full"])
@@ -838,7 +885,7 @@ def test_dar_write_at_a_block_end_seals_each_stream():
         assert torch.allclose(streams[s].blocks[1], expected[s], atol=1e-6), f"stream {s}"
 
 
-def test_dar_write_at_a_block_start_is_the_gated_output():
+def test_dar_write_at_a_block_start_is_the_output_times_its_gate():
     scheme, embedding, (p0, p1), y, beta, _ = dar_write_case(4)
     with torch.no_grad():
         streams = scheme.write((History([embedding, p0], None, {}), History([embedding, p1], None, {})), 4, y)
@@ -933,7 +980,8 @@ INTERVENTIONS = {  # (variant, change, exact): at init each changes nothing; exa
     ("attnres", ("uniform", "mlp.2"), True), ("rd_attnres", ("uniform", "attn_v.2"), True),
     ("rd_attnres", ("uniform", "attn.2"), True), ("rd_attnres", ("tie_value",), True),
     ("dar", ("uniform", "out"), True), ("dar", ("own_keys",), True),  # zero queries: uniform whatever the keys
-    ("dar_copy", ("one_stream", 1), False),  # copies: either stream is the fused read (distinct streams are not) ("hc", ("identity_mixing",), True), ("mhc", ("identity_mixing",), False),
+    ("dar_copy", ("one_stream", 1), False),  # copies: either stream is the fused read (distinct streams are not)
+    ("hc", ("identity_mixing",), True), ("mhc", ("identity_mixing",), False),
     ("rd_attnres", ("tie_value", 1), True), ("rd_attnres_mix", ("tie_value",), True),
     ("rd_attnres_mix", ("uniform", "attn_v.2"), True), ("denseformer", ("identity_dwa", 2), True),
     ("denseformer", ("identity_dwa",), True),
@@ -1053,10 +1101,12 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(variant):
         return loss.detach(), grads
 
     (loss, grads), (loss_ac, grads_ac) = run(False), run(True)
-    assert torch.equal(loss, loss_ac)
-    assert grads.keys() == grads_ac.keys()
+    fix = (f"{variant} computes otherwise under activation checkpointing: keep what a forward computes in the "
+           f"state start() and write() return, never on self (a sublayer is recomputed from its inputs alone)")
+    assert torch.equal(loss, loss_ac), fix
+    assert grads.keys() == grads_ac.keys(), fix
     for name in grads:
-        assert torch.equal(grads[name], grads_ac[name]), name  # bit for bit
+        assert torch.equal(grads[name], grads_ac[name]), f"{name}: {fix}"  # bit for bit
     # and it does recompute: each sublayer runs again in backward (attention and MLP, every layer)
     calls = []
     for block in model.transformer.h:
@@ -1131,4 +1181,4 @@ def test_routing_diagnostics_follow_the_naming_rules(variant):
 def test_qk_v_jsd_exactly_where_a_scheme_records_a_value_route(variant):
     diag = make(variant).routing_diagnostics(tokens())
     value_routes = {int(name.split(".")[1]) for name in diag["weights"] if name.startswith("attn_v.")}
-    assert set(diag["qk_v_jsd"]) == value_routes
+    assert set(diag["qk_v_jsd"]) == value_routes, "name a second (value) route's depth weights attn_v.{layer}"
