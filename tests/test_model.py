@@ -572,7 +572,7 @@ def test_block_size_checked_only_where_used():
         GPTConfig(**TINY, residual=residual, attnres_block_size=3)
 
 
-@pytest.mark.parametrize("variant", ["standard", "rd_attnres", "scaled_residual"])
+@pytest.mark.parametrize("variant", list(RESIDUALS))
 def test_optimizer_groups_scale_routing_and_keep_it_out_of_decay(variant):
     model = make(variant, routing_lr_scale=3.0)
     groups = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
@@ -581,10 +581,12 @@ def test_optimizer_groups_scale_routing_and_keep_it_out_of_decay(variant):
     routing = {id(p) for p in model.residual.parameters()}
     norms = {id(p) for name, p in model.named_parameters() if ".ln_" in name}
     assert norms
-    assert bool(routing) == (model.residual.extra_params(model.config) > 0)
+    assert bool(routing) == (model.residual.extra_params(model.config) > 0), (
+        f"{variant}: extra_params(config) and the scheme's nn.Parameters disagree on whether it has any")
     assert len(groups) == 3  # in every arm, so that every arm's optimizer state has one layout
     (scaled,) = [group for group in groups if group["lr_scale"] != 1.0]  # the routing group (empty for standard)
-    assert {id(p) for p in scaled["params"]} == routing
+    assert {id(p) for p in scaled["params"]} == routing, (
+        f"{variant}: every parameter of the scheme (GPT.residual) is routing, at routing_lr_scale, never decayed")
     assert scaled["lr_scale"] == 3.0
     assert scaled["weight_decay"] == 0.0
     for group in groups:
