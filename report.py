@@ -994,8 +994,9 @@ def tuning_lines(record, arms, results, cost):
         lines += ["Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):", "",
                   *(f"- {md(line)}" for line in unfinished), ""]
     grid = grid_cost(results)
-    lines += [f"Cost: the tuning {cost['cells']} cells, {cost['steps']:,} steps, {cost['wall_time_s']:,.0f} s wall; "
-              f"the paired grid {grid['cells']} cells, {grid['steps']:,} steps, {grid['wall_time_s']:,.0f} s wall"
+    cells = lambda n: f"{n} cell{'s' * (n != 1)}"
+    lines += [f"Cost: the tuning {cells(cost['cells'])}, {cost['steps']:,} steps, {cost['wall_time_s']:,.0f} s wall; "
+              f"the paired grid {cells(grid['cells'])}, {grid['steps']:,} steps, {grid['wall_time_s']:,.0f} s wall"
               + (f" (the tuning {100 * cost['steps'] / grid['steps']:.0f}% of the grid's steps)." if grid["steps"] else "."), ""]
     for arm in arms:
         trained = {rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None}
