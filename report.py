@@ -73,6 +73,9 @@ CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
 TUNE_DIR = tune.TUNE_DIR  # the tuned protocol's tuning grid inside out_dir, with its choice.json
 
 
+# -----------------------------------------------------------------------------
+# reading a grid: its cells' results and logs, each checked (a problem is a note, never a crash)
+
 def is_number(x):
     """A real number that fits a float (JSON true/false load as bools, which Python would count as 1 and 0;
     a JSON integer of 400 digits loads as an int that no float arithmetic takes)."""
@@ -297,6 +300,9 @@ def load_grid(out_dir):
     return arms, sorted(seeds), results, unusable, logs, notes
 
 
+# -----------------------------------------------------------------------------
+# pairing: which seeds of an arm and a reference compare, and why the others do not
+
 def divergence(result):
     """Why a cell diverged (one line), or None."""
     loss = result.get("val_loss")
@@ -373,6 +379,9 @@ def mixed_versions(results, arms, seeds):
                                                  for v, g in groups.items()))
     return notes
 
+
+# -----------------------------------------------------------------------------
+# downstream: the cells' CORE results (downstream.json), checked, paired and tabled
 
 def is_finite(x):
     return is_number(x) and math.isfinite(x)
@@ -512,6 +521,70 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
                 core=core, bits_per_byte=bits, tasks=tasks)
 
 
+def downstream_lines(arms, seeds, downstream, problems, compared):
+    """The report's downstream section: CORE per cell, then against each reference (compared: {reference: {arm:
+    downstream_comparison}}) each arm's CORE and task accuracy deltas."""
+    lines = ["## Downstream tasks", "",
+             f"delta = arm - reference in CORE (the mean over tasks of (accuracy - random baseline) / "
+             f"(1 - random baseline)) and in each task's accuracy, positive = better; and in bits per byte of the right "
+             f"answers (each task's, and their mean), negative = better; a win is a delta on the better side of 0. Of "
+             f"the seeds paired above, a seed counts when both cells' downstream.json are of their final step and of "
+             f"one evaluation (task bundle, scoring code, precision, tasks and items).", "",
+             "CORE per cell:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "|---" * (len(seeds) + 1) + "|"]
+    for arm in arms:
+        lines.append(table_row(arm, *(fmt(downstream[arm, s]["core"], ".4f") if (arm, s) in downstream
+                                      else "unreadable" if (arm, s) in problems else "-" for s in seeds)))
+    lines.append("")
+    for reference, against in compared.items():
+        if against:
+            lines += [f"**Against {md(reference)}**:", "", *downstream_comparison_lines(reference, against)]
+    return lines
+
+
+def downstream_comparison_lines(reference, compared):
+    """One reference's part of the downstream section: the seeds left out, CORE deltas, task accuracy deltas."""
+    lines = []
+    if left_out := [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}"
+                    for arm, c in compared.items() for d in c["left_out"]]:
+        lines += ["**Downstream seeds left out** (of this section only):", "", *left_out, ""]
+    lines += ["| arm | n | wins | mean CORE delta | std | 95% CI | p (t-test) | p (sign) |",
+              "|---|---|---|---|---|---|---|---|",
+              *(table_row(arm, *statistics_cells(c["core"])) for arm, c in compared.items()), "",
+              *identical_lines({arm: c["core"] for arm, c in compared.items()})]
+    for arm, c in compared.items():
+        lines.append(f"Per-seed CORE deltas, {md(arm)}: "
+                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(c["seeds"], c["core"]["deltas"])) or "none"))
+    lines.append("")
+    if bits := {arm: c["bits_per_byte"] for arm, c in compared.items() if c["bits_per_byte"]["n"]}:
+        lines += ["| arm | n | wins | mean bits-per-byte delta | std | 95% CI | p (t-test) | p (sign) |",
+                  "|---|---|---|---|---|---|---|---|",
+                  *(table_row(arm, *statistics_cells(st)) for arm, st in bits.items()), "",
+                  *identical_lines({f"{arm}, bits per byte": st for arm, st in bits.items()})]
+    if mixed := [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]]:
+        lines += ["**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
+                  "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:", "",
+                  *mixed, ""]
+    for arm, c in compared.items():
+        if c["tasks"]:
+            lines += [f"Task accuracy, {md(arm)} - {md(reference)}:", "",
+                      "| task | type | items | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) |",
+                      "|---|---|---|---|---|---|---|---|---|---|",
+                      *(table_row(label, md(t["icl_task_type"]), ", ".join(map(str, t["items"])), *statistics_cells(t))
+                        for label, t in c["tasks"].items()), "",
+                      *identical_lines({f"{arm}, {label}": t for label, t in c["tasks"].items()})]
+        if bits := {label: t["bits_per_byte"] for label, t in c["tasks"].items() if "bits_per_byte" in t}:
+            lines += [f"Task bits per byte, {md(arm)} - {md(reference)} (lower is better):", "",
+                      "| task | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) |",
+                      "|---|---|---|---|---|---|---|---|",
+                      *(table_row(label, *statistics_cells(st)) for label, st in bits.items()), "",
+                      *identical_lines({f"{arm}, {label} bits per byte": st for label, st in bits.items()})]
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# validation curves during training
+
 def val_curve(log):
     """{training tokens: validation loss} of one cell's evaluations."""
     return {r["tokens"]: r["val_loss"] for r in log if r.get("val_loss") is not None and r.get("tokens") is not None}
@@ -535,6 +608,9 @@ def delta_curve(logs, arm, reference, seeds):
         half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
         return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
 
+
+# -----------------------------------------------------------------------------
+# text: numbers, text from files as inert markdown or plot text, file names
 
 def fmt(x, spec="+.4f"):
     """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits)."""
@@ -580,6 +656,9 @@ def jsd_name(arm):
 def routing_name(cell):
     return f"routing_{file_stem(f'{cell[0]}_seed{cell[1]}')}.png"
 
+
+# -----------------------------------------------------------------------------
+# plots (with matplotlib, when installed)
 
 def plots(out_dir, arms, comparisons, logs, cell):
     """PNG figures, or [] without matplotlib. Returns (title, file name) pairs."""
@@ -681,6 +760,9 @@ def save(fig, out_dir, name, title):
     return title, name
 
 
+# -----------------------------------------------------------------------------
+# report.md's statistics tables and paired.json's numbers: deltas, text uncertainty, power
+
 def strict(x):
     """x with every non-finite float as None: paired.json is strict JSON (an arm with one seed has no std)."""
     if isinstance(x, float):
@@ -703,11 +785,12 @@ def statistics_cells(st):
 def identical_lines(statistics):
     """A line per comparison ({name: paired_statistics}) whose seeds all have the same delta."""
     lines = [f"- {md(name)}: every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are "
-             f"undefined (s.d. 0), not p = 0; the sign test still counts" for name, st in statistics.items() if st["identical"]]
+             f"undefined (s.d. 0), not p = 0; the sign test still counts"
+             for name, st in statistics.items() if st["identical"]]
     return lines + [""] if lines else []
 
 
-def sequence_losses(result):
+def sequence_losses_of(result):
     """(a finished result's per-sequence validation losses, None) or (None, why they cannot be used)."""
     losses = result.get("val_sequence_losses")
     if losses is None:
@@ -726,7 +809,7 @@ def text_comparison(results, reference, arm, seeds):
         return dict(unavailable=f"{len(seeds)} paired seed{'s' * (len(seeds) != 1)}: it needs 2 or more")
     rows, problems = [], []
     for s in seeds:
-        (ours, why), (theirs, their_why) = sequence_losses(results[arm, s]), sequence_losses(results[reference, s])
+        (ours, why), (theirs, their_why) = (sequence_losses_of(results[a, s]) for a in (arm, reference))
         problems += [f"{a}/seed{s}: {w}" for a, w in ((arm, why), (reference, their_why)) if w]
         if not (why or their_why):
             rows.append(np.subtract(ours, theirs))
@@ -753,7 +836,7 @@ def text_lines(others, paired):
         st, text = paired[arm], paired[arm]["text"]
         seeds_only = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
         if "unavailable" in text:
-            lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", "-", "-", "-", "-"))
+            lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", *["-"] * 4))
             notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
             continue
         share = text["share"]
@@ -790,66 +873,8 @@ def power_lines(others, paired, effect):
     return lines
 
 
-def downstream_lines(arms, seeds, downstream, problems, compared):
-    """The report's downstream section: CORE per cell, then against each reference (compared: {reference: {arm:
-    downstream_comparison}}) each arm's CORE and task accuracy deltas."""
-    lines = ["## Downstream tasks", "",
-             f"delta = arm - reference in CORE (the mean over tasks of (accuracy - random baseline) / "
-             f"(1 - random baseline)) and in each task's accuracy, positive = better; and in bits per byte of the right "
-             f"answers (each task's, and their mean), negative = better; a win is a delta on the better side of 0. Of "
-             f"the seeds paired above, a seed counts when both cells' downstream.json are of their final step and of "
-             f"one evaluation (task bundle, scoring code, precision, tasks and items).", "",
-             "CORE per cell:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-             "|---" * (len(seeds) + 1) + "|"]
-    for arm in arms:
-        lines.append(table_row(arm, *(fmt(downstream[arm, s]["core"], ".4f") if (arm, s) in downstream
-                                      else "unreadable" if (arm, s) in problems else "-" for s in seeds)))
-    lines.append("")
-    for reference, against in compared.items():
-        if against:
-            lines += [f"**Against {md(reference)}**:", "", *downstream_comparison_lines(reference, against)]
-    return lines
-
-
-def downstream_comparison_lines(reference, compared):
-    """One reference's part of the downstream section: the seeds left out, CORE deltas, task accuracy deltas."""
-    lines = []
-    if left_out := [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}"
-                    for arm, c in compared.items() for d in c["left_out"]]:
-        lines += ["**Downstream seeds left out** (of this section only):", "", *left_out, ""]
-    lines += ["| arm | n | wins | mean CORE delta | std | 95% CI | p (t-test) | p (sign) |",
-              "|---|---|---|---|---|---|---|---|",
-              *(table_row(arm, *statistics_cells(c["core"])) for arm, c in compared.items()), "",
-              *identical_lines({arm: c["core"] for arm, c in compared.items()})]
-    for arm, c in compared.items():
-        lines.append(f"Per-seed CORE deltas, {md(arm)}: "
-                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(c["seeds"], c["core"]["deltas"])) or "none"))
-    lines.append("")
-    if bits := {arm: c["bits_per_byte"] for arm, c in compared.items() if c["bits_per_byte"]["n"]}:
-        lines += ["| arm | n | wins | mean bits-per-byte delta | std | 95% CI | p (t-test) | p (sign) |",
-                  "|---|---|---|---|---|---|---|---|",
-                  *(table_row(arm, *statistics_cells(st)) for arm, st in bits.items()), "",
-                  *identical_lines({f"{arm}, bits per byte": st for arm, st in bits.items()})]
-    if mixed := [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]]:
-        lines += ["**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
-                  "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:", "",
-                  *mixed, ""]
-    for arm, c in compared.items():
-        if c["tasks"]:
-            lines += [f"Task accuracy, {md(arm)} - {md(reference)}:", "",
-                      "| task | type | items | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) |",
-                      "|---|---|---|---|---|---|---|---|---|---|",
-                      *(table_row(label, md(t["icl_task_type"]), ", ".join(map(str, t["items"])), *statistics_cells(t))
-                        for label, t in c["tasks"].items()), "",
-                      *identical_lines({f"{arm}, {label}": t for label, t in c["tasks"].items()})]
-        if bits := {label: t["bits_per_byte"] for label, t in c["tasks"].items() if "bits_per_byte" in t}:
-            lines += [f"Task bits per byte, {md(arm)} - {md(reference)} (lower is better):", "",
-                      "| task | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) |",
-                      "|---|---|---|---|---|---|---|---|",
-                      *(table_row(label, *statistics_cells(st)) for label, st in bits.items()), "",
-                      *identical_lines({f"{arm}, {label} bits per byte": st for label, st in bits.items()})]
-    return lines
-
+# -----------------------------------------------------------------------------
+# learning rates and the tuned protocol's tuning grid (tune/choice.json)
 
 def learning_rate_of(result):
     """The learning rate a cell trained at: its arm's own where the arm sets one, else the grid's; None unrecorded."""
@@ -859,9 +884,8 @@ def learning_rate_of(result):
 
 
 def arm_learning_rates(results, arm):
-    """The learning rates of an arm's cells as a table cell: one rate, several ('a, b': the seeds differ), or '-'."""
-    rates = {rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None}
-    return ", ".join(f"{rate:g}" for rate in sorted(rates)) or "-"
+    """The learning rates an arm's cells trained at, sorted: one, several (the seeds differ), or none recorded."""
+    return sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
 
 
 TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 1 and all(map(is_seed, s))
@@ -1025,22 +1049,8 @@ def tuning_summary(record, why, notes, cost, results):
                 cost=dict(tuning=cost, grid=grid_cost(results)))
 
 
-def output_names(arms, cell):
-    """Every file report.py may write into out_dir for these arms and this cell."""
-    return ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *map(jsd_name, arms), routing_name(cell)]
-
-
-def parse_cell(text, arms, seeds, results, logs):
-    """--cell=arm/seedK as (arm, seed), or one error line."""
-    match = re.fullmatch(r"(.+)/seed([0-9]+)", text)
-    if not match:
-        sys.exit(f"error: --cell={text}: give arm/seedK, e.g. --cell={arms[-1]}/seed{seeds[0] if seeds else 0}")
-    cell = match[1], int(match[2])
-    if cell not in results and cell not in logs:
-        sys.exit(f"error: --cell={text}: no such cell; cells: "
-                 + ", ".join(f"{a}/seed{s}" for a in arms for s in seeds if (a, s) in results or (a, s) in logs))
-    return cell
-
+# -----------------------------------------------------------------------------
+# what the cells share: the model, the machines; another grid beside this one (--beside)
 
 SIZE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 MOE_KEYS = ("n_experts",) + MOE_OPTIONS
@@ -1068,99 +1078,6 @@ def model_line(alike, differ):
                f"balancing bias rate {alike.get('moe_bias_rate')}")
     parts = [p for p in (size, mlp) if p] + ([f"differing between cells: {', '.join(differ)}"] if differ else [])
     return "Model shared by every cell: " + "; ".join(parts) + "."
-
-
-# -----------------------------------------------------------------------------
-# the report: its arguments, the references, one comparison per reference, report.md and paired.json
-
-BASELINES = ("standard", "scaled_residual")  # by default every arm named after a baseline scheme is a reference
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
-    parser.add_argument("--reference", help="reference arms, comma-separated (default: the arms named standard and "
-                                            "scaled_residual, else the first arm)")
-    parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
-    parser.add_argument("--effect", type=float, default=0.03,
-                        help="mean delta (nats) to count the seeds needed for (default 0.03: RD-AttnRes's gain)")
-    parser.add_argument("--beside", help="another grid's out_dir (the same grid on another corpus, with its own report) "
-                                         "whose paired results to set beside these")
-    args = parser.parse_args(argv)
-    if not (math.isfinite(args.effect) and args.effect > 0):
-        sys.exit(f"error: --effect={args.effect}: give a positive number of nats, e.g. --effect=0.03")
-    if not os.path.isdir(args.out_dir):
-        sys.exit(f"error: {args.out_dir} is not a directory; give the out_dir of a train.py grid")
-    if not os.access(args.out_dir, os.W_OK):  # before any work: the report and plots are written there
-        sys.exit(f"error: cannot write to {args.out_dir} (no write permission or a read-only file system); "
-                 f"copy the grid somewhere writable and run report.py on the copy")
-    return args
-
-
-def references_of(given, arms):
-    """The reference arms: --reference's list, else every arm named after a baseline scheme, else the first arm."""
-    references = given.split(",") if given else [arm for arm in arms if arm in BASELINES] or arms[:1]
-    if unknown := [r for r in references if r not in arms]:
-        sys.exit(f"error: reference arm {unknown[0]!r} not found; arms: {', '.join(arms)}")
-    if len(set(references)) < len(references):
-        sys.exit(f"error: --reference={given} names an arm twice; name each reference once")
-    return references
-
-
-def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
-    """Every arm paired with one reference seed by seed, but the earlier references (each already paired with this
-    one): the seeds left out and why, each arm's paired statistics, power, delta curve and mixed versions."""
-    others = [arm for arm in arms if arm != reference and arm not in earlier]
-    left_out = {arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results, unusable))} for arm in others}
-    paired_seeds = {arm: [s for s in seeds if s not in left_out[arm]] for arm in others}
-    # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
-    paired_seeds[reference] = sorted(set().union(*paired_seeds.values())) if others else \
-        [s for s in seeds if not cell_problem(results, unusable, reference, s)]
-    paired, curves, mixed = {}, {}, {}
-    for arm in others:
-        seeds_of = paired_seeds[arm]
-        st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
-        st["ppl_change"] = perplexity_change(st["mean"])
-        curves[arm] = delta_curve(logs, arm, reference, seeds_of)
-        mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
-        paired[arm] = dict(st, seeds=seeds_of, left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
-                           mixed_versions=mixed[arm], delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
-                           power=power_analysis(st, effect), text=text_comparison(results, reference, arm, seeds_of))
-    return dict(others=others, left_out=left_out, paired_seeds=paired_seeds, paired=paired, curves=curves, mixed=mixed)
-
-
-def comparison_lines(reference, comparison, earlier, effect):
-    """One reference's section of report.md: the seeds left out, each arm's per-seed deltas and statistics, power,
-    and the seeds of other versions its means mix."""
-    others, paired, left_out, mixed = (comparison[k] for k in ("others", "paired", "left_out", "mixed"))
-    lines = [f"## Paired against {md(reference)}", ""]
-    if earlier:
-        lines += [f"(Against {', '.join(map(md, earlier))}: in {'its' if len(earlier) == 1 else 'their'} own section.)", ""]
-    if not others:
-        return lines + ["No other arm to pair with.", ""]
-    if any(left_out.values()):
-        lines += ["**Seeds left out** (not counted in that arm's n):", "",
-                  *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()), ""]
-    table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for arm in others:
-        st = paired[arm]
-        percent = 100 * st["ppl_change"]
-        table.append(table_row(arm, *statistics_cells(st),
-                               "off scale" if math.isinf(percent) else fmt(percent, "+.2f") + "%"))
-        lines.append(f"Per-seed deltas, {md(arm)}: "
-                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(st["seeds"], st["deltas"])) or "none"))
-    lines += ["", *table, "", *identical_lines({arm: paired[arm] for arm in others})]
-    if any(math.isinf(paired[arm]["ppl_change"]) for arm in others):
-        lines += ["ppl change off scale: exp(mean delta) - 1 is past a float (a mean delta above 709 nats: a diverging "
-                  "arm).", ""]
-    lines += power_lines(others, paired, effect) + text_lines(others, paired)
-    if any(mixed.values()):
-        lines += ["**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
-                  "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
-                  "the grid in a new out_dir:", "",
-                  *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]), ""]
-    return lines
 
 
 def machine_of(result):
@@ -1245,6 +1162,137 @@ def beside_lines(side):
     return lines + [""]
 
 
+# -----------------------------------------------------------------------------
+# the report: its arguments, the references, one comparison per reference, report.md and paired.json
+
+BASELINES = ("standard", "scaled_residual")  # by default every arm named after a baseline scheme is a reference
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--reference", help="reference arms, comma-separated (default: the arms named standard and "
+                                            "scaled_residual, else the first arm)")
+    parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
+    parser.add_argument("--effect", type=float, default=0.03,
+                        help="mean delta (nats) to count the seeds needed for (default 0.03: RD-AttnRes's gain)")
+    parser.add_argument("--beside", help="another grid's out_dir (the same grid on another corpus, with its own report) "
+                                         "whose paired results to set beside these")
+    args = parser.parse_args(argv)
+    if not (math.isfinite(args.effect) and args.effect > 0):
+        sys.exit(f"error: --effect={args.effect}: give a positive number of nats, e.g. --effect=0.03")
+    if not os.path.isdir(args.out_dir):
+        sys.exit(f"error: {args.out_dir} is not a directory; give the out_dir of a train.py grid")
+    if not os.access(args.out_dir, os.W_OK):  # before any work: the report and plots are written there
+        sys.exit(f"error: cannot write to {args.out_dir} (no write permission or a read-only file system); "
+                 f"copy the grid somewhere writable and run report.py on the copy")
+    return args
+
+
+def references_of(given, arms):
+    """The reference arms: --reference's list, else every arm named after a baseline scheme, else the first arm."""
+    references = given.split(",") if given else [arm for arm in arms if arm in BASELINES] or arms[:1]
+    if unknown := [r for r in references if r not in arms]:
+        sys.exit(f"error: reference arm {unknown[0]!r} not found; arms: {', '.join(arms)}")
+    if len(set(references)) < len(references):
+        sys.exit(f"error: --reference={given} names an arm twice; name each reference once")
+    return references
+
+
+def output_names(arms, cell):
+    """Every file report.py may write into out_dir for these arms and this cell."""
+    return ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *map(jsd_name, arms), routing_name(cell)]
+
+
+def parse_cell(text, arms, seeds, results, logs):
+    """--cell=arm/seedK as (arm, seed), or one error line."""
+    match = re.fullmatch(r"(.+)/seed([0-9]+)", text)
+    if not match:
+        sys.exit(f"error: --cell={text}: give arm/seedK, e.g. --cell={arms[-1]}/seed{seeds[0] if seeds else 0}")
+    cell = match[1], int(match[2])
+    if cell not in results and cell not in logs:
+        sys.exit(f"error: --cell={text}: no such cell; cells: "
+                 + ", ".join(f"{a}/seed{s}" for a in arms for s in seeds if (a, s) in results or (a, s) in logs))
+    return cell
+
+
+def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
+    """Every arm paired with one reference seed by seed, but the earlier references (each already paired with this
+    one): the seeds left out and why, each arm's paired statistics, power, delta curve and mixed versions."""
+    others = [arm for arm in arms if arm != reference and arm not in earlier]
+    left_out = {arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results, unusable))} for arm in others}
+    paired_seeds = {arm: [s for s in seeds if s not in left_out[arm]] for arm in others}
+    # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
+    paired_seeds[reference] = sorted(set().union(*paired_seeds.values())) if others else \
+        [s for s in seeds if not cell_problem(results, unusable, reference, s)]
+    paired, curves, mixed = {}, {}, {}
+    for arm in others:
+        seeds_of = paired_seeds[arm]
+        st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
+        st["ppl_change"] = perplexity_change(st["mean"])
+        curves[arm] = delta_curve(logs, arm, reference, seeds_of)
+        mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
+        paired[arm] = dict(st, seeds=seeds_of, left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
+                           mixed_versions=mixed[arm], delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
+                           power=power_analysis(st, effect), text=text_comparison(results, reference, arm, seeds_of))
+    return dict(others=others, left_out=left_out, paired_seeds=paired_seeds, paired=paired, curves=curves, mixed=mixed)
+
+
+def comparison_lines(reference, comparison, earlier, effect):
+    """One reference's section of report.md: the seeds left out, each arm's per-seed deltas and statistics, power,
+    and the seeds of other versions its means mix."""
+    others, paired, left_out, mixed = (comparison[k] for k in ("others", "paired", "left_out", "mixed"))
+    lines = [f"## Paired against {md(reference)}", ""]
+    if earlier:
+        lines += [f"(Against {', '.join(map(md, earlier))}: in {'its' if len(earlier) == 1 else 'their'} own section.)", ""]
+    if not others:
+        return lines + ["No other arm to pair with.", ""]
+    if any(left_out.values()):
+        lines += ["**Seeds left out** (not counted in that arm's n):", "",
+                  *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()), ""]
+    table = ["| arm | n | wins | mean delta | std | 95% CI | p (t-test) | p (sign) | ppl change |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for arm in others:
+        st = paired[arm]
+        percent = 100 * st["ppl_change"]
+        table.append(table_row(arm, *statistics_cells(st),
+                               "off scale" if math.isinf(percent) else fmt(percent, "+.2f") + "%"))
+        lines.append(f"Per-seed deltas, {md(arm)}: "
+                     + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(st["seeds"], st["deltas"])) or "none"))
+    lines += ["", *table, "", *identical_lines({arm: paired[arm] for arm in others})]
+    if any(math.isinf(paired[arm]["ppl_change"]) for arm in others):
+        lines += ["ppl change off scale: exp(mean delta) - 1 is past a float (a mean delta above 709 nats: a diverging "
+                  "arm).", ""]
+    lines += power_lines(others, paired, effect) + text_lines(others, paired)
+    if any(mixed.values()):
+        lines += ["**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
+                  "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
+                  "the grid in a new out_dir:", "",
+                  *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]), ""]
+    return lines
+
+
+def intro_lines(out_dir, references):
+    return [f"# Paired report: {md(out_dir)}", "",
+            f"Reference arm{'s' if len(references) > 1 else ''}: {', '.join(map(md, references))}. "
+            f"delta = NLL(arm) - NLL(reference) on the fixed validation set (nats/token; negative = better). Each arm "
+            f"is paired with each reference seed by seed: a seed counts for an arm when both cells finished and their "
+            f"pairing records agree.", ""]
+
+
+def diverged_cells(arms, seeds, results):
+    """The cells that diverged: arm, seed, the step and the reason."""
+    return [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
+                 reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
+
+
+def diverged_lines(diverged):
+    if not diverged:
+        return []
+    return ["**Diverged cells** (never in the statistics):", "", "| arm | seed | step | reason |", "|---|---|---|---|",
+            *(table_row(d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])) for d in diverged), ""]
+
+
 def final_loss_lines(arms, seeds, results):
     """Each cell's final validation loss and each arm's learning rate."""
     lines = ["Final validation loss:", "",
@@ -1252,7 +1300,8 @@ def final_loss_lines(arms, seeds, results):
              "|---" * (len(seeds) + 2) + "|"]
     for arm in arms:
         lines.append(table_row(arm, *("-" if not (r := results.get((arm, s))) else "diverged" if divergence(r)
-                                      else fmt(r["val_loss"], ".4f") for s in seeds), arm_learning_rates(results, arm)))
+                                      else fmt(r["val_loss"], ".4f") for s in seeds),
+                               ", ".join(f"{rate:g}" for rate in arm_learning_rates(results, arm)) or "-"))
     return lines + [""]
 
 
@@ -1280,14 +1329,8 @@ def main(argv):
     for name in output_names(arms, cell):  # before anything is written: a folder there would stop the report half way
         if os.path.isdir(path := os.path.join(args.out_dir, name)):
             raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
-    diverged = [dict(arm=a, seed=s, step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
-                     reason=divergence(r)) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
-
-    lines = [f"# Paired report: {md(args.out_dir)}", "",
-             f"Reference arm{'s' if len(references) > 1 else ''}: {', '.join(map(md, references))}. "
-             f"delta = NLL(arm) - NLL(reference) on the fixed validation set (nats/token; negative = better). Each arm "
-             f"is paired with each reference seed by seed: a seed counts for an arm when both cells finished and their "
-             f"pairing records agree.", ""]
+    diverged = diverged_cells(arms, seeds, results)
+    lines = intro_lines(args.out_dir, references)
     model, differ = shared_model(results) if results else ({}, [])
     if results:
         lines += [md(model_line(model, differ)), ""]
@@ -1307,10 +1350,7 @@ def main(argv):
     side = args.beside and beside(args.out_dir, args.beside, comparisons)
     if side:
         lines += beside_lines(side)
-    if diverged:
-        lines += ["**Diverged cells** (never in the statistics):", "",
-                  "| arm | seed | step | reason |", "|---|---|---|---|",
-                  *(table_row(d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])) for d in diverged), ""]
+    lines += diverged_lines(diverged)
     downstream, problems, downstream_notes = load_downstream(args.out_dir, results)
     notes += downstream_notes
     compared = None
@@ -1333,9 +1373,9 @@ def main(argv):
         reference=references[0], references=references, model=dict(model, differing=differ), arms=first["paired"],
         by_reference={ref: dict(arms=c["paired"], downstream=compared and compared[ref]) for ref, c in comparisons.items()},
         diverged=diverged, downstream=compared and dict(core=core, arms=compared[references[0]]),
-        tuning=tuning_summary(tuning, tuning_why, tuning_notes, cost, results), learning_rates={
-            arm: sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
-            for arm in arms}, wall_time_s=wall, machines=ran_on, beside=side, skipped=notes)), indent=1, allow_nan=False))
+        tuning=tuning_summary(tuning, tuning_why, tuning_notes, cost, results),
+        learning_rates={arm: arm_learning_rates(results, arm) for arm in arms}, wall_time_s=wall, machines=ran_on,
+        beside=side, skipped=notes)), indent=1, allow_nan=False))
     print(summary)
 
 
