@@ -121,14 +121,34 @@ def check_writable(folder, remedy):
         raise DataError(f"cannot write into {folder} ({e.strerror or e}); {remedy}") from None
 
 
+class LockHeld(DataError):
+    """A lock that a live process holds (or one on another host, which cannot be checked)."""
+
+    def __init__(self, message, holder):
+        super().__init__(message)
+        self.holder = holder  # 'pid N on HOST'
+
+
 @contextmanager
 def pid_lock(path, busy):
     """
-    One process at a time: path holds the holder's pid and host while it runs. A lock whose process
-    is gone from this host (a killed run) is taken over; one from another host (a shared filesystem)
-    cannot be checked and stays until removed. The lock appears with its content (a hard link of a
-    written file), so no kill leaves an empty one. Anything else at path (a symlink, a folder) is
-    one line saying to remove it. busy: what the error says is going on.
+    One process at a time: path holds the holder's pid and host while it runs (take_lock), removed
+    however the work ends. busy: what the error says is going on.
+    """
+    take_lock(path, busy)
+    try:
+        yield
+    finally:
+        os.remove(path)
+
+
+def take_lock(path, busy):
+    """
+    Create the lock path holding this process's pid and host, or raise LockHeld when a live process
+    holds it. A lock whose process is gone from this host (a killed run) is taken over; one from
+    another host (a shared filesystem) cannot be checked and stays until removed. The lock appears
+    with its content (a hard link of a written file), so no kill leaves an empty one. Anything else
+    at path (a symlink, a folder) is one line saying to remove it.
     """
     host, mine = socket.gethostname(), temporary_name(path)
     remove_stale_temporaries(path)
@@ -147,31 +167,37 @@ def pid_lock(path, busy):
                 if pid is None:
                     continue  # released meanwhile
                 if pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):
-                    raise DataError(f"{busy} by pid {pid} on {owner or '?'}; wait for it, or remove {path} "
-                                    f"if that process is gone") from None
+                    holder = f"pid {pid} on {owner or '?'}"
+                    raise LockHeld(f"{busy} by {holder}; wait for it, or remove {path} if that process is gone",
+                                   holder) from None
                 os.remove(path)  # stale: its process ended without releasing it (or an older version left it empty)
     finally:
         os.remove(mine)
-    try:
-        yield
-    finally:
-        os.remove(path)
 
 
 @contextmanager
 def cell_lock(cell_dir, master):
-    """One process at a time trains a cell: cell_dir/lock (pid_lock: pid and host, a killed
-    run's lock taken over). Under DDP rank 0 holds it."""
+    """One process at a time trains a cell: cell_dir/lock (take_lock: pid and host, a killed run's
+    lock taken over). Yields None when this process holds it, else who does ('pid N on HOST'), so a
+    worker of a shared grid passes on to the next cell. Under DDP rank 0 holds it (the others get None)."""
     if not master:
-        yield
+        yield None
         return
     try:
         os.makedirs(cell_dir, exist_ok=True)
     except OSError as e:  # a file where the arm's or the cell's folder should be, a read-only disk
         raise ConfigError(f"cannot create the cell folder {cell_dir} ({e.strerror}); move away the file in its "
                           f"place, or choose another --out_dir") from None
-    with pid_lock(os.path.join(cell_dir, "lock"), f"cell {cell_dir} is being trained"):
-        yield
+    path = os.path.join(cell_dir, "lock")
+    try:
+        take_lock(path, f"cell {cell_dir} is being trained")
+    except LockHeld as e:
+        yield e.holder
+        return
+    try:
+        yield None
+    finally:
+        os.remove(path)
 
 
 def read_lock(path):

@@ -1,0 +1,184 @@
+"""
+A grid on a cluster: workers share a grid and train each cell once, bit for bit as one process
+would (through launch.py and submitit's local executor); a worker started while the bundled corpus
+is prepared waits for it; a stop signal checkpoints at a step boundary and the same command resumes
+as if never stopped (one process, and 2 ranks under torchrun); two torchrun "nodes" on this machine
+equal one process; launch.py --status says where each cell stands.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_cluster.py -q -p no:cacheprovider
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import launch
+import train
+from cells import PREEMPTED, Preempted, stop_on_signals
+from conftest import log_records, logged, result, tiny, without_timings
+from data.shards import BUNDLED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def same_cells(a, b, cells):
+    """Every cell of a and b trained alike: the same log (timings aside) and the same result."""
+    for arm, seed in cells:
+        assert without_timings(log_records(a, arm, seed)) == without_timings(log_records(b, arm, seed)), (arm, seed)
+        ra, rb = result(a, arm, seed), result(b, arm, seed)
+        assert (ra["val_loss"], ra["pairing"]["data_hash"]) == (rb["val_loss"], rb["pairing"]["data_hash"]), (arm, seed)
+
+
+def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tmp_path):
+    args = tiny(shards, tmp_path / "workers", "--arms=attnres,rd_attnres", "--seeds=0,1,2", "--max_iters=4",
+                "--eval_interval=2")
+    jobs = launch.launch(launch.split_args(["--cluster=local", "--workers=3", "--gpus_per_node=0", *args])[0], args)
+    assert [job.result() for job in jobs] == [None] * 3  # a worker that failed raises here, with its output
+    outputs = [job.stdout() for job in jobs]
+    cells = [(arm, seed) for seed in (0, 1, 2) for arm in ("attnres", "rd_attnres")]
+    for arm, seed in cells:  # each trained from its first step by one worker (which then says its size)
+        started = rf"\[{arm} seed{seed}\] [\d.]+M non-embedding parameters"
+        assert sum(bool(re.search(started, out)) for out in outputs) == 1, (arm, seed)
+    assert any("left to it" in out for out in outputs)  # the workers met on a cell
+    assert sum("# Paired report" in out for out in outputs) == 1  # the last to finish wrote the report, once
+    train.main(tiny(shards, tmp_path / "alone", "--arms=attnres,rd_attnres", "--seeds=0,1,2", "--max_iters=4",
+                    "--eval_interval=2"))
+    same_cells(tmp_path / "workers", tmp_path / "alone", cells)
+
+
+def test_a_worker_started_while_the_bundled_corpus_is_prepared_waits_for_it(shards, tmp_path, monkeypatch, capsys):
+    corpus = str(tmp_path / "shakespeare_bytes")
+    monkeypatch.setitem(BUNDLED, corpus, "bytes")  # a bundled corpus of its own, prepared here
+    slow = ("import sys, time; import data.prepare as P; real = P.prepare_locked; "
+            "P.prepare_locked = lambda *a: (time.sleep(3), real(*a))[1]; P.prepare_bundled(sys.argv[1], 'bytes', quiet=True)")
+    preparer = subprocess.Popen([sys.executable, "-c", slow, corpus], cwd=ROOT, env=ENV)
+    while not os.path.exists(os.path.join(corpus, "lock")):
+        assert preparer.poll() is None
+        time.sleep(0.05)
+    train.main(tiny(shards, tmp_path / "o", "--arms=attnres", f"--data_dir={corpus}", "--vocab_size=None",
+                    "--max_iters=2", "--eval_interval=2"))
+    assert preparer.wait() == 0
+    assert f"waiting for {corpus}: being prepared by pid {preparer.pid} on {socket.gethostname()}" in capsys.readouterr().out
+    assert result(tmp_path / "o", "attnres")["status"] == "finished"
+
+
+def stopped_at_random_step(argv, monkeypatch, signum, max_iters, seed=0):
+    """train.main(argv) (cell attnres seed) sent signum at a random step, as SLURM would: the step it stopped at."""
+    real, at = train.learning_rate_at, random.randrange(max_iters)
+
+    def signalled(step, cell):
+        if step == at:
+            os.kill(os.getpid(), signum)
+        return real(step, cell)
+    monkeypatch.setattr(train, "learning_rate_at", signalled)
+    with stop_on_signals(), pytest.raises(Preempted, match=rf"\[attnres seed{seed}\] checkpointed at step {at + 1}$"):
+        train.main(argv)
+    monkeypatch.setattr(train, "learning_rate_at", real)
+    return at + 1
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_checkpoints_at_a_step_boundary_and_the_same_command_resumes_as_never_stopped(
+        shards, tmp_path, monkeypatch, signum):
+    handler = signal.getsignal(signum)
+    # checkpoints every 4 steps, log lines every 3: a stop lands between both, or on one
+    args = ["--arms=attnres", "--max_iters=10", "--eval_interval=4", "--log_interval=3"]
+    train.main(tiny(shards, tmp_path / "whole", *args))
+    stop = stopped_at_random_step(tiny(shards, tmp_path / "stopped", *args), monkeypatch, signum, 10)
+    cell = tmp_path / "stopped" / "attnres" / "seed0"
+    assert not (cell / "result.json").exists() and not (cell / "lock").exists()
+    assert launch.cell_state(str(cell), 10)[:2] == ("resumable", f"resumable at step {stop}")
+    with stop_on_signals():
+        train.main(tiny(shards, tmp_path / "stopped", *args))
+    same_cells(tmp_path / "stopped", tmp_path / "whole", [("attnres", 0)])
+    assert signal.getsignal(signum) == handler  # restored after the run
+
+
+STEPS = 16
+
+
+def torchrun(out_dir, shards, where=("--standalone",), wait=True):
+    """train.py on 2 CPU processes for STEPS steps: 2 ranks, or 1 on each of two 'nodes' (where: a
+    2-node rendezvous, started twice)."""
+    command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node=" + ("1" if len(where) > 1 else "2"),
+               "train.py", *tiny(shards, out_dir, "--arms=attnres", f"--max_iters={STEPS}", "--eval_interval=5",
+                                 "--log_interval=3")]
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc.communicate(timeout=300) + (proc.returncode,) if wait else proc
+
+
+@pytest.fixture(scope="module")
+def two_nodes(shards, tmp_path_factory):
+    """The cell trained by two torchrun 'nodes' on this machine, one process each, through a c10d
+    rendezvous on localhost."""
+    out = tmp_path_factory.mktemp("two_nodes")
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    where = ("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=two_nodes")
+    nodes = [torchrun(out, shards, where=where, wait=False) for _ in range(2)]
+    outcomes = [node.communicate(timeout=300) + (node.returncode,) for node in nodes]
+    assert [code for _, _, code in outcomes] == [0, 0], [err[-3000:] for _, err, _ in outcomes]
+    return out
+
+
+def test_two_nodes_equal_one_process(two_nodes, shards, tmp_path):
+    # as 2 ranks on one machine equal one process (test_train.py): the world size rounds a step differently
+    train.main(tiny(shards, tmp_path, "--arms=attnres", f"--max_iters={STEPS}", "--eval_interval=5", "--log_interval=3"))
+    np.testing.assert_allclose(logged(two_nodes, "attnres"), logged(tmp_path, "attnres"), rtol=1e-5)
+    np.testing.assert_allclose(logged(two_nodes, "attnres", key="val_loss"), logged(tmp_path, "attnres", key="val_loss"),
+                               rtol=1e-6)
+    assert result(two_nodes, "attnres")["config"]["world_size"] == 2
+
+
+def test_two_ranks_stopped_by_a_signal_resume_as_never_stopped(two_nodes, shards, tmp_path):
+    # and bit for bit as the two nodes: the same world size
+    proc = torchrun(tmp_path, shards, wait=False)
+    at, log = random.randrange(1, STEPS // 2), tmp_path / "attnres" / "seed0" / "log.jsonl"
+    while launch.last_log_record(str(log)).get("step", 0) < at:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:  # torchrun's workers, one per rank
+        workers = [int(pid) for pid in f.read().split()]
+    os.kill(workers[-1], signal.SIGTERM)  # one rank only: both stop at the same step
+    _, err = proc.communicate(timeout=300)
+    stops = re.findall(r"checkpointed at step (\d+)", err)  # each rank says where it stopped
+    assert proc.returncode != 0 and f"(exitcode: {PREEMPTED})" in err, err[-3000:]
+    assert len(stops) == 2 and len(set(stops)) == 1 and int(stops[0]) >= at, err[-3000:]
+    assert not (tmp_path / "attnres" / "seed0" / "result.json").exists()
+    _, err, code = torchrun(tmp_path, shards)
+    assert code == 0, err[-3000:]
+    same_cells(tmp_path, two_nodes, [("attnres", 0)])
+
+
+def test_status_lists_each_cell_and_the_hours_spent_and_left(shards, tmp_path, monkeypatch):
+    args = tiny(shards, tmp_path, "--arms=attnres,rd_attnres", "--seeds=0,1")
+    train.main(tiny(shards, tmp_path, "--arms=attnres", "--seeds=0"))  # finished
+    stop = stopped_at_random_step(tiny(shards, tmp_path, "--arms=attnres", "--seeds=1"), monkeypatch, signal.SIGTERM, 8, seed=1)
+    training = tmp_path / "rd_attnres" / "seed0"  # a live process holds it and has logged step 3
+    training.mkdir(parents=True)
+    (training / "lock").write_text(f"{os.getppid()} {socket.gethostname()}")
+    (training / "log.jsonl").write_text(json.dumps(dict(step=3, loss=4.0, eta_cell_s=75.0)) + "\n")
+    status = launch.grid_status(launch.train_config(args))
+    assert [line for _, _, line in status["cells"]] == [
+        f"finished, val_loss {result(tmp_path, 'attnres', 0)['val_loss']:.4f}",
+        f"training: {socket.gethostname()} pid {os.getppid()}, step 3/8, 1m15s left",
+        f"resumable at step {stop}", "pending"]
+    finished = result(tmp_path, "attnres", 0)["wall_time_s"]
+    resumable = launch.checkpoint_summary(str(tmp_path / "attnres" / "seed1" / "ckpt.pt"))["wall_time_s"]
+    assert status["spent_s"] == pytest.approx(finished + resumable)
+    # at the measured rate of attnres (its finished cell's seconds per step), every arm's for rd_attnres
+    assert status["left_s"] == pytest.approx(finished / 8 * ((8 - stop) + 8 + 8))
+    text = launch.status_text(status, "process-hours")
+    assert text.startswith(f"{tmp_path}: 4 cells: 1 finished, 0 diverged, 1 training, 1 resumable, 1 pending\n")
+    assert "process-hours: 0.00 spent, 0.00 left at the rate measured on 1 cell(s)" in text
