@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import records
 import sample
 from common import DataError
 from data.prepare import prepare
@@ -124,3 +125,17 @@ def test_bad_flags_are_one_line(cell, flag, message):
         sample.main([str(cell[0]), flag])
     assert exit.value.code.startswith(f"error: {message}") and "\n" not in exit.value.code
     assert exit.value.code.endswith("; see python sample.py --help")
+
+
+def test_a_note_names_the_code_changed_since_the_cell_trained(cell, capsys):
+    cell_dir, _ = cell  # a `standard` model
+    code = records.code_record()
+
+    def sample_under(definition):
+        ckpt = torch.load(cell_dir / "ckpt.pt", weights_only=True)
+        ckpt["config"]["code"] = dict(code, definitions=dict(code["definitions"], **{definition: "0" * 16}))
+        torch.save(ckpt, cell_dir / "ckpt.pt")
+        sample.main([str(cell_dir), "--num_samples=1", "--max_new_tokens=2", "--device=cpu"])
+        return capsys.readouterr().err
+    assert "code differs" not in sample_under("HyperConnections")  # a scheme the cell does not compute with
+    assert "note: the code differs from the one the cell was trained with (GPT)" in sample_under("GPT")
