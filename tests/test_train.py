@@ -790,7 +790,7 @@ def test_time_left_before_any_evaluation():
 
 
 # every key of the config: how a rerun that changes only it must go. Values: a valid other value.
-RERUN_GOES_ON = dict(seeds=[0], arms="attnres", reference_arm="rd_attnres", log_interval=2, eval_batch_size=3,
+RERUN_GOES_ON = dict(seeds=[0], arms="attnres", reference_arm="rd_attnres,attnres", log_interval=2, eval_batch_size=3,
                      verify_shards=True, allow_changes=True, device="auto", data_dir="COPY", wandb_project="other",
                      wandb_run_name="other", downstream_interval=2, downstream_max_per_task=0)
 RERUN_REFUSED = dict(
@@ -815,7 +815,8 @@ RERUN_OTHERWISE = dict(
 
 def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch):
     import report
-    monkeypatch.setattr(report, "main", lambda argv: None)
+    reports = []  # the report's arguments (its plots would take most of the time; tested in test_report)
+    monkeypatch.setattr(report, "main", reports.append)
     assert set(RERUN_GOES_ON) | set(RERUN_REFUSED) | set(RERUN_OTHERWISE) == set(train.DEFAULTS)
     shutil.copytree(shards, tmp_path / "copy")
     args = tiny(shards, tmp_path / "o", "--max_iters=2", "--eval_interval=2", "--seeds=0,1")
@@ -826,6 +827,8 @@ def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch)
     for key, value in RERUN_GOES_ON.items():
         value = str(tmp_path / "copy") if value == "COPY" else value
         train.main(args + [f"--{key}={value}"])
+        if key == "reference_arm":  # report.py's references, passed on
+            assert reports[-1] == [str(tmp_path / "o"), "--reference=rd_attnres,attnres"]
     for key, value in RERUN_REFUSED.items():
         with pytest.raises(ConfigError, match=rf"config.json was made with other settings: {key} \("):
             train.main(args + [f"--{key}={value}"])
