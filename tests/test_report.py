@@ -1129,3 +1129,11 @@ def test_a_grid_beside_the_same_grid_on_another_corpus(tmp_path, no_matplotlib):
     assert (f"| rd | parent | {here_rd['mean']:+.4f} | 4/4 | {here_rd['p_ttest']:.3g} | [{ci[0]:+.4f}, {ci[1]:+.4f}] | "
             f"{there_rd['mean']:+.4f} | {there_rd['wins']}/4 | {there_rd['p_ttest']:.3g} | unavailable |") in text
     assert "settings differ in: data_dir, train_data_sha256." in text
+
+
+def test_a_grid_of_one_arm_says_so_instead_of_an_empty_table(tmp_path, no_matplotlib):
+    paired, text = run(make_grid(tmp_path, {("parent", s): 3.0 + s for s in range(2)}, arms=("parent",)))
+    assert paired["references"] == ["parent"] and paired["arms"] == {}
+    assert "## Paired against parent\n\nNo other arm to pair with." in text
+    assert "| arm | n | wins |" not in text and "Power of the paired t-test" not in text
+    assert "| parent | 3.0000 | 4.0000 |" in text  # its losses are still shown
