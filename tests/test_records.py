@@ -303,6 +303,17 @@ def test_min_lr_above_learning_rate_is_one_line_and_a_long_warmup_is_accepted():
     records.check_config(dict(DEFAULTS, warmup_iters=250, max_iters=10), 1)
 
 
+def test_the_checks_change_nothing():
+    cfg = configure(DEFAULTS, ["--arms={'a': {'dropout': 0, 'learning_rate': 1}, 'b': {'residual': 'dar'}}",
+                               "--learning_rate=1e-3", "--min_lr=1e-4"])
+    before = repr(cfg)
+    records.check_config(cfg, 1, ["arms", "learning_rate", "min_lr"])
+    assert repr(cfg) == before and type(cfg["arms"]["a"]["dropout"]) is int  # train.build_config types it
+    typed = records.typed_arms(cfg)
+    assert typed == {"a": {"dropout": 0.0, "learning_rate": 1.0}, "b": {"residual": "dar"}}
+    assert type(typed["a"]["dropout"]) is float and type(typed["a"]["learning_rate"]) is float
+
+
 def test_reference_arm_names_one_arm_or_several():
     arms = {"standard": {"residual": "standard"}, "scaled_residual": {"residual": "scaled_residual"}, "a": {}}
     for references in ("", "a", "scaled_residual,standard"):  # report.py's --reference, passed on
