@@ -12,8 +12,11 @@ A task scores each item by the cell's own losses: multiple_choice picks the choi
 continuation has the lowest mean token loss, schema the context option under which the shared
 continuation has the lowest mean loss, language_modeling asks the greedy continuation to equal the
 target token for token. CORE is the mean over tasks of (accuracy - b) / (1 - b), b the task's
-random baseline. downstream.json records the bundle's sha256 and this file's code fingerprint:
-results from different bundles or scoring code never pair. docs/downstream.md describes the bundle format, the prompts and the cost.
+random baseline. Each task's bits per byte is the right answers' summed loss in bits over their
+UTF-8 bytes. With max_per_task, a task is cut to its first N shuffled items before the few-shot
+examples are drawn from them, as nanochat does. downstream.json records the bundle's sha256, the
+fingerprint of the code that scored and the precision: results that differ in any never pair.
+docs/downstream.md describes the bundle format, the prompts, when to read which score and the cost.
 """
 
 import argparse
@@ -34,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import yaml
 
 import machine
 from checkpoint import load_cell
@@ -60,133 +64,31 @@ class Task(NamedTuple):
     num_fewshot: int
     delimiter: str  # between a context and its continuation
     baseline: float  # the random baseline, a fraction in [0, 1)
-    items: list  # the task file's items, shuffled with SHUFFLE_SEED
+    items: list  # the items scored: the task file's, shuffled with SHUFFLE_SEED, the first max_per_task
 
 
 class Bundle(NamedTuple):
     tasks: list
     sha256: str
+    max_per_task: int | None  # each task cut to its first N shuffled items (None: every item)
 
 
-def opens_quote(text, i):
-    """Whether text[i] opens a quoted scalar: a quote where a scalar starts (a quote inside a plain word does not)."""
-    return text[i] in "\"'" and (i == 0 or text[i - 1] in " \t[,")
-
-
-def strip_comment(line):
-    """line without its '# ...' comment (a '#' at the start or after a space, outside quotes)."""
-    quote, i = None, 0
-    while i < len(line):
-        c = line[i]
-        if (quote == '"' and c == "\\") or (quote == "'" and line[i:i + 2] == "''"):
-            i += 1  # an escaped character; in single quotes '' is a quote
-        elif quote and c == quote:
-            quote = None
-        elif not quote and opens_quote(line, i):
-            quote = c
-        elif not quote and c == "#" and (i == 0 or line[i - 1] in " \t"):
-            return line[:i].rstrip()
-        i += 1
-    return line.rstrip()
-
-
-def parse_scalar(text, where):
-    """A YAML scalar of the supported subset: a quoted or plain string, an integer, true/false, a flow list."""
-    text = text.strip()
-    if text[:1] and text[0] in "&*!|>{?%@`":  # anchors, aliases, tags, block scalars, flow mappings, reserved
-        raise DataError(f"{where}: {text[0]!r} is beyond the YAML subset this reader supports")
-    if text.startswith("[") and text.endswith("]"):
-        inner = text[1:-1].strip()
-        return [parse_scalar(part, where) for part in split_flow(inner, where)] if inner else []
-    if text.startswith('"'):
-        if len(text) < 2 or not text.endswith('"'):
-            raise DataError(f"{where}: unterminated double-quoted string {text}")
-        try:  # YAML's double-quoted escapes, as far as they are JSON's (\n, \t, \", \\, \uXXXX)
-            return json.loads(text, strict=False)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: {text} is not a supported double-quoted string ({e.msg})") from None
-    if text.startswith("'"):
-        if len(text) < 2 or not text.endswith("'") or re.search(r"(?<!')'(?!')", text[1:-1]):
-            raise DataError(f"{where}: unterminated single-quoted string {text}")
-        return text[1:-1].replace("''", "'")
-    if re.fullmatch(r"[-+]?[0-9]+", text):
-        return int(text)
-    return {"true": True, "false": False, "null": None, "~": None, "": None}.get(text, text)
-
-
-def split_flow(inner, where):
-    """The items of a flow list's inside, split at commas outside quotes."""
-    parts, start, quote = [], 0, None
-    for i, c in enumerate(inner):
-        if quote and c == quote and (quote == "'" or inner[i - 1] != "\\"):
-            quote = None
-        elif not quote and opens_quote(inner, i):
-            quote = c
-        elif not quote and c in "[]{}":
-            raise DataError(f"{where}: nested flow collections are not supported")
-        elif not quote and c == ",":
-            parts.append(inner[start:i])
-            start = i + 1
-    return parts + [inner[start:]]
-
-
-def key_value(content, where):
-    key, colon, value = content.partition(":")
-    if not colon or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_ -]*", key.strip()) or (value and value[0] not in " \t"):
-        raise DataError(f"{where}: expected 'key: value', got {content.strip()!r}")
-    return key.strip(), value.strip()
-
-
-def parse_core_yaml(text, path):
-    """
-    core.yaml's icl_tasks, as a list of dicts. The subset of YAML its layout uses: a top-level
-    'icl_tasks:' block list of mappings (an item opens with '-' alone or with its first key), each
-    key a scalar or a list (flow '[0]' or block '- 0' lines), '#' comments. Other top-level keys are
-    skipped; anything else (anchors, multi-line strings, nested mappings) is one line naming it.
-    """
-    tasks, in_tasks, task_indent, key_indent, list_key = [], False, None, None, None
-    for n, raw in enumerate(text.splitlines(), 1):
-        where = f"{path} line {n}"
-        if "\t" in raw[:len(raw) - len(raw.lstrip())]:
-            raise DataError(f"{where}: a tab in the indentation (YAML indents with spaces)")
-        line = strip_comment(raw)
-        content, indent = line.strip(), len(line) - len(line.lstrip())
-        if not content or content == "---":
-            continue
-        is_item = content == "-" or content.startswith("- ")
-        if indent == 0 and not is_item:  # a top-level key
-            key, value = key_value(content, where)
-            in_tasks, task_indent, list_key = key == "icl_tasks", None, None
-            if in_tasks and value:
-                raise DataError(f"{where}: icl_tasks must be a block list ('-' lines below it)")
-            continue
-        if not in_tasks:
-            continue
-        if is_item and (task_indent is None or indent == task_indent):  # a new task
-            task_indent, key_indent, list_key = indent, None, None
-            tasks.append({})
-            content = content[1:].strip()
-            if not content:
-                continue
-            indent = len(line) - len(line.lstrip()[1:].lstrip())
-        elif is_item:  # an entry of a block list
-            if list_key is None or indent <= task_indent:
-                raise DataError(f"{where}: a list entry outside a task key's list")
-            tasks[-1][list_key].append(parse_scalar(content[1:], where))
-            continue
-        if task_indent is None or indent <= task_indent:
-            raise DataError(f"{where}: expected a task ('-') of icl_tasks, or a top-level key")
-        if key_indent is None:
-            key_indent = indent
-        if indent != key_indent:
-            raise DataError(f"{where}: nested mappings are beyond the YAML subset this reader supports")
-        key, value = key_value(content, where)
-        if key in tasks[-1]:
-            raise DataError(f"{where}: {key} given twice in one task")
-        tasks[-1][key] = parse_scalar(value, where) if value else []
-        list_key = None if value else key
-    if not tasks:
-        raise DataError(f"{path} lists no tasks (no 'icl_tasks:' block list)")
+def read_core_yaml(path):
+    """core.yaml's icl_tasks, a list of mappings (PyYAML's safe_load; a UTF-8 byte-order mark is allowed)."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            config = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} cannot be read as UTF-8 text ({reason(e)})") from None
+    except yaml.YAMLError as e:  # its own message spans lines: the line and the problem only
+        mark = getattr(e, "problem_mark", None)
+        raise DataError(f"{path}{f' line {mark.line + 1}' if mark else ''} is not YAML "
+                        f"({getattr(e, 'problem', None) or type(e).__name__})") from None
+    except RecursionError:
+        raise DataError(f"{path} is nested too deeply to be a CORE task list") from None
+    tasks = config.get("icl_tasks") if isinstance(config, dict) else None
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, dict) for t in tasks):
+        raise DataError(f"{path} lists no tasks: it needs 'icl_tasks:' followed by one '-' mapping per task")
     return tasks
 
 
@@ -259,8 +161,14 @@ def read_items(path, kind):
             continue
         try:
             item = json.loads(line)
+            json.dumps(item, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape ("\\ud800") is no text
         except json.JSONDecodeError as e:
             raise DataError(f"{path} line {n} is not JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path} line {n} is nested too deeply to be a task item") from None
+        except UnicodeEncodeError:
+            raise DataError(f"{path} line {n} holds a lone surrogate escape (\\ud800-\\udfff alone), which is "
+                            f"not text; fix or remove the item") from None
         ok = isinstance(item, dict) and all(check(item.get(k)) for k, check in ITEM_FIELDS[kind].items())
         if ok and kind != "language_modeling":
             gold, options = item.get("gold"), item["choices" if kind == "multiple_choice" else "context_options"]
@@ -286,17 +194,15 @@ def bundle_sha256(bundle_dir):
     return digest.hexdigest()
 
 
-def load_bundle(bundle_dir):
-    """Every task of a CORE bundle with its items and random baseline, and the bundle's sha256."""
+def load_bundle(bundle_dir, max_per_task=None):
+    """Every task of a CORE bundle with its random baseline and the items scored: the file's items
+    shuffled with SHUFFLE_SEED, then the first max_per_task of them (None: all), as nanochat cuts a
+    task before it draws the few-shot examples from what is left. Also the bundle's sha256."""
     config_path = os.path.join(bundle_dir, "core.yaml")
     if not os.path.isfile(config_path):
         raise DataError(f"{config_path} does not exist; get the CORE bundle with python downstream.py --download "
                         f"--bundle={bundle_dir}")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            specs = parse_core_yaml(f.read(), config_path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{config_path} cannot be read as UTF-8 text ({reason(e)})") from None
+    specs = read_core_yaml(config_path)
     meta_path, data_dir = os.path.join(bundle_dir, "eval_meta_data.csv"), os.path.join(bundle_dir, "eval_data")
     baselines = read_baselines(meta_path)
     tasks = []
@@ -317,9 +223,12 @@ def load_bundle(bundle_dir):
         items = read_items(task_path, kind)
         if fewshot >= len(items):
             raise DataError(f"{task_path}: {label} asks for {fewshot} few-shot examples but holds {len(items)} items")
-        random.Random(SHUFFLE_SEED).shuffle(items)  # files are often ordered; --max_per_task takes a random subset
-        tasks.append(Task(label, kind, fewshot, delimiter, baseline, items))
-    return Bundle(tasks, bundle_sha256(bundle_dir))
+        if max_per_task is not None and fewshot >= max_per_task:
+            raise DataError(f"max_per_task={max_per_task} leaves too few items for {label}'s {fewshot} few-shot "
+                            f"examples (drawn from the items scored); give more than {fewshot}")
+        random.Random(SHUFFLE_SEED).shuffle(items)  # files are often ordered; max_per_task takes a random subset
+        tasks.append(Task(label, kind, fewshot, delimiter, baseline, items[:max_per_task]))
+    return Bundle(tasks, bundle_sha256(bundle_dir), max_per_task)
 
 
 # -----------------------------------------------------------------------------
@@ -345,6 +254,18 @@ def prompts(task, index):
     shots = "".join(e["context"].strip() + d + e["continuation"] + EXAMPLE_SEPARATOR for e in examples)
     # the context alone ends without whitespace, which the continuation's first token carries instead
     return [(shots + item["context"].strip() + d).strip(), shots + item["context"].strip() + d + item["continuation"]]
+
+
+def answer(task, index, texts):
+    """(which scored sequence holds the right answer, the text before that answer): for bits per
+    byte, the right answer is what follows its context and delimiter (the gold choice, the
+    continuation), with the delimiter's trailing whitespace, as language_modeling's continuation
+    carries it. texts: prompts(task, index)."""
+    if task.kind == "language_modeling":
+        return 0, texts[0]  # its one scored sequence (the full text), after the context alone
+    gold = task.items[index]["gold"]
+    answer_text = task.items[index]["choices"][gold] if task.kind == "multiple_choice" else task.items[index]["continuation"]
+    return gold, texts[gold][:len(texts[gold]) - len(answer_text)].rstrip()
 
 
 def common_length(sequences, reverse=False):
@@ -379,28 +300,36 @@ class Encoded(NamedTuple):
     items: int  # on all ranks together
     golds: dict  # item index -> the right choice (None for language_modeling)
     sequences: dict  # item index -> [(tokens, start, end), ...], tokens[start:end] scored
+    answers: dict  # item index -> (c, start, bytes): sequences[c]'s tokens[start:] are the right answer, of bytes UTF-8 bytes
     truncated: int  # this rank's sequences cut to block_size
 
 
-def encode_tasks(tasks, tokenizer, block_size, max_per_task=None, rank=0, world=1):
-    """Each task's first max_per_task items (all: None), every world-th from rank on (each rank
-    encodes its own share), as token sequences of at most block_size, each starting with the
-    end-of-text token (a new document, as in training); a longer one loses its oldest tokens (few-shot
-    examples first) and is counted."""
+def encode_tasks(tasks, tokenizer, block_size, rank=0, world=1):
+    """Each task's items, every world-th from rank on (each rank encodes its own share), as token
+    sequences of at most block_size, each starting with the end-of-text token (a new document, as in
+    training); a longer one loses its oldest tokens (few-shot examples first) and is counted."""
     encoded = []
     for task in tasks:
-        n = min(len(task.items), max_per_task or len(task.items))
-        golds, sequences, truncated = {}, {}, 0
-        for index in range(rank, n, world):
-            token_lists = [[tokenizer.eot] + tokenizer.encode(text).tolist() for text in prompts(task, index)]
+        golds, sequences, answers, truncated = {}, {}, {}, 0
+        for index in range(rank, len(task.items), world):
+            texts = prompts(task, index)
+            token_lists = [[tokenizer.eot] + tokenizer.encode(text).tolist() for text in texts]
             scored = token_lists[1:] if task.kind == "language_modeling" else token_lists  # LM: the full text only
             sequences[index] = []
             for tokens, (start, end) in zip(scored, spans(task, token_lists)):
                 cut = max(0, len(tokens) - block_size)
                 truncated += cut > 0
                 sequences[index].append((tokens[cut:], max(start - cut, 1), end - cut))
+            c, context = answer(task, index, texts)
+            with_answer = scored[c]
+            start = min(common_length([[tokenizer.eot] + tokenizer.encode(context).tolist(), with_answer]),
+                        len(with_answer) - 1)
+            kept = sequences[index][c][0]
+            start = max(start - (len(with_answer) - len(kept)), 1)
+            answers[index] = (c, start, sum(len(tokenizer.token_bytes(t)) for t in kept[start:]))
             golds[index] = task.items[index].get("gold")
-        encoded.append(Encoded(task.label, task.kind, task.baseline, n, golds, sequences, truncated))
+        encoded.append(Encoded(task.label, task.kind, task.baseline, len(task.items), golds, sequences, answers,
+                               truncated))
     return encoded
 
 
@@ -420,74 +349,105 @@ def batches(rows, batch_tokens):
 
 
 def forward_batch(model, batch, device, autocast):
-    """Each row's mean loss over its scored tokens, and whether greedy decoding reproduces them all."""
+    """Each row's mean loss over its scored tokens, whether greedy decoding reproduces them all, and
+    (rows whose answer start is given, else None) the summed loss of its tokens from that start on.
+    A row: (item, choice, tokens, start, end, answer start or None)."""
     T = max(len(row[2]) for row in batch)
     x = torch.zeros(len(batch), T, dtype=torch.long)
     y = torch.full((len(batch), T), -1, dtype=torch.long)
-    for r, (_, _, tokens, start, end) in enumerate(batch):
+    scored = torch.zeros(len(batch), T, dtype=torch.bool)
+    for r, (_, _, tokens, start, end, answer_start) in enumerate(batch):
         x[r, :len(tokens)] = torch.tensor(tokens)
-        y[r, start - 1:end - 1] = x[r, start:end]  # position t predicts token t + 1
-    x, y = x.to(device), y.to(device)
+        first = start if answer_start is None else min(start, answer_start)
+        y[r, first - 1:end - 1] = x[r, first:end]  # position t predicts token t + 1
+        scored[r, start - 1:end - 1] = True
+    x, y, scored = x.to(device), y.to(device), scored.to(device)
     with autocast:
         logits, loss = model(x, y, reduction="none")
-    scored = y != -1
-    mean_loss = loss.float().sum(1) / scored.sum(1)
+    mean_loss = torch.where(scored, loss.float(), 0).sum(1) / scored.sum(1)
     greedy = ((logits.argmax(-1) == y) | ~scored).all(1)
-    return mean_loss.tolist(), greedy.tolist()
+    losses = loss.float().cpu()  # each answer's losses summed exactly (fsum): the same in any batch or rank
+    answer_loss = [None if a is None else math.fsum(losses[r, a - 1:end - 1].tolist())
+                   for r, (_, _, _, _, end, a) in enumerate(batch)]
+    return mean_loss.tolist(), greedy.tolist(), answer_loss
 
 
 @torch.no_grad()
 def evaluate_tasks(model, tasks, device, autocast, world=1, batch_tokens=BATCH_TOKENS):
     """
-    Accuracy per task and CORE of model (in eval mode for the call) on this rank's encode_tasks
-    output. Under torch.distributed (world > 1) the ranks' correct and truncated counts are summed
-    exactly, so any world size gives one process's result (up to ties in floating point); every
-    rank runs as many forwards (an FSDP forward is collective). Returns downstream.json's core,
-    truncated and tasks.
+    Accuracy, CORE and bits per byte of model (in eval mode for the call) on this rank's
+    encode_tasks output. Under torch.distributed (world > 1) the ranks' integer counts are summed,
+    and each item's answer loss gathered and summed in the order of the items, so any world size
+    gives one process's result (up to ties in floating point); every rank runs as many forwards
+    (an FSDP forward is collective). Returns downstream.json's core, bits_per_byte, truncated and tasks.
     """
     was_training = model.training
     model.eval()
-    correct = []
+    correct, answer_bytes, answer_losses = [], [], []  # answer_losses: per item of every task, 0 where another rank's
     for task in tasks:
-        rows = [(i, c, *seq) for i, item in task.sequences.items() for c, seq in enumerate(item)]
+        rows = [(i, c, *seq, task.answers[i][1] if c == task.answers[i][0] else None)
+                for i, item in task.sequences.items() for c, seq in enumerate(item)]
         todo = batches(rows, batch_tokens)
         n_batches = torch.tensor(len(todo), device=device)
         if world > 1:
             dist.all_reduce(n_batches, op=dist.ReduceOp.MAX)
-        losses, greedy = {}, {}
+        losses, greedy, answer_loss = {}, {}, [0.0] * task.items
         for batch in todo:
-            for (i, c, *_), loss, hit in zip(batch, *forward_batch(model, batch, device, autocast)):
+            for (i, c, *_), loss, hit, nll in zip(batch, *forward_batch(model, batch, device, autocast)):
                 losses.setdefault(i, {})[c], greedy[i] = loss, hit
+                if nll is not None:
+                    answer_loss[i] = nll
         for _ in range(n_batches.item() - len(todo)):  # this rank has fewer: the forwards the others make
-            forward_batch(model, [(0, 0, [0, 0], 1, 2)], device, autocast)
+            forward_batch(model, [(0, 0, [0, 0], 1, 2, None)], device, autocast)
         if task.kind == "language_modeling":
             correct.append(sum(greedy.values()))
         else:  # the lowest mean loss wins; a tie goes to the first
             correct.append(sum(min(range(len(by_choice)), key=by_choice.get) == task.golds[i]
                                for i, by_choice in losses.items()))
+        answer_bytes.append(sum(n for _, _, n in task.answers.values()))
+        answer_losses.append(answer_loss)
     model.train(was_training)
-    counts = torch.tensor(correct + [sum(t.truncated for t in tasks)], dtype=torch.long, device=device)
+    counts = torch.tensor(correct + answer_bytes + [sum(t.truncated for t in tasks)], dtype=torch.long, device=device)
+    item_losses = torch.tensor([x for losses in answer_losses for x in losses], dtype=torch.float64,
+                               device=device if world > 1 else "cpu")  # no float64 on mps, which runs one process
     if world > 1:
         dist.all_reduce(counts)
-    *correct, truncated = counts.tolist()
+        dist.all_reduce(item_losses)  # each item's loss plus zeros: exact
+    counts, item_losses = counts.tolist(), item_losses.tolist()
     results = {}
-    for task, right in zip(tasks, correct):
-        accuracy = right / task.items
-        results[task.label] = dict(icl_task_type=task.kind, items=task.items, correct=right, accuracy=accuracy,
+    for t, task in enumerate(tasks):
+        accuracy = counts[t] / task.items
+        first = sum(other.items for other in tasks[:t])  # this task's items in item_losses
+        bits = math.fsum(item_losses[first:first + task.items]) / math.log(2)  # fsum: the same in any order
+        results[task.label] = dict(icl_task_type=task.kind, items=task.items, correct=counts[t], accuracy=accuracy,
                                    random_baseline=task.baseline,
-                                   centered=(accuracy - task.baseline) / (1 - task.baseline))
+                                   centered=(accuracy - task.baseline) / (1 - task.baseline),
+                                   bits_per_byte=bits / counts[len(tasks) + t])
     core = sum(r["centered"] for r in results.values()) / len(results)
-    return dict(core=core, truncated=truncated, tasks=results)
+    bits_per_byte = sum(r["bits_per_byte"] for r in results.values()) / len(results)
+    return dict(core=core, bits_per_byte=bits_per_byte, truncated=counts[-1], tasks=results)
 
 
-def write_scores(cell_dir, bundle, max_per_task, step, scores):
+SCORING_FILES = ("downstream.py", "model.py", "checkpoint.py", "data/shards.py")  # the scores, the forward, its weights, the tokens
+
+
+def scoring_code():
+    """The fingerprint of the code that computes the scores (SCORING_FILES, as records.code_fingerprint reads each)."""
+    files = {}
+    for name in SCORING_FILES:
+        with open(os.path.join(HERE, name), "rb") as f:
+            files[name] = code_fingerprint(f.read())
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_scores(cell_dir, bundle, step, scores, dtype):
     """cell_dir/downstream.json (atomically): evaluate_tasks' scores of the checkpoint of step, with
-    what they were measured on (the bundle's sha256, max_per_task: None for every item, and the
-    fingerprint of this file, which scores: the report pairs none scored by other code)."""
-    with open(os.path.abspath(__file__), "rb") as f:
-        scoring_code = code_fingerprint(f.read())
-    write_json(os.path.join(cell_dir, "downstream.json"), dict(bundle_sha256=bundle.sha256, max_per_task=max_per_task,
-                                                             scoring_code=scoring_code, step=step, **scores))
+    what they were measured on: the bundle's sha256 and max_per_task (None: every item), the
+    fingerprint of the code that scored (scoring_code) and the precision of the forward (dtype, as
+    machine.setup resolved it); the report pairs only results equal in all of them."""
+    write_json(os.path.join(cell_dir, "downstream.json"), dict(
+        bundle_sha256=bundle.sha256, max_per_task=bundle.max_per_task, scoring_code=scoring_code(), dtype=dtype,
+        step=step, **scores))
 
 
 # -----------------------------------------------------------------------------
@@ -586,7 +546,7 @@ def main(argv):
             parser.error("give a cell folder or an out_dir to evaluate (or --download)")
         return
     cells = find_cells(args.path)
-    bundle = load_bundle(args.bundle)
+    bundle = load_bundle(args.bundle, args.max_per_task)
     runtime = machine.setup(dict(device=args.device, dtype=args.dtype, fsdp=False))
     device, autocast, rank, world = runtime.device, runtime.autocast, runtime.rank, runtime.world
     for cell_dir in cells:
@@ -597,13 +557,14 @@ def main(argv):
         if tokenizer.vocab_size > model.config.vocab_size:  # a cell trained on token ids of its own
             raise DataError(f"{cell_dir}: vocab_size {model.config.vocab_size} is below its tokenizer's "
                             f"{tokenizer.vocab_size}; it cannot read text, so it has no CORE score")
-        tasks = encode_tasks(bundle.tasks, tokenizer, model.config.block_size, args.max_per_task, rank, world)
+        tasks = encode_tasks(bundle.tasks, tokenizer, model.config.block_size, rank, world)
         scores = evaluate_tasks(model, tasks, device, autocast, world, args.batch_tokens)
         if rank == 0:
-            write_scores(cell_dir, bundle, args.max_per_task, step, scores)
+            write_scores(cell_dir, bundle, step, scores, runtime.dtype)
             cut = f", {scores['truncated']} sequences cut to block_size {model.config.block_size} from the left" \
                 if scores["truncated"] else ""
-            print(f"{cell_dir} step {step}: CORE {scores['core']:.4f} over {len(tasks)} tasks{cut} "
+            print(f"{cell_dir} step {step}: CORE {scores['core']:.4f}, {scores['bits_per_byte']:.4f} bits per byte "
+                  f"over {len(tasks)} tasks{cut} "
                   f"({time.time() - t0:.0f} s)")
     if world > 1:
         dist.destroy_process_group()

@@ -70,11 +70,14 @@ class CellLog:
                    routing=routing)
 
     def downstream(self, step, scores, seconds):
-        """The CORE score at step (downstream.evaluate_tasks) and each task's centered accuracy."""
+        """The CORE score and mean bits per byte at step (downstream.evaluate_tasks), and each task's."""
         if self.runtime.master:
-            print(f"{self.prefix} step {step}: CORE {scores['core']:.4f} over {len(scores['tasks'])} tasks")
-        self.write(dict(step=step, tokens=step * self.tokens_per_step, core=scores["core"], eval_s=round(seconds, 3),
-                        centered={label: task["centered"] for label, task in scores["tasks"].items()}))
+            print(f"{self.prefix} step {step}: CORE {scores['core']:.4f}, {scores['bits_per_byte']:.4f} bits per byte "
+                  f"over {len(scores['tasks'])} tasks")
+        self.write(dict(step=step, tokens=step * self.tokens_per_step, core=scores["core"],
+                        bits_per_byte=scores["bits_per_byte"], eval_s=round(seconds, 3),
+                        centered={label: task["centered"] for label, task in scores["tasks"].items()},
+                        task_bits_per_byte={label: task["bits_per_byte"] for label, task in scores["tasks"].items()}))
 
     def paused(self, seconds):
         """seconds not spent training (an evaluation and its checkpoint): kept out of the step time."""

@@ -98,8 +98,18 @@ def write_bundle(root, tasks, baselines=None, yaml_text=None):
 
 
 def evaluate(model, bundle_dir, block_size=1024, max_per_task=None, rank=0, world=1, batch_tokens=4096):
-    tasks = downstream.encode_tasks(downstream.load_bundle(bundle_dir).tasks, BYTES, block_size, max_per_task, rank, world)
+    tasks = downstream.encode_tasks(downstream.load_bundle(bundle_dir, max_per_task).tasks, BYTES, block_size, rank, world)
     return downstream.evaluate_tasks(model, tasks, "cpu", nullcontext(), world, batch_tokens)
+
+
+def encoded(bundle_dir, block_size=1024, tokenizer=BYTES):
+    """The first task of a bundle, encoded."""
+    return downstream.encode_tasks(downstream.load_bundle(bundle_dir).tasks, tokenizer, block_size)[0]
+
+
+def accuracy_part(scores):
+    """Each task's scores without its bits per byte (tested on its own)."""
+    return {label: {k: v for k, v in t.items() if k != "bits_per_byte"} for label, t in scores["tasks"].items()}
 
 
 # -----------------------------------------------------------------------------
@@ -138,8 +148,15 @@ icl_seq_len: 2048
 """
 
 
-def test_core_yaml_reader_reads_the_bundles_layout():
-    tasks = downstream.parse_core_yaml(REAL_LAYOUT, "core.yaml")
+def core_yaml(tmp_path, text, encoding="utf-8"):
+    path = tmp_path / "core.yaml"
+    path.write_text(text, encoding=encoding)
+    return str(path)
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig"])  # saved with a byte-order mark, as some editors do
+def test_core_yaml_reader_reads_the_bundles_layout(tmp_path, encoding):
+    tasks = downstream.read_core_yaml(core_yaml(tmp_path, REAL_LAYOUT, encoding))
     assert tasks == [
         dict(label="hellaswag_zeroshot", dataset_uri="language_understanding/hellaswag.jsonl", num_fewshot=[0],
              icl_task_type="multiple_choice"),
@@ -151,23 +168,21 @@ def test_core_yaml_reader_reads_the_bundles_layout():
         dict(label="boolq", dataset_uri="reading_comprehension/boolq.jsonl", num_fewshot=[10],
              icl_task_type="multiple_choice", continuation_delimiter="\nAnswer: \u00e9\t"),
     ]
-    yaml = pytest.importorskip("yaml")  # where PyYAML happens to be installed: the same reading
-    assert yaml.safe_load(REAL_LAYOUT)["icl_tasks"] == tasks
 
 
 @pytest.mark.parametrize("text, match", [
-    ('icl_tasks:\n-\n  label: "open\n', r"core.yaml line 3: unterminated double-quoted string"),
-    ("icl_tasks:\n-\n\tlabel: x\n", r"core.yaml line 3: a tab in the indentation"),
-    ("icl_tasks:\n-\n  label: x\n  options:\n    deep: 1\n", r"core.yaml line 5: nested mappings"),
-    ("icl_tasks:\n- label: &name x\n", r"core.yaml line 2: '&' is beyond the YAML subset"),
-    ("icl_tasks:\n-\n  text: |\n", r"core.yaml line 3: '\|' is beyond the YAML subset"),
-    ("icl_tasks:\n-\n  label: x\n  label: y\n", r"core.yaml line 4: label given twice"),
-    ("icl_tasks: [a]\n", r"core.yaml line 1: icl_tasks must be a block list"),
+    ('icl_tasks:\n-\n  label: "open\n', r"core.yaml line 4 is not YAML \(found unexpected end of stream\)$"),
+    ("icl_tasks:\n-\n\tlabel: x\n", r"core.yaml line 3 is not YAML"),
+    ("icl_tasks: [a]\n", r"core.yaml lists no tasks: it needs 'icl_tasks:' followed by one '-' mapping per task"),
+    ("icl_tasks:\n", r"core.yaml lists no tasks"),
     ("other: 1\n", r"core.yaml lists no tasks"),
+    ("- 1\n", r"core.yaml lists no tasks"),
+    ("icl_tasks: " + "[" * 100_000 + "\n", r"core.yaml (line 1 is not YAML|is nested too deeply)"),
 ])
-def test_core_yaml_errors_name_the_line(text, match):
-    with pytest.raises(DataError, match=match):
-        downstream.parse_core_yaml(text, "core.yaml")
+def test_core_yaml_errors_are_one_line(tmp_path, text, match):
+    with pytest.raises(DataError, match=match) as e:
+        downstream.read_core_yaml(core_yaml(tmp_path, text))
+    assert "\n" not in str(e.value)
 
 
 # -----------------------------------------------------------------------------
@@ -229,15 +244,132 @@ def test_fewshot_never_includes_the_item_and_repeats_with_its_seed():
     assert len(orders) == 8  # each item draws its own examples
 
 
-def test_tasks_are_shuffled_with_a_fixed_seed_and_max_per_task_takes_the_first(tmp_path):
+def test_tasks_are_shuffled_with_a_fixed_seed_and_max_per_task_cuts_before_the_draw(tmp_path):
     items = [dict(context=f"c{i}", continuation="x") for i in range(20)]
     bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=items, fewshot=2)])
     a, b = downstream.load_bundle(bundle).tasks[0], downstream.load_bundle(bundle).tasks[0]
     expected = items[:]
     random.Random(1337).shuffle(expected)
     assert a.items == b.items == expected != items
-    full, cut = (downstream.encode_tasks([a], BYTES, 64, n)[0] for n in (None, 5))
-    assert cut.items == 5 and cut.sequences == {i: full.sequences[i] for i in range(5)}  # examples drawn from all items
+    cut = downstream.load_bundle(bundle, 5)
+    assert cut.max_per_task == 5 and cut.tasks[0].items == expected[:5]
+    # the examples come from the 5 items scored (nanochat's order: cut, then draw), so the prompts differ
+    full, short = (downstream.encode_tasks([t], BYTES, 64)[0] for t in (a, cut.tasks[0]))
+    assert short.items == 5 and sorted(short.sequences) == list(range(5))
+    assert all(e in expected[:5] for i in range(5) for e in downstream.fewshot_examples(cut.tasks[0], i))
+    assert any(short.sequences[i] != full.sequences[i] for i in range(5))
+    assert downstream.load_bundle(bundle, 20).tasks[0].items == downstream.load_bundle(bundle, 99).tasks[0].items == expected
+    with pytest.raises(DataError, match=r"max_per_task=2 leaves too few items for lm's 2 few-shot examples"):
+        downstream.load_bundle(bundle, 2)
+
+
+def nanochat_reference(model, data, kind, num_fewshot, delimiter, max_per_task, block_size):
+    """
+    nanochat's CORE for one task (its scripts/base_eval.py and nanochat/core_eval.py, 2026-12, read and
+    written again here, the prompts as Jinja templates as there): the file's items shuffled with
+    random.Random(1337), cut to max_per_task, each item's examples drawn with random.Random(1234 + i)
+    from the others of what is left; each item's texts tokenized with a leading BOS (here the
+    end-of-text token), cut to the last block_size tokens, padded with BOS, one forward per item;
+    the lowest mean loss or an exact greedy continuation wins. Returns ([(tokens, start, end), ...]
+    per item, each item's correctness).
+    """
+    from jinja2 import Template
+    data = list(data)
+    random.Random(1337).shuffle(data)
+    data = data[:max_per_task] if max_per_task > 0 else data
+    shot = {"multiple_choice": "{{ e.query }}{{ d }}{{ e.choices[e.gold] }}",
+            "schema": "{{ e.context_options[e.gold] }}{{ d }}{{ e.continuation }}",
+            "language_modeling": "{{ e.context | trim }}{{ d }}{{ e.continuation }}"}[kind]
+    tail = {"multiple_choice": "{{ item.query }}{{ d }}{{ option }}",
+            "schema": "{{ option }}{{ d }}{{ item.continuation }}",
+            "language_modeling": "{{ item.context | trim }}{{ d }}{% if option %}{{ item.continuation }}{% endif %}"}[kind]
+    template = Template("{% for e in shots %}" + shot + "\n\n{% endfor %}" + tail)
+    sequences, right = [], []
+    for i, item in enumerate(data):
+        others = [j for j in range(len(data)) if j != i]
+        shots = [data[j] for j in random.Random(1234 + i).sample(others, num_fewshot)] if num_fewshot else []
+        options = {"multiple_choice": item.get("choices"), "schema": item.get("context_options"),
+                   "language_modeling": [False, True]}[kind]
+        texts = [template.render(shots=shots, d=delimiter, item=item, option=o) for o in options]
+        if kind == "language_modeling":
+            texts[0] = texts[0].strip()
+        tokens = [[EOT] + list(text.encode("utf-8")) for text in texts]
+        if kind == "multiple_choice":
+            start = downstream_free_common(tokens)
+            spans = [(start, len(t)) for t in tokens]
+        elif kind == "schema":
+            suffix = downstream_free_common([t[::-1] for t in tokens])
+            spans = [(len(t) - suffix, len(t)) for t in tokens]
+        else:
+            assert tokens[1][:len(tokens[0])] == tokens[0]
+            tokens, spans = [tokens[1]], [(len(tokens[0]), len(tokens[1]))]
+        crops = [max(0, len(t) - block_size) for t in tokens]
+        tokens = [t[c:] for t, c in zip(tokens, crops)]
+        spans = [(s - c, e - c) for (s, e), c in zip(spans, crops)]
+        sequences.append([(t, s, e) for t, (s, e) in zip(tokens, spans)])
+        width = max(len(t) for t in tokens)
+        ids = torch.tensor([t + [EOT] * (width - len(t)) for t in tokens])
+        with torch.no_grad():
+            logits = model(ids)[0] if isinstance(model, Bigram) else model(ids, ids)[0]
+        losses = F.cross_entropy(logits.float().transpose(1, 2), torch.roll(ids, -1, 1), reduction="none")
+        if kind == "language_modeling":
+            s, e = spans[0]
+            right.append(bool((logits[0, s - 1:e - 1].argmax(-1) == ids[0, s:e]).all()))
+        else:
+            means = [losses[r, s - 1:e - 1].mean().item() for r, (s, e) in enumerate(spans)]
+            right.append(means.index(min(means)) == item["gold"])
+    return sequences, right
+
+
+def downstream_free_common(lists):
+    """How many leading entries all lists share (nanochat's find_common_length, left)."""
+    n = 0
+    while n < min(map(len, lists)) and len({l[n] for l in lists}) == 1:
+        n += 1
+    return n
+
+
+def reference_tasks(n=12):
+    """A task of each type the bundle uses, few-shot, with items of varied lengths; some prompts exceed block 96."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    return [
+        dict(label="mc", kind="multiple_choice", fewshot=3, delimiter="\nAnswer: ",
+             items=[dict(query=f"Question {i}: which {words[i % 6]}?", choices=[words[(i + k) % 6] for k in range(2 + i % 3)],
+                         gold=i % (2 + i % 3)) for i in range(n)]),
+        dict(label="schema", kind="schema", fewshot=2,
+             items=[dict(context_options=[f"The {w} fell" for w in words[i % 3:i % 3 + 3]], continuation=f"because of {i}.",
+                         gold=i % 3) for i in range(n)]),
+        dict(label="lm", kind="language_modeling", fewshot=2,
+             items=[dict(context=f" Count {i} then say ", continuation=f"{words[i % 6]}") for i in range(n)]),
+    ]
+
+
+@pytest.mark.parametrize("max_per_task", [5, 0])
+def test_core_equals_an_independent_reimplementation_of_nanochats(tmp_path, max_per_task):
+    # a model that gets some items right: a small GPT fitted for a few steps to the tasks' own answers
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=96, vocab_size=257))
+    tasks = reference_tasks()
+    bundle = write_bundle(tmp_path, tasks, baselines=dict(mc=40, schema=33, lm=0))
+    text = torch.tensor(([EOT] + list(" ".join(f"{i['query']} {i['choices'][i['gold']]}" for i in tasks[0]["items"])
+                                       .encode()))[:97])
+    opt = torch.optim.AdamW(gpt.parameters(), lr=1e-2)
+    for _ in range(30):
+        opt.zero_grad()
+        gpt(text[None, :-1], text[None, 1:])[1].backward()
+        opt.step()
+    gpt.eval()
+    ours = evaluate(gpt, bundle, block_size=96, max_per_task=max_per_task or None, batch_tokens=512)
+    loaded = downstream.load_bundle(bundle, max_per_task or None)
+    for task, spec in zip(downstream.encode_tasks(loaded.tasks, BYTES, 96), tasks):
+        with open(os.path.join(bundle, "eval_data", "group", f"{spec['label']}.jsonl")) as f:
+            data = [json.loads(line) for line in f]
+        sequences, right = nanochat_reference(gpt, data, spec["kind"], spec["fewshot"], spec.get("delimiter", " "),
+                                              max_per_task, 96)
+        assert [task.sequences[i] for i in range(task.items)] == sequences, spec["label"]  # prompts, cuts, spans
+        assert ours["tasks"][spec["label"]]["correct"] == sum(right), spec["label"]
+    assert ours["truncated"] > 0  # the crop was exercised
+    assert 0 < sum(t["correct"] for t in ours["tasks"].values()) < sum(t["items"] for t in ours["tasks"].values())
 
 
 # -----------------------------------------------------------------------------
@@ -254,12 +386,13 @@ def test_multiple_choice_takes_the_lowest_mean_loss_not_the_sum(tmp_path):
     items = [dict(query="Q", choices=["ab", "xyzw"], gold=1), dict(query="Q", choices=["ab", "xyzw"], gold=0)]
     bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=items)], baselines=dict(mc=50))
     scores = evaluate(model, bundle)
-    assert scores["tasks"]["mc"] == dict(icl_task_type="multiple_choice", items=2, correct=1, accuracy=0.5,
-                                         random_baseline=0.5, centered=0.0)
+    assert accuracy_part(scores)["mc"] == dict(icl_task_type="multiple_choice", items=2, correct=1, accuracy=0.5,
+                                               random_baseline=0.5, centered=0.0)
     # the scored span is the choice (after the shared "Q "), and its mean loss is the reference's
-    task = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 1024)[0]
+    task = encoded(bundle)
     assert [tokens for tokens, _, _ in task.sequences[0]] == [[EOT, *b"Q ab"], [EOT, *b"Q xyzw"]]  # a new document
-    losses, _ = downstream.forward_batch(model, [(0, c, *s) for c, s in enumerate(task.sequences[0])], "cpu", nullcontext())
+    losses, _, _ = downstream.forward_batch(model, [(0, c, *s, None) for c, s in enumerate(task.sequences[0])], "cpu",
+                                            nullcontext())
     assert losses == pytest.approx([mean_ab, mean_xyzw], rel=1e-6)
     # a uniform model ties every choice: the first wins, as in nanochat
     tie = write_bundle(tmp_path / "tie", [dict(label="mc", kind="multiple_choice", items=[
@@ -275,10 +408,11 @@ def test_schema_takes_the_context_under_which_the_continuation_is_likeliest(tmp_
              dict(context_options=["ab", "cd"], continuation="zz", gold=1),
              dict(context_options=["cd", "ab"], continuation="zz", gold=1)]
     bundle = write_bundle(tmp_path, [dict(label="s", kind="schema", items=items)], baselines=dict(s=50))
-    task = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 1024)[0]
+    task = encoded(bundle)
     assert all(tokens[start:end] == list(b" zz") for item in task.sequences.values() for tokens, start, end in item)
-    assert evaluate(model, bundle)["tasks"]["s"] == dict(icl_task_type="schema", items=3, correct=2, accuracy=2 / 3,
-                                                         random_baseline=0.5, centered=(2 / 3 - 0.5) / 0.5)
+    assert accuracy_part(evaluate(model, bundle))["s"] == dict(icl_task_type="schema", items=3, correct=2,
+                                                               accuracy=2 / 3, random_baseline=0.5,
+                                                               centered=(2 / 3 - 0.5) / 0.5)
 
 
 def test_language_modeling_needs_every_greedy_token(tmp_path):
@@ -288,8 +422,8 @@ def test_language_modeling_needs_every_greedy_token(tmp_path):
              dict(context="Q", continuation=" xbc")]
     bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=items, delimiter=":")],
                           baselines=dict(lm=0))
-    assert evaluate(model, bundle)["tasks"]["lm"] == dict(icl_task_type="language_modeling", items=3, correct=1,
-                                                          accuracy=1 / 3, random_baseline=0.0, centered=1 / 3)
+    assert accuracy_part(evaluate(model, bundle))["lm"] == dict(icl_task_type="language_modeling", items=3, correct=1,
+                                                                accuracy=1 / 3, random_baseline=0.0, centered=1 / 3)
 
 
 def test_centered_accuracy_and_core(tmp_path):
@@ -305,13 +439,44 @@ def test_centered_accuracy_and_core(tmp_path):
     assert scores["core"] == pytest.approx(((0.75 - 0.25) / 0.75 + 0.0) / 2) and scores["truncated"] == 0
 
 
+
+def test_bits_per_byte_is_the_right_answers_loss_over_its_bytes(tmp_path):
+    # the right answer is what follows the context and the delimiter, the delimiter's space included:
+    # " xyzw" (item 1) and " ab" (item 2) after "Q", though the choices are scored only where they differ
+    model = bigram(("xy", 3.0), ("yz", 3.0), ("zw", 3.0), ("b ", 4.0), (": ", 5.0), (" a", 5.0), ("ab", 5.0))
+
+    def loss(text, after):  # the summed loss of text's bytes, each after the one before
+        return sum(token_loss(model, p, n) for p, n in zip(after + text[:-1], text))
+
+    mc = [dict(query="Q", choices=["ab", "xyzw"], gold=1), dict(query="Q", choices=["ab", "xyzw"], gold=0)]
+    schema = [dict(context_options=["ab", "cd"], continuation="zz", gold=g) for g in (0, 1)]
+    lm = [dict(context="Q", continuation=" ab\u00e9")]  # the last character is two UTF-8 bytes
+    bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=mc),
+                                     dict(label="s", kind="schema", items=schema),
+                                     dict(label="lm", kind="language_modeling", items=lm, delimiter=":")])
+    scores = evaluate(model, bundle)
+    bpb = {label: t["bits_per_byte"] for label, t in scores["tasks"].items()}
+    assert bpb["mc"] == pytest.approx((loss(" xyzw", "Q") + loss(" ab", "Q")) / math.log(2) / 8, rel=1e-6)
+    assert bpb["s"] == pytest.approx((loss(" zz", "b") + loss(" zz", "d")) / math.log(2) / 6, rel=1e-6)
+    table = F.log_softmax(model.table.double(), -1)  # é is bytes c3 a9, after b
+    lm_loss = loss(" ab", ":") - table[ord("b"), 0xC3].item() - table[0xC3, 0xA9].item()
+    assert bpb["lm"] == pytest.approx(lm_loss / math.log(2) / 5, rel=1e-6)
+    assert scores["bits_per_byte"] == pytest.approx(sum(bpb.values()) / 3)
+    # the same bytes under GPT-2's tokens: the answer's tokens are exactly its text
+    gpt2 = get_tokenizer("gpt2")
+    task = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, gpt2, 1024)[0]
+    for index, (c, start, n_bytes) in task.answers.items():
+        tokens = task.sequences[index][c][0]
+        assert gpt2.decode(tokens[start:]) == " " + task.golds[index] * "xyzw" + (1 - task.golds[index]) * "ab"
+        assert n_bytes == len(gpt2.decode(tokens[start:]).encode())
+
 def test_long_sequences_lose_their_oldest_tokens_and_are_counted(tmp_path):
     # 2-shot prompts far beyond block_size 12: the scored choice stays, the examples go first
     items = [dict(query=f"question number {i}", choices=["ab", "xyzw"], gold=1) for i in range(3)]
     bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=items, fewshot=2)])
-    task = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 12)[0]
+    task = encoded(bundle, 12)
     assert task.truncated == 6
-    full = downstream.encode_tasks(downstream.load_bundle(bundle).tasks, BYTES, 1024)[0]
+    full = encoded(bundle)
     for cut_item, full_item in zip(task.sequences.values(), full.sequences.values()):
         for (tokens, start, end), (all_tokens, all_start, all_end) in zip(cut_item, full_item):
             assert len(tokens) == 12 and tokens == all_tokens[-12:]  # cut from the left
@@ -324,15 +489,18 @@ def test_long_sequences_lose_their_oldest_tokens_and_are_counted(tmp_path):
 def test_a_padded_batch_scores_each_row_as_alone():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=257)).eval()
-    rows = [(0, 0, [EOT, 1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 10), (0, 1, [EOT, 1, 2, 9], 2, 4), (1, 0, [EOT, 5, 5], 1, 3)]
+    rows = [(0, 0, [EOT, 1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 10, 1), (0, 1, [EOT, 1, 2, 9], 2, 4, None),
+            (1, 0, [EOT, 5, 5], 1, 3, 2)]
     with torch.no_grad():
         together = downstream.forward_batch(gpt, rows, "cpu", nullcontext())
         alone = [downstream.forward_batch(gpt, [row], "cpu", nullcontext()) for row in rows]
         assert together[0] == pytest.approx([a[0][0] for a in alone], rel=1e-5)
         assert together[1] == [a[1][0] for a in alone]
+        assert together[2][1] is None and together[2][::2] == pytest.approx([a[2][0] for a in alone][::2], rel=1e-5)
         x = torch.tensor([rows[0][2]])  # the reference: the mean of the scored tokens' losses, one sequence
-        reference = F.cross_entropy(gpt(x, x)[0][0, 2:9], x[0, 3:10])
-    assert together[0][0] == pytest.approx(reference.item(), rel=1e-5)
+        token_losses = F.cross_entropy(gpt(x, x)[0][0, :9], x[0, 1:10], reduction="none")
+    assert together[0][0] == pytest.approx(token_losses[2:].mean().item(), rel=1e-5)
+    assert together[2][0] == pytest.approx(token_losses.sum().item(), rel=1e-5)  # the answer from token 1 on
 
 
 def test_batch_size_does_not_change_the_result(tmp_path):
@@ -420,6 +588,13 @@ def test_bad_bundles_are_one_line_naming_the_file(tmp_path):
         f.write("Eval Task,Random baseline\nmc,100\n")
     refused(folder, r"eval_meta_data.csv line 2: the random baseline of mc must be a percent")
     refused(bundle([dict(good[0], fewshot=3)]), r"mc asks for 3 few-shot examples but holds 3 items")
+    for line, match in [("[" * 100_000 + "\n", r"group/mc.jsonl line 4 is nested too deeply to be a task item"),
+                        ('{"query": "q\\ud800", "choices": ["a", "b"], "gold": 0}\n',
+                         r"group/mc.jsonl line 4 holds a lone surrogate escape")]:
+        folder = bundle()
+        with open(os.path.join(folder, "eval_data", "group", "mc.jsonl"), "a") as f:
+            f.write(line)
+        refused(folder, match)
     folder = bundle()
     os.remove(os.path.join(folder, "core.yaml"))
     refused(folder, r"core.yaml does not exist; get the CORE bundle with python downstream.py --download")
@@ -509,10 +684,11 @@ def test_cli_writes_downstream_json_into_every_cell(tmp_path):
         cell = tmp_path / "out" / "attnres" / f"seed{seed}"
         with open(cell / "downstream.json") as f:
             got = json.load(f, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
-        assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "step", "core", "truncated", "tasks"]
-        assert (got["bundle_sha256"], got["max_per_task"], got["step"]) == (sha, 5, 3 + seed)
-        assert got["scoring_code"] == records.code_fingerprint(open(os.path.join(ROOT, "downstream.py")).read())
-        assert {k: got[k] for k in ("core", "truncated", "tasks")} == evaluate(gpt, bundle, 32, 5)
+        assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "dtype", "step", "core", "bits_per_byte",
+                             "truncated", "tasks"]
+        assert (got["bundle_sha256"], got["max_per_task"], got["step"], got["dtype"]) == (sha, 5, 3 + seed, "float32")
+        assert got["scoring_code"] == downstream.scoring_code()
+        assert {k: got[k] for k in ("core", "bits_per_byte", "truncated", "tasks")} == evaluate(gpt, bundle, 32, 5)
         assert got["truncated"] > 0 and all(t["items"] == 5 for t in got["tasks"].values())
         assert sorted(os.listdir(cell)) == ["ckpt.pt", "config.json", "downstream.json", "result.json"]
     assert (tmp_path / "out" / "attnres" / "seed0" / "result.json").read_bytes() == result_before
@@ -579,13 +755,16 @@ def test_training_writes_the_downstream_json_the_cli_computes(core_grid, arm, tm
     cell = tmp_path / arm
     shutil.copytree(out / arm / "seed0", cell)
     got = read(cell / "downstream.json")
-    assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "step", "core", "truncated", "tasks"]
+    assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "dtype", "step", "core", "bits_per_byte",
+                         "truncated", "tasks"]
     assert (got["bundle_sha256"], got["max_per_task"], got["step"]) == (downstream.bundle_sha256(bundle), 5, 8)
     assert read(cell / "result.json")["steps"] == 8 and all(t["items"] == 5 for t in got["tasks"].values())
     # logged at every downstream_interval after step 0 and at the end, the last one as written
     logged = [r for r in log_records(out, arm) if "core" in r]
     assert [r["step"] for r in logged] == [4, 8] and logged[-1]["core"] == got["core"]
     assert logged[-1]["centered"] == {label: t["centered"] for label, t in got["tasks"].items()}
+    assert logged[-1]["bits_per_byte"] == got["bits_per_byte"]
+    assert logged[-1]["task_bits_per_byte"] == {label: t["bits_per_byte"] for label, t in got["tasks"].items()}
     # the command line on the cell's checkpoint (the last step's weights), in other batches: the same file
     os.remove(cell / "downstream.json")
     downstream.main([str(cell), f"--bundle={bundle}", "--max_per_task=5", "--device=cpu"])
@@ -678,3 +857,14 @@ def test_bad_downstream_settings_are_one_line(byte_shards, tmp_path):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and "lm.jsonl line 8 is not JSON" in proc.stderr
     assert not os.path.exists(tmp_path / "o")  # before anything is written
+    for line, match in [("[" * 100_000, "line 8 is nested too deeply"), ('{"context": "\\udfff", "continuation": "x"}',
+                                                                          "line 8 holds a lone surrogate escape")]:
+        bad = write_bundle(tmp_path / f"bad{len(match)}", mixed_tasks())
+        with open(os.path.join(bad, "eval_data", "group", "lm.jsonl"), "a") as f:
+            f.write(line + "\n")
+        with pytest.raises(DataError, match=match):
+            train.main(with_core(byte_shards, tmp_path / "o", bad))
+        assert not os.path.exists(tmp_path / "o")
+    with pytest.raises(DataError, match=r"max_per_task=1 leaves too few items for mc's 1 few-shot examples"):
+        train.main(with_core(byte_shards, tmp_path / "o", bundle, "--downstream_max_per_task=1"))
+    assert not os.path.exists(tmp_path / "o")

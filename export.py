@@ -1,0 +1,122 @@
+"""
+A trained cell as a Hugging Face model folder: the weights (model.safetensors), config.json, the
+modeling code (modeling_nanodepth.py and a copy of model.py) and the cell's tokenizer (bytes or
+GPT-2, as tokenizer.json), which transformers loads for every scheme, dense or MoE, and
+lm-evaluation-harness evaluates (docs/downstream.md):
+
+$ python export.py out/rd_attnres/seed0 --out=hf/rd_attnres_seed0
+$ python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf/rd_attnres_seed0', trust_remote_code=True)"
+$ lm_eval --model hf --model_args pretrained=hf/rd_attnres_seed0,trust_remote_code=True --tasks lambada_openai
+
+transformers, safetensors and lm-eval are extras: pip install -r requirements-extras.txt.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from checkpoint import load_cell
+from common import DataError, UserError, check_writable, temporary_name
+from data.shards import GPT2, GPT2_PATTERN, TOKENIZER_FILE, get_tokenizer, tokenizer_of
+import model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CODE = ("modeling_nanodepth.py", "model.py")  # the modeling code, which the folder carries
+EOT = "<|endoftext|>"
+
+
+def hf_tokenizer(name, block_size):
+    """The cell's tokenizer as a transformers PreTrainedTokenizerFast with its ids: bytes (ids 0-255
+    the byte values, 256 end-of-text) or GPT-2 (from the bundled tiktoken file). Like a training
+    document, every text it encodes starts with the end-of-text token (add_special_tokens=False: not)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
+    eot = get_tokenizer(name).eot
+    if name == "gpt2":
+        tokenizer = TikTokenConverter(vocab_file=TOKENIZER_FILE, pattern=GPT2_PATTERN,
+                                      extra_special_tokens={EOT: GPT2.eot}).converted()
+    else:  # one token per byte: a byte-level BPE without merges, each byte's character mapped to its value
+        tokenizer = Tokenizer(BPE({char: byte for byte, char in bytes_to_unicode().items()}, []))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([EOT])
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B",
+                                                             special_tokens=[(EOT, eot)])
+    if tokenizer.token_to_id(EOT) != eot:
+        raise AssertionError(f"{EOT} is id {tokenizer.token_to_id(EOT)}, not {eot}")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT, pad_token=EOT,
+                                   model_max_length=block_size, padding_side="right")
+
+
+def in_model_py(scheme):
+    """Whether a scheme class is one model.py defines (not one registered in RESIDUALS at run time)."""
+    return getattr(model, scheme.__name__, None) is scheme
+
+
+def export(cell_dir, out):
+    """The folder out (written under a temporary name, then renamed): a cell's last checkpoint for transformers."""
+    from safetensors.torch import save_file
+    if os.path.exists(out):
+        raise UserError(f"{out} exists; remove it or choose another --out")
+    check_writable(os.path.dirname(os.path.abspath(out)), "choose another --out")
+    gpt, record, step = load_cell(cell_dir, "cpu")
+    tokenizer = record.get("tokenizer") or tokenizer_of(record["data_dir"])
+    if get_tokenizer(tokenizer).vocab_size > gpt.config.vocab_size:
+        raise DataError(f"{cell_dir}: vocab_size {gpt.config.vocab_size} is below its {tokenizer} tokenizer's "
+                        f"{get_tokenizer(tokenizer).vocab_size} ids; it reads no text, so there is nothing to export")
+    if not in_model_py(type(gpt.residual)):  # the folder carries model.py, and only what it defines
+        raise UserError(f"{cell_dir}: its scheme {gpt.config.residual!r} is not defined in model.py (it was "
+                        f"registered in RESIDUALS from elsewhere); add it to model.py to export the cell")
+    eot = get_tokenizer(tokenizer).eot
+    config = dict(
+        model_type="nanodepth", architectures=["NanodepthForCausalLM"],
+        auto_map={"AutoConfig": "modeling_nanodepth.NanodepthConfig",
+                  "AutoModelForCausalLM": "modeling_nanodepth.NanodepthForCausalLM"},
+        gpt=record["model"], bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32",
+        nanodepth=dict(arm=record.get("arm"), seed=record.get("seed"), step=step, tokenizer=tokenizer))
+    tmp = temporary_name(os.path.abspath(out))
+    os.makedirs(tmp)
+    try:
+        # each tensor its own copy: the tied embedding and head are saved under both names (safetensors
+        # shares no storage), and GPT ties them again when it is built
+        save_file({f"gpt.{k}": v.detach().clone().contiguous() for k, v in gpt.state_dict().items()},
+                  os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        for name in CODE:
+            shutil.copyfile(os.path.join(HERE, name), os.path.join(tmp, name))
+        hf_tokenizer(tokenizer, gpt.config.block_size).save_pretrained(tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise DataError(f"cannot write {out} ({e.strerror or e}); free disk space or choose another --out") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{cell_dir} step {step} -> {out} ({gpt.config.residual}, {tokenizer} tokens)")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other error of the project
+        sys.exit(f"error: {message}; see python export.py --help")
+
+
+def main(argv):
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cell", help="a cell folder (out_dir/<arm>/seed<k>) or its ckpt.pt")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    args = parser.parse_args(argv)
+    try:
+        import safetensors, transformers  # noqa: F401  (the extras, before any work)
+    except ImportError as e:
+        raise UserError(f"export needs {e.name}: pip install -r requirements-extras.txt") from None
+    export(args.cell, args.out)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        sys.exit(f"error: {e}")
