@@ -1244,7 +1244,7 @@ def comparison_lines(reference, comparison, earlier, effect):
     others, paired, left_out, mixed = (comparison[k] for k in ("others", "paired", "left_out", "mixed"))
     lines = [f"## Paired against {md(reference)}", ""]
     if earlier:
-        lines += [f"(Against {', '.join(map(md, earlier))}: in {'its' if len(earlier) == 1 else 'their'} own section.)", ""]
+        lines += [f"({', '.join(map(md, earlier))}: paired with {md(reference)} above; each pair once.)", ""]
     if not others:
         return lines + ["No other arm to pair with.", ""]
     if any(left_out.values()):

@@ -981,7 +981,7 @@ def test_every_arm_is_paired_against_each_baseline_present_in_one_report(tmp_pat
     assert "Reference arms: standard, scaled_residual." in text
     first, second = text.index("## Paired against standard"), text.index("## Paired against scaled_residual")
     assert first < text.index("| gated | 3 | 3/3 | -0.0300 |") < second < text.index("| gated | 3 | 3/3 | -0.0200 |")
-    assert "(Against standard: in its own section.)" in text[second:]
+    assert "(standard: paired with scaled_residual above; each pair once.)" in text[second:]
     assert text.count("Power of the paired t-test") == 2 and text.count("Final validation loss") == 1
 
 
