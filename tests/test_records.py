@@ -627,7 +627,7 @@ def test_a_huge_finite_loss_is_recorded_without_a_perplexity(tmp_path):
     model.num_params = lambda non_embedding=True, active=False: 6
     cell = dict(DEFAULTS, arm="a", seed=0, arms={"a": {}}, init_from_sha256=None)
     path = tmp_path / "result.json"
-    records.write_result(str(path), cell, dict(val_hash="h"), model, dict(fingerprint="f"), steps=3, tokens=9,
+    records.write_result(str(path), cell, dict(val_hash="h"), model, CODE, steps=3, tokens=9,
                          val_loss=812.5, sequence_losses=np.array([812.5]), diverged=None, routing={}, init_hash="i",
                          data_hash="d", eval_tokens=8,
                          changes=[], wall_time_s=1.0)
