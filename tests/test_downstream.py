@@ -697,6 +697,32 @@ def test_cli_writes_downstream_json_into_every_cell(tmp_path):
         assert json.load(f)["max_per_task"] is None
 
 
+@pytest.mark.parametrize("name, code, message", [
+    ("model.py", ("base=10000.0", "base=10001.0"), ("must be in [0, 1)", "must lie in [0, 1)")),
+    ("downstream.py", ("SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234", "SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1235"),
+     ("holds no items", "has no items")),
+    ("data/shards.py", ("vocab_size, eot = 257, 256", "vocab_size, eot = 257, 255"), ("restore it from git", "restore it")),
+    ("checkpoint.py", ('map_location=device, weights_only=True', 'map_location=device, weights_only=False'),
+     ("use the code that trained it", "use other code"))])
+def test_the_scoring_code_covers_the_forward_weights_and_tokens_not_messages(tmp_path, monkeypatch, name, code, message):
+    # downstream.json's scoring_code: a change to what computes a score is another code, a reworded message is not
+    for file in downstream.SCORING_FILES:
+        os.makedirs(os.path.dirname(tmp_path / file), exist_ok=True)
+        shutil.copyfile(os.path.join(ROOT, file), tmp_path / file)
+    here = downstream.scoring_code()
+    monkeypatch.setattr(downstream, "HERE", str(tmp_path))
+    assert downstream.scoring_code() == here
+
+    def edited(old, new):
+        text = (tmp_path / name).read_text()
+        assert text.count(old) == 1, old
+        (tmp_path / name).write_text(text.replace(old, new))
+        return downstream.scoring_code()
+
+    assert edited(*message) == here
+    assert edited(*code) != here
+
+
 def test_cli_refusals_are_one_line(tmp_path):
     bundle = write_bundle(tmp_path / "bundle", mixed_tasks())
     save_cell(tmp_path / "out" / "attnres" / "seed0", 0, step=2)

@@ -692,6 +692,23 @@ def test_downstream_pairs_the_items_scored_and_the_precision(tmp_path, no_matplo
     assert "- rd, seed 2: parent and rd differ in dtype (float32 vs bfloat16)" in text
 
 
+def test_downstream_json_of_an_earlier_version_pairs_without_bits_per_byte(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {(arm, s): 3.0 - 0.01 * (arm == "rd") for arm in ("parent", "rd") for s in range(3)})
+    for arm in ("parent", "rd"):
+        for seed in range(3):
+            record = write_downstream(out, arm, seed, dict(hellaswag=30 + seed + 2 * (arm == "rd"), lambada=20))
+            if (arm, seed) != ("rd", 2):  # written before bits per byte and dtype were: neither field
+                for d in (record, *record["tasks"].values()):
+                    d.pop("bits_per_byte")
+                record.pop("dtype")
+                (out / arm / f"seed{seed}" / "downstream.json").write_text(json.dumps(record))
+    paired, text = run(out)
+    rd = paired["downstream"]["arms"]["rd"]
+    assert rd["seeds"] == [0, 1] and rd["core"]["n"] == 2 and rd["bits_per_byte"]["n"] == 0
+    assert [d["reason"] for d in rd["left_out"]] == ["parent and rd differ in dtype (null vs float32)"]
+    assert "bits-per-byte delta" not in text and "Task bits per byte" not in text
+
+
 def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, {(arm, s): 3.0 - 0.01 * (arm == "rd") for arm in ("parent", "rd") for s in range(7)})
     for arm in ("parent", "rd"):
