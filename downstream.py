@@ -110,6 +110,12 @@ def check_task(spec, index, path, data_dir):
         raise DataError(f"{where}: dataset_uri must be a path inside eval_data, not {uri!r}")
     if not isinstance(delimiter, str):
         raise DataError(f"{where}: continuation_delimiter must be a string, not {delimiter!r}")
+    for key, text in (("label", label), ("dataset_uri", uri), ("continuation_delimiter", delimiter)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape ("\\ud800"): no tokenizer encodes it
+            raise DataError(f"{where}: {key} holds a lone surrogate escape (\\ud800-\\udfff alone), which is "
+                            f"not text") from None
     return label, kind, fewshot, delimiter, os.path.join(data_dir, uri)
 
 

@@ -588,6 +588,8 @@ def test_bad_bundles_are_one_line_naming_the_file(tmp_path):
         f.write("Eval Task,Random baseline\nmc,100\n")
     refused(folder, r"eval_meta_data.csv line 2: the random baseline of mc must be a percent")
     refused(bundle([dict(good[0], fewshot=3)]), r"mc asks for 3 few-shot examples but holds 3 items")
+    refused(bundle([dict(good[0], delimiter="\ud800")]),
+            r"task 1 \(mc\): continuation_delimiter holds a lone surrogate escape")
     for line, match in [("[" * 100_000 + "\n", r"group/mc.jsonl line 4 is nested too deeply to be a task item"),
                         ('{"query": "q\\ud800", "choices": ["a", "b"], "gold": 0}\n',
                          r"group/mc.jsonl line 4 holds a lone surrogate escape")]:
