@@ -1041,27 +1041,16 @@ def test_downstream_is_paired_against_each_reference(tmp_path, no_matplotlib):
 
 def test_the_delta_curves_of_every_reference_are_one_figure(tmp_path):
     pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
     out = make_grid(tmp_path, BASELINE_LOSSES, arms=BASELINE_ARMS)
-    paired, text = run(out)
-    assert "Paired delta NLL(arm) - NLL(reference), a row per reference (standard, scaled_residual)" in text
-    assert (out / "delta_curve.png").stat().st_size > 0
-    assert paired["by_reference"]["scaled_residual"]["arms"]["gated"]["delta_curve"]["mean"] == pytest.approx([0, 0, -0.02])
-
-
-# --- seeds and validation text; machines ------------------------------------------------------------
-
-def with_sequences(out, arms, seeds, sequences, rng):
-    """Per-sequence losses in each cell's result.json around its val_loss (their mean, as train.py records);
-    returns {(arm, seed): losses}."""
-    recorded = {}
-    for arm in arms:
-        for seed in seeds:
-            def add(r):
-                wiggle = rng.normal(0, 0.3, sequences)
-                r["val_sequence_losses"] = (r["val_loss"] + wiggle - wiggle.mean()).tolist()
-                recorded[arm, seed] = r["val_sequence_losses"]
-            edit(out, arm, seed, add)
-    return recorded
+    arms, seeds, results, unusable, logs, _ = report.load_grid(str(out))
+    comparisons = {ref: report.compare(ref, ["standard"][:i], arms, seeds, results, unusable, logs, 0.03)
+                   for i, ref in enumerate(["standard", "scaled_residual"])}
+    assert comparisons["scaled_residual"]["curves"]["gated"]["mean"] == pytest.approx([0, 0, -0.02])
+    figures = report.plots(str(out), arms, comparisons, {}, ("standard", 0))  # no logs: the delta curves alone
+    assert figures == [("Paired delta NLL(arm) - NLL(reference), a row per reference (standard, scaled_residual) "
+                        "during training (mean, 95% t-interval)", "delta_curve.png")]
+    assert imread(out / "delta_curve.png").shape[:2] == (2 * 3.5 * 110, 3 * 5 * 110)  # 2 references x 3 arms
 
 
 def test_the_text_interval_and_shares_are_paired_stats_on_the_sequence_deltas(tmp_path, no_matplotlib):
