@@ -9,7 +9,9 @@
 # $ python train.py config/calibrate.py --data_dir=data/pydoc_bytes --out_dir=out/calibrate_pydoc
 # $ python report.py out/calibrate_pydoc --beside=out/calibrate_shakespeare    # the two grids side by side
 # Cost: 2 x 25 cells of 16 layers; a 250-step cell of this shape took 70-190 s on the busy 2-core CPU (2026-12-01,
-# config/tune_deep_shakespeare.py), so about an hour of one core per corpus there. Not yet run in full.
+# config/tune_deep_shakespeare.py), so about an hour of one core per corpus there. Not yet run in full. At this shape
+# and budget the seeds sit on a plateau near 3.0 nats and leave it at seed-dependent times (docs/comparisons.md);
+# --n_layer=4 --n_embd=128 gives the default shape, which is outside that regime.
 out_dir = "out/calibrate_shakespeare"
 arms = {
     "standard": {"residual": "standard"},
