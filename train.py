@@ -41,7 +41,7 @@ from common import ConfigError, DataError, LockHeld, UserError, cell_lock, check
 from configurator import configure
 from data.prepare import prepare_bundled
 from data.shards import BUNDLED, TOKENIZERS, find_shards, open_shard, shard_tokenizer, verify_manifest
-from machine import cpu_threads, resolve_compile, setup
+from machine import cpu_threads, exit_without_finalizing, resolve_compile, setup
 from model import RESIDUALS
 
 _before_config = set(globals())
@@ -505,13 +505,14 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        with stop_on_signals():
-            main(sys.argv[1:])
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    except Preempted as e:
-        print(f"stopped by a signal: {e}; run the same command again to resume", file=sys.stderr)
-        sys.exit(PREEMPTED)
-    except KeyboardInterrupt:
-        sys.exit("interrupted: run the same command again to resume each unfinished cell from its last checkpoint")
+    with exit_without_finalizing():  # under torchrun: no interpreter finalization beside live gloo threads
+        try:
+            with stop_on_signals():
+                main(sys.argv[1:])
+        except UserError as e:
+            sys.exit(f"error: {e}")
+        except Preempted as e:
+            print(f"stopped by a signal: {e}; run the same command again to resume", file=sys.stderr)
+            sys.exit(PREEMPTED)
+        except KeyboardInterrupt:
+            sys.exit("interrupted: run the same command again to resume each unfinished cell from its last checkpoint")

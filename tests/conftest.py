@@ -168,13 +168,27 @@ def killed_at_step(kill, monkeypatch, argv):
 
 
 def torchrun(script, args):
-    """script args under torchrun: 2 processes on the CPU, one thread each, from the project folder."""
+    """script args under torchrun: 2 processes on the CPU, one thread each, from the project folder. Each
+    rank writes its own stdout and stderr (torchrun's --log-dir, --redirects): the result's stdout and
+    stderr are the launcher's followed by each rank's, so a failed test's stderr[-2000:] ends with every
+    rank's own last lines (its traceback, or an abort's message), not only the launcher's summary."""
+    import glob
     import subprocess
     import sys
+    import tempfile
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
-                           *args], cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+    with tempfile.TemporaryDirectory() as logs:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               f"--log-dir={logs}", "--redirects=3", script, *args], cwd=root,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+        for stream in ("stdout", "stderr"):
+            ranks = []
+            for rank in range(2):  # <logs>/<run id>/attempt_<n>/<rank>/<stream>.log, the last attempt's
+                found = sorted(glob.glob(os.path.join(logs, "*", "attempt_*", str(rank), f"{stream}.log")))
+                text = open(found[-1], errors="replace").read() if found else "(no log: it did not start)\n"
+                ranks.append(f"--- rank {rank} {stream} ---\n" + (text if stream == "stdout" else text[-900:]))
+            setattr(proc, stream, getattr(proc, stream) + "".join(ranks))
+    return proc
 
 
 # --- tuning cells (owner: test_tune.py; test_report.py reads them too) --------------------------------

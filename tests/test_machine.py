@@ -1,6 +1,8 @@
 """machine.py: which device a process trains on, and the CPU thread count it says."""
 
 import os
+import subprocess
+import sys
 from contextlib import nullcontext
 
 import pytest
@@ -96,3 +98,40 @@ def test_the_machine_record_names_the_cpu_its_rounding_flags_and_the_torch_build
     assert machine.machine_record(ONE_PROCESS)["cpu"] and machine.machine_record(ONE_PROCESS)["cpu_flags"] == []
     # provenance, not a setting: a cell resumed or rerun on another machine is no change
     assert records.differences(dict(lr=1, machine=m), dict(lr=1, machine=dict(m, cpu="Intel"))) == {}
+
+
+ENDING = """
+import atexit, sys
+sys.path.insert(0, {root!r})
+import machine
+atexit.register(print, "finalized")  # atexit runs only when the interpreter finalizes
+with machine.exit_without_finalizing():
+    print("ran")
+    {end}
+"""
+
+
+@pytest.mark.parametrize("world, end, status, stdout, stderr", [
+    ("2", "pass", 0, "ran\n", ""),
+    ("2", "sys.exit('error: one line')", 1, "ran\n", "error: one line\n"),
+    ("1", "sys.exit('error: one line')", 1, "ran\nfinalized\n", "error: one line\n"),  # alone: as usual
+])
+def test_a_torchrun_process_ends_without_interpreter_finalization(world, end, status, stdout, stderr):
+    # under torchrun FSDP2 leaves gloo threads running past destroy_process_group: a process must not
+    # finalize beside them (machine.exit_without_finalizing), and ends with the status sys.exit gives
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", ENDING.format(root=root, end=end)], capture_output=True, text=True,
+                          env={**os.environ, "WORLD_SIZE": world}, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (status, stdout, stderr)
+
+
+def test_torchrun_shows_each_ranks_own_error(tmp_path):
+    # a failed multi-process test shows what each rank said, not only the launcher's summary
+    from conftest import torchrun
+    script = tmp_path / "fails.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 1:\n    raise SystemExit('rank 1 stops here')\ndist.barrier()\n")
+    proc = torchrun(str(script), [])
+    assert proc.returncode != 0
+    tail = proc.stderr[-2000:]
+    assert "--- rank 1 stderr ---\nrank 1 stops here\n" in tail and "Connection closed by peer" in tail.split("--- rank 0")[1]
