@@ -6,9 +6,11 @@ sees half of one (atomic writes, strict JSON, one process at a time through a pi
 import errno
 import json
 import os
+import signal
 import socket
 import stat
 import tempfile
+import threading
 from contextlib import contextmanager
 
 
@@ -29,25 +31,59 @@ def write_atomic(path, write):
     write(tmp) to a temporary of this process, then renamed onto path: a reader never sees half a
     file, two writers never share a temporary, and a failed write leaves the previous file and no
     temporary behind. The temporary is created exclusively, so nothing planted at its name (a
-    symlink) is followed, and temporaries of path that killed writers left are removed first.
-    Every file the project writes goes through here.
+    symlink) is followed, and temporaries of path that killed writers left are removed first. A
+    SIGTERM or SIGHUP meanwhile (a timeout, a closed terminal) removes the temporary before the
+    process dies of it (dying_cleanly). Every file the project writes goes through here.
     """
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
+    with dying_cleanly():
+        try:
+            open(tmp, "x").close()
+        except FileExistsError:
+            raise DataError(f"cannot write {path}: {tmp} is in the way (not a file this process made); remove it") from None
+        except OSError as e:
+            raise cannot_write(path, e) from None
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise cannot_write(path, e) from None
+        finally:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP as an exception (dying_cleanly): not an Exception, so no handler of errors catches it."""
+
+
+@contextmanager
+def dying_cleanly():
+    """
+    Inside, SIGTERM and SIGHUP raise Terminated where they would kill the process outright (their
+    default action; a handler someone installed stays), so finally blocks run; then the process dies
+    of the signal as it would have. Python handles signals in the main thread only: elsewhere a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated(signum)
+    previous = {s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(s) == signal.SIG_DFL}
     try:
-        open(tmp, "x").close()
-    except FileExistsError:
-        raise DataError(f"cannot write {path}: {tmp} is in the way (not a file this process made); remove it") from None
-    except OSError as e:
-        raise cannot_write(path, e) from None
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise cannot_write(path, e) from None
+        yield
+    except Terminated as e:
+        for s in previous:
+            signal.signal(s, signal.SIG_DFL)
+        previous = {}
+        os.kill(os.getpid(), e.args[0])  # the default action now: the process ends as the signal meant
+        raise
     finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def cannot_write(path, e):

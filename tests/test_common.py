@@ -122,6 +122,38 @@ def test_a_killed_writers_temporaries_are_removed_by_the_next_write_of_that_path
     assert sorted(os.listdir(tmp_path)) == sorted([p.name for p in kept] + ["result.json", f"result.json.{dead + 1}.{host}.tmp"])
 
 
+TERMINATED_MID_WRITE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import common
+def write(tmp):
+    with open(tmp, "w") as f:
+        f.write("half a report")
+    os.kill(os.getpid(), signal.SIG{name})  # as timeout(1) or a closed terminal would, before the rename
+common.write_text(sys.argv[1], "old")
+common.write_atomic(sys.argv[1], write)
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("name", ["TERM", "HUP"])
+def test_a_write_killed_by_sigterm_or_sighup_leaves_no_temporary(tmp_path, name):
+    import signal
+    proc = subprocess.run([sys.executable, "-c", TERMINATED_MID_WRITE.format(root=ROOT, name=name),
+                           str(tmp_path / "report.md")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -getattr(signal, f"SIG{name}") and proc.stdout == ""  # it died of the signal
+    assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "old"
+    # a handler someone installed (train.py's stop at a step boundary) is kept, in force while writing too
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda *a: seen.append(a[0]))
+    try:
+        common.write_atomic(str(tmp_path / "x"), lambda tmp: (os.kill(os.getpid(), signal.SIGTERM), open(tmp, "w").close()))
+        assert seen == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # restored after each write
+
+
 LOCK = """
 import sys
 sys.path.insert(0, {root!r})
