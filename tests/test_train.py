@@ -618,6 +618,9 @@ def test_ddp_default_batch_equals_single_process(shards, tmp_path):
     np.testing.assert_allclose(logged(tmp_path / "ddp", "attnres"), logged(tmp_path / "single", "attnres"), rtol=1e-5)
     np.testing.assert_allclose(logged(tmp_path / "ddp", "attnres", key="val_loss"),
                                logged(tmp_path / "single", "attnres", key="val_loss"), rtol=1e-6)
+    # each rank evaluates every other sequence: gathered, the final losses per sequence are in order
+    np.testing.assert_allclose(*(result(tmp_path / d, "attnres")["val_sequence_losses"] for d in ("ddp", "single")),
+                               rtol=1e-5)
     # the same cell but for the world size, which changes a step's rounding: recorded, so the two do not pair
     ddp, single = (result(tmp_path / d, "attnres")["pairing"] for d in ("ddp", "single"))
     assert (ddp["settings"].pop("world_size"), single["settings"].pop("world_size")) == (2, 1) and ddp == single
