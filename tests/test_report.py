@@ -1053,6 +1053,22 @@ def test_the_delta_curves_of_every_reference_are_one_figure(tmp_path):
     assert imread(out / "delta_curve.png").shape[:2] == (2 * 3.5 * 110, 3 * 5 * 110)  # 2 references x 3 arms
 
 
+# --- seeds and validation text; machines ------------------------------------------------------------
+
+def with_sequences(out, arms, seeds, sequences, rng):
+    """Per-sequence losses in each cell's result.json around its val_loss (their mean, as train.py records);
+    returns {(arm, seed): losses}."""
+    recorded = {}
+    for arm in arms:
+        for seed in seeds:
+            def add(r):
+                wiggle = rng.normal(0, 0.3, sequences)
+                r["val_sequence_losses"] = (r["val_loss"] + wiggle - wiggle.mean()).tolist()
+                recorded[arm, seed] = r["val_sequence_losses"]
+            edit(out, arm, seed, add)
+    return recorded
+
+
 def test_the_text_interval_and_shares_are_paired_stats_on_the_sequence_deltas(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     losses = with_sequences(out, ("parent", "rd"), range(4), 50, np.random.default_rng(0))
