@@ -98,17 +98,20 @@ def temporary_name(path):
     return f"{path}.{os.getpid()}.{socket.gethostname()}.tmp"
 
 
-def remove_stale_temporaries(path):
+def remove_stale_temporaries(path, every=False):
     """Remove the temporaries of path whose writer is gone from this host (a kill mid-write leaves one),
-    and this pid's own (left by an earlier process of the same pid); a live writer's or another host's stay."""
+    and this pid's own (left by an earlier process of the same pid); a live writer's or another host's stay.
+    every: those of every file in path's folder (report.py's, of plots it may not write again)."""
     folder, prefix, suffix = os.path.dirname(path) or ".", os.path.basename(path) + ".", f".{socket.gethostname()}.tmp"
+    prefix = "" if every else prefix
     try:
         names = os.listdir(folder)
     except OSError:
         return  # the write that follows says what is wrong with the folder
     for name in names:
-        pid = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
-        if pid.isdigit() and (int(pid) == os.getpid() or not process_exists(int(pid))):
+        stem = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+        written, _, pid = stem.rpartition(".") if every else ("", "", stem)
+        if (written or not every) and pid.isdigit() and (int(pid) == os.getpid() or not process_exists(int(pid))):
             try:
                 os.remove(os.path.join(folder, name))  # a symlink itself, never what it points to
             except OSError:

@@ -63,7 +63,7 @@ import numpy as np
 from scipy import stats
 
 import tune
-from common import DataError, UserError, read_json, write_atomic, write_text
+from common import DataError, UserError, read_json, remove_stale_temporaries, write_atomic, write_text
 from model import MOE_OPTIONS
 from paired_stats import (ALPHA, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, paired_statistics, perplexity_change,
                           power_analysis, text_uncertainty)
@@ -1317,6 +1317,7 @@ def wall_time_lines(arms, seeds, wall):
 
 def main(argv):
     args = parse_args(argv)
+    remove_stale_temporaries(os.path.join(args.out_dir, "report.md"), every=True)  # a killed report's, any file's
     arms, seeds, results, unusable, logs, notes = load_grid(args.out_dir)
     if not arms:
         sys.exit(f"error: {args.out_dir} holds no arms; give the out_dir of a train.py grid")

@@ -4,6 +4,7 @@ downstream sections, mixed versions, escaping, plots, and strict JSON."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -218,6 +219,23 @@ def test_fields_of_the_wrong_type_are_skipped_with_a_note(tmp_path, no_matplotli
                  '1000000000000000..., not a finite number)'):
         assert note in notes and f"- {in_markdown(note)}" in text
     assert "parent/seed1" not in paired["wall_time_s"] and "| parent | 100 | - | 102 | 103 | 104 | 409 |" in text
+
+
+def test_a_killed_reports_temporaries_are_removed_by_the_next_report(tmp_path, no_matplotlib):
+    # a report killed before its renames (SIGKILL: nothing runs) leaves temporaries, some of files the next
+    # report may not write again (another --cell's plot): the next report removes every one a dead writer left
+    out = make_grid(tmp_path, LOSSES)
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    host = socket.gethostname()
+    stale = [f"report.md.{ended.pid}.{host}.tmp", f"routing_rd_seed7.png.{ended.pid}.{host}.tmp"]
+    kept = [f"paired.json.{os.getppid()}.{host}.tmp",  # a live writer's
+            f"report.md.{ended.pid}.another-host.tmp", f".{ended.pid}.{host}.tmp"]  # another host's; no file's
+    for name in stale + kept:
+        (out / name).write_text("partial")
+    report.main([str(out)])
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == sorted(kept)
+    assert (out / "report.md").exists()
 
 
 def test_read_only_out_dir_is_one_line_before_any_work(tmp_path, monkeypatch):
