@@ -173,10 +173,10 @@ def test_evaluation_is_independent_of_eval_batch_size(shards):
 # --- the run contract: one tiny grid (2 arms x 2 seeds), trained once, one behaviour per test -------
 
 def shared_pairing(pairing):
-    """A pairing record without what differs across arms by design: what the arm sets itself (arm_settings)
-    and the options of one scheme (rd_control, ...), which only its arms record."""
+    """A pairing record without what differs across arms by design: what the arm sets itself (arm_settings),
+    its scheme's code (scheme_code) and the options of one scheme (rd_control, ...), which only its arms record."""
     options = {k for scheme in RESIDUALS.values() for k in scheme.options}
-    shared = {k: v for k, v in pairing.items() if k != "arm_settings"}
+    shared = {k: v for k, v in pairing.items() if k not in ("arm_settings", "scheme_code")}
     return dict(shared, settings={k: v for k, v in pairing["settings"].items() if k not in options})
 
 
