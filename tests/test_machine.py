@@ -1,4 +1,5 @@
-"""machine.py: which device a process trains on, and the CPU thread count it says."""
+"""machine.py: which device a process trains on, the CPU thread count it says, and how a torchrun process ends;
+conftest.torchrun's per-rank output."""
 
 import os
 import subprocess
