@@ -2,8 +2,9 @@
 The life of one cell of the grid, around train.py's loop: open_cell builds it (the seed's shared
 init, the warm start, a resume from its checkpoint, its config.json and log), save_cell checkpoints
 it, evaluate_downstream scores the CORE tasks when due, finish_cell writes result.json (common.cell_lock
-lets one process at a time train it). seed_for is the pairing: a seed's init, data order and dropout
-seeds, the same for every arm.
+lets one process at a time train it). A stop signal (SIGTERM, SIGUSR1: stop_on_signals) ends it at a
+step boundary, checkpointed (stop_requested, Preempted; exit status PREEMPTED). seed_for is the
+pairing: a seed's init, data order and dropout seeds, the same for every arm.
 """
 
 import dataclasses
@@ -53,7 +54,8 @@ stop_received = []  # the stop signals this process received: the handler only a
 @contextmanager
 def stop_on_signals():
     """SIGTERM and SIGUSR1 set a flag that the loop reads at its next step boundary (stop_requested),
-    so a step is never cut in half; the handlers before are restored after."""
+    so a step is never cut in half; after, the handlers before are restored and the flag cleared (a
+    stop is one run's)."""
     stop_received.clear()
     before = {sig: signal.signal(sig, lambda signum, frame: stop_received.append(signum)) for sig in STOP_SIGNALS}
     try:
@@ -61,6 +63,7 @@ def stop_on_signals():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+        stop_received.clear()
 
 
 def stop_requested(runtime):

@@ -20,10 +20,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 # no torch at the top: submitit's job process imports this file to run a Worker, which starts train.py
-from common import ConfigError, UserError, process_exists, read_json, read_lock
-from configurator import coerce, parse_literal
+from common import ConfigError, DataError, UserError, process_exists, read_json, read_lock
+from configurator import coerce, configure, parse_literal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,9 +42,9 @@ logs = ""  # submitit's folder (job scripts and each worker's output); "" = <out
 status = False  # say where the grid stands (each cell; GPU-hours spent and left) instead of launching
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if k not in _before_config and k != "_before_config"}
-# torchrun stops its workers on these (by default not on SIGUSR1, which would kill it); train.py checkpoints on
-# SIGTERM and SIGUSR1
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# torchrun stops its workers on these; not on SIGTERM, which it would pass on and then, 30 s later, kill them with,
+# however far their checkpoint is (a worker's processes ignore SIGTERM unless they handle it, as train.py does)
+TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 RDZV_PORT = 29500
 
 
@@ -81,10 +82,13 @@ def worker_command(train_args, nodes, gpus_per_node, hosts, job_id):
             *train_args]
 
 
-def ignore_submitit_signal():
-    """In the worker's processes: SLURM sends submitit's warning (SIGUSR2) to every process of the job,
-    whose default is to die; submitit's handler stops the run instead (Worker.checkpoint)."""
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+def leave_stops_to_train():
+    """In a worker's processes, before they start: SIGTERM and SIGUSR1 (a stop) are ignored by any that
+    does not handle them (torchrun), so only train.py's ranks act on one, checkpointing; SIGUSR2
+    (submitit's warning, which SLURM sends to every process of the job) is ignored: submitit handles
+    it (Worker.checkpoint)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class Worker:
@@ -101,18 +105,21 @@ class Worker:
         import submitit
         env = submitit.JobEnvironment()
         command = worker_command(self.train_args, self.nodes, self.gpus_per_node, env.hostnames, env.job_id)
-        self.process = subprocess.Popen(command, cwd=self.cwd, preexec_fn=ignore_submitit_signal,
+        # a session of its own: checkpoint signals the whole run (torchrun and its ranks) at once
+        self.process = subprocess.Popen(command, cwd=self.cwd, preexec_fn=leave_stops_to_train, start_new_session=True,
                                         env=dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS))
-        status = self.process.wait()
-        if status:
+        while self.process.poll() is None:  # not wait(): checkpoint, run by a signal handler meanwhile, waits
+            time.sleep(1)
+        if self.process.returncode:
             from cells import PREEMPTED
-            why = "stopped by a signal, its cell checkpointed" if status == PREEMPTED else "failed"
-            raise RuntimeError(f"{' '.join(command)} {why} (exit status {status}); see this worker's output")
+            why = "stopped by a signal, its cell checkpointed" if self.process.returncode == PREEMPTED else "failed"
+            raise RuntimeError(f"{' '.join(command)} {why} (exit status {self.process.returncode}); see this "
+                               f"worker's output")
 
     def checkpoint(self):
         import submitit
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait()
         return submitit.helpers.DelayedSubmission(Worker(self.train_args, self.nodes, self.gpus_per_node, self.cwd))
 
@@ -120,7 +127,6 @@ class Worker:
 def train_config(train_args):
     """train.py's config for these arguments, as train.py reads them (before it touches data or devices)."""
     import train
-    from configurator import configure
     return configure(train.DEFAULTS, train_args, entries=dict(arms=train.SCHEME_ARMS))
 
 
@@ -138,8 +144,7 @@ def executor(own, out_dir):
 
 
 def launch(own, train_args):
-    """Submit the workers as one array and return their jobs: on SLURM at once (they run on without
-    this process), on cluster=local once every worker has ended."""
+    """Submit the workers as one array; returns their jobs (submitit's)."""
     cfg = train_config(train_args)  # a bad argument is one line here, before anything is submitted
     ex = executor(own, cfg["out_dir"])
     jobs = ex.submit_array([Worker(train_args, own["nodes"], own["gpus_per_node"], os.getcwd())
@@ -147,10 +152,6 @@ def launch(own, train_args):
     status = " ".join(["python", "launch.py", *train_args, "--status"])
     print(f"{len(jobs)} worker(s) on {cfg['out_dir']}: job(s) {', '.join(j.job_id for j in jobs)}; their output in "
           f"{ex.folder}; where the grid stands: {status}")
-    if own["cluster"] == "local":
-        for job in jobs:
-            job.wait()
-            print(f"worker {job.job_id}: {job.state.lower()}")
     return jobs
 
 
@@ -219,8 +220,14 @@ def cell_state(cell_dir, max_iters):
 
 def checkpoint_summary(path):
     """A checkpoint's step, wall time and world size, read without loading its tensors (mmap)."""
+    import pickle
+
     import torch
-    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        raise DataError(f"{path} cannot be read as a checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                        f"delete it to train the cell from scratch") from None
     return dict(step=ckpt["step"], wall_time_s=ckpt["wall_time_s"], world=ckpt["config"]["world_size"])
 
 
@@ -247,7 +254,10 @@ def main(argv):
         gpu = cfg["device"].startswith("cuda") or cfg["device"] == "auto" and torch.cuda.is_available()
         print(status_text(grid_status(cfg), "GPU-hours" if gpu else "process-hours"))
         return
-    launch(own, train_args)
+    jobs = launch(own, train_args)
+    for job in jobs if own["cluster"] == "local" else []:  # on SLURM they run on without this process
+        job.wait()
+        print(f"worker {job.job_id}: {job.state.lower()}")
 
 
 if __name__ == "__main__":

@@ -381,6 +381,8 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
             state.step_last = state.step
         if stop_requested(runtime):  # SIGTERM or SIGUSR1: checkpoint at this step boundary, then exit
             save_cell(cell, data, loss_sum, grid, runtime)
+            if runtime.world > 1:
+                dist.barrier()  # no rank exits (and has torchrun stop the others) before rank 0 has written it
             raise Preempted(f"[{arm} seed{seed}] checkpointed at step {state.step}")
     finish_cell(cell, data, val_loss, losses, diverged, routing, grid, runtime)
 
@@ -389,7 +391,7 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
     """Train every cell of cfg's grid (arms x seeds) in turn that no live process holds: finished cells
     skipped, killed ones resumed, one that another worker trains left to it (any number of processes may
     share a grid). wait: then wait until the other workers' cells have results too, taking over any whose
-    worker died. Returns the cells that had no result when it began."""
+    worker died."""
     # a rerun goes on only with the recorded settings, data and code (or allow_changes=True)
     grid_record = records.GridRecord(cfg, code)
     cells = grid_cells(cfg)
@@ -414,7 +416,6 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
         turn = rank0s(unfinished(cfg, cells), runtime) if wait else []
         if turn:
             time.sleep(10)  # other workers' cells: their results, or their locks free when a worker dies
-    return todo
 
 
 def grid_cells(cfg):
@@ -426,10 +427,10 @@ def unfinished(cfg, cells):
             if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
 
 
-def write_report(cfg, rewrite):
-    """The paired report, written once by the worker that finds every cell of the grid finished (the
-    last to finish): under out_dir/report.lock, and not over a report newer than every result (another
-    worker's, finished at the same time) unless rewrite (a rerun of a finished grid writes it again)."""
+def write_report(cfg):
+    """The paired report, written once, by the worker that finds every cell of the grid finished (the
+    last to finish): under out_dir/report.lock, and only when no report is newer than every result (a
+    worker finished at the same time, or a rerun of a finished grid, finds it written)."""
     cells = grid_cells(cfg)
     left = unfinished(cfg, cells)
     if left:
@@ -438,11 +439,14 @@ def write_report(cfg, rewrite):
         return
     results = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json") for arm, seed in cells]
     path = os.path.join(cfg["out_dir"], "report.md")
+    command = [cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else [])
     try:
         with pid_lock(os.path.join(cfg["out_dir"], "report.lock"), "the report is being written"):
-            if rewrite or not os.path.exists(path) or os.path.getmtime(path) <= max(map(os.path.getmtime, results)):
-                import report
-                report.main([cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else []))
+            if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, results)):
+                print(f"{path} is up to date with every result; python report.py {' '.join(command)} writes it again")
+                return
+            import report
+            report.main(command)
     except LockHeld:
         pass  # another worker is writing it
 
@@ -497,11 +501,11 @@ def main(argv):
         # on the validation text after the reported one (tune.tuning_text): the choice never reads a test token
         train_grid(tuning, code, tune.tuning_text(cfg, val), train_shards, init.weights, None, runtime, wait=True)
         cfg = dict(cfg, arms=tune.tuned_arms(cfg, tune.choose(cfg, tuning["out_dir"], runtime.master)))
-    todo = train_grid(cfg, code, val, train_shards, init.weights, bundle, runtime)
+    train_grid(cfg, code, val, train_shards, init.weights, bundle, runtime)
     if runtime.world > 1:
         dist.destroy_process_group()
     if runtime.master:
-        write_report(cfg, rewrite=not todo)
+        write_report(cfg)
 
 
 if __name__ == "__main__":

@@ -40,19 +40,25 @@ def same_cells(a, b, cells):
 
 
 def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tmp_path):
-    args = tiny(shards, tmp_path / "workers", "--arms=attnres,rd_attnres", "--seeds=0,1,2", "--max_iters=4",
-                "--eval_interval=2")
+    grid = ["--arms=attnres,rd_attnres", "--seeds=0,1,2", "--max_iters=6", "--eval_interval=3"]
+    args = tiny(shards, tmp_path / "workers", *grid)
     jobs = launch.launch(launch.split_args(["--cluster=local", "--workers=3", "--gpus_per_node=0", *args])[0], args)
+    # SLURM's warning before a time limit (SIGUSR2 to the job's processes) reaches one worker mid-cell:
+    # submitit's checkpoint hook stops its cell at a step boundary and requeues the worker, which resumes it
+    while not (warned := next((job for job in jobs if re.search(r"\] step [1-4]/6 ", job.stdout() or "")), None)):
+        assert not all(job.done() for job in jobs)
+        time.sleep(0.05)
+    with open(f"/proc/{warned._process.pid}/task/{warned._process.pid}/children") as f:
+        os.kill(int(f.read().split()[0]), signal.SIGUSR2)  # the worker's process, as SLURM signals it
     assert [job.result() for job in jobs] == [None] * 3  # a worker that failed raises here, with its output
     outputs = [job.stdout() for job in jobs]
+    assert "stopped by a signal" in warned.stdout() and "Requeued job" in warned.stdout(), warned.stdout()
     cells = [(arm, seed) for seed in (0, 1, 2) for arm in ("attnres", "rd_attnres")]
-    for arm, seed in cells:  # each trained from its first step by one worker (which then says its size)
+    for arm, seed in cells:  # each started by one worker (which says its size then; a resume does not)
         started = rf"\[{arm} seed{seed}\] [\d.]+M non-embedding parameters"
-        assert sum(bool(re.search(started, out)) for out in outputs) == 1, (arm, seed)
-    assert any("left to it" in out for out in outputs)  # the workers met on a cell
-    assert sum("# Paired report" in out for out in outputs) == 1  # the last to finish wrote the report, once
-    train.main(tiny(shards, tmp_path / "alone", "--arms=attnres,rd_attnres", "--seeds=0,1,2", "--max_iters=4",
-                    "--eval_interval=2"))
+        assert sum(len(re.findall(started, out)) for out in outputs) == 1, (arm, seed)
+    assert sum(out.count("# Paired report") for out in outputs) == 1  # the last to finish wrote the report, once
+    train.main(tiny(shards, tmp_path / "alone", *grid))
     same_cells(tmp_path / "workers", tmp_path / "alone", cells)
 
 
