@@ -429,20 +429,22 @@ def unfinished(cfg, cells):
 
 def write_report(cfg):
     """The paired report, written once, by the worker that finds every cell of the grid finished (the
-    last to finish): under out_dir/report.lock, and only when no report is newer than every result (a
-    worker finished at the same time, or a rerun of a finished grid, finds it written)."""
+    last to finish): under out_dir/report.lock, and only when no report is newer than every result and
+    downstream.json (a worker finished at the same time, or a rerun of a finished grid, finds it written)."""
     cells = grid_cells(cfg)
     left = unfinished(cfg, cells)
     if left:
         print(f"{len(left)} cell(s) without a result, trained by other workers (or stopped): the last worker "
               f"to finish writes the report")
         return
-    results = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json") for arm, seed in cells]
+    inputs = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), name) for arm, seed in cells
+              for name in ("result.json", "downstream.json")]
+    inputs = [p for p in inputs if os.path.exists(p)]
     path = os.path.join(cfg["out_dir"], "report.md")
     command = [cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else [])
     try:
         with pid_lock(os.path.join(cfg["out_dir"], "report.lock"), "the report is being written"):
-            if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, results)):
+            if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, inputs)):
                 print(f"{path} is up to date with every result; python report.py {' '.join(command)} writes it again")
                 return
             import report

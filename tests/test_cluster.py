@@ -188,3 +188,17 @@ def test_status_lists_each_cell_and_the_hours_spent_and_left(shards, tmp_path, m
     text = launch.status_text(status, "process-hours")
     assert text.startswith(f"{tmp_path}: 4 cells: 1 finished, 0 diverged, 1 training, 1 resumable, 1 pending\n")
     assert "process-hours: 0.00 spent, 0.00 left at the rate measured on 1 cell(s)" in text
+
+
+def test_the_report_is_written_once_and_again_only_after_a_newer_result(shards, tmp_path, capsys):
+    args = tiny(shards, tmp_path, "--arms=attnres", "--max_iters=2", "--eval_interval=2")
+    train.main(args)
+    written = os.path.getmtime(tmp_path / "report.md")
+    train.main(args)  # a rerun of the finished grid, or a worker that starts after the last one finished
+    assert f"{tmp_path / 'report.md'} is up to date with every result; python report.py {tmp_path} writes it again" \
+        in capsys.readouterr().out
+    assert os.path.getmtime(tmp_path / "report.md") == written
+    later = written + 10  # a result (or downstream.json) newer than the report: written again
+    os.utime(tmp_path / "attnres" / "seed0" / "result.json", (later, later))
+    train.main(args)
+    assert os.path.getmtime(tmp_path / "report.md") > written and not (tmp_path / "report.lock").exists()
