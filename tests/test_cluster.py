@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -202,3 +203,24 @@ def test_the_report_is_written_once_and_again_only_after_a_newer_result(shards, 
     os.utime(tmp_path / "attnres" / "seed0" / "result.json", (later, later))
     train.main(args)
     assert os.path.getmtime(tmp_path / "report.md") > written and not (tmp_path / "report.lock").exists()
+
+
+def test_a_worker_waits_for_the_tuning_cells_of_others_and_takes_over_a_dead_ones(shards, tmp_path, monkeypatch, capsys):
+    import tune
+    # the rates are chosen from every tuning cell: another worker holds one, and dies while this one waits
+    args = tiny(shards, tmp_path, "--arms=attnres", "--tune_learning_rates=1e-3,1e-2", "--tune_seeds=1000,1001",
+                "--tune_iters=3", "--max_iters=4", "--eval_interval=2")
+    held = tmp_path / "tune" / tune.tuning_arm("attnres", 1e-2) / "seed1001"
+    held.mkdir(parents=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (held / "lock").write_text(f"{other.pid} {socket.gethostname()}")
+
+    def the_other_worker_dies(seconds):  # the wait between looks at the others' cells
+        other.kill()
+        other.wait()
+    monkeypatch.setattr(train, "time", SimpleNamespace(sleep=the_other_worker_dies, monotonic=time.monotonic))
+    train.main(args)
+    out = capsys.readouterr().out
+    assert f"being trained by pid {other.pid} on {socket.gethostname()}: left to it" in out
+    assert result(tmp_path / "tune", tune.tuning_arm("attnres", 1e-2), 1001)["status"] == "finished"
+    assert (tmp_path / "tune" / "choice.json").exists() and result(tmp_path, "attnres")["status"] == "finished"
