@@ -884,8 +884,10 @@ def test_muon_under_ddp_equals_one_process(shards, tmp_path):
     train.main(tiny(shards, tmp_path / "single", *args))
     np.testing.assert_allclose(logged(tmp_path / "ddp", "rd_attnres"), logged(tmp_path / "single", "rd_attnres"),
                                rtol=1e-5)
+    # Newton-Schulz amplifies the gradient average's rounding (DDP adds two ranks' halves, one process the whole):
+    # 2e-5 relative at step 6 on an AVX-512 Xeon, under 1e-5 on the machine this test was written on
     np.testing.assert_allclose(logged(tmp_path / "ddp", "rd_attnres", key="val_loss"),
-                               logged(tmp_path / "single", "rd_attnres", key="val_loss"), rtol=1e-5)
+                               logged(tmp_path / "single", "rd_attnres", key="val_loss"), rtol=1e-4)
 
 
 class FakeWandb:
