@@ -70,7 +70,6 @@ from paired_stats import (ALPHA, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, pair
 
 MISSING = object()  # a pairing key one cell does not record
 CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
-TUNE_DIR = tune.TUNE_DIR  # the tuned protocol's tuning grid inside out_dir, with its choice.json
 
 
 # -----------------------------------------------------------------------------
@@ -200,7 +199,7 @@ def subfolders(path):
 def is_tuning_grid(out_dir, folder):
     """Whether a folder of out_dir is the tuned protocol's tuning grid (train.py's tune_learning_rates): tune/,
     holding arms rather than seed<k> cells. Its choice is the report's tuning section, not an arm."""
-    return folder == TUNE_DIR and not any(CELL_NAME.fullmatch(c) for c in subfolders(os.path.join(out_dir, folder))[0])
+    return folder == tune.TUNE_DIR and not any(CELL_NAME.fullmatch(c) for c in subfolders(os.path.join(out_dir, folder))[0])
 
 
 def training_of(result):
@@ -927,7 +926,7 @@ def tuning_problem(record, out_dir):
                 f"text (its first {record['test_tokens']} tokens)")
     if shared := sorted(set(record["tune_seeds"]) & set(record["seeds"])):
         return f"tune_seeds and seeds share {', '.join(map(str, shared))}: rates chosen on compared seeds"
-    tune_dir = os.path.join(out_dir, TUNE_DIR)
+    tune_dir = os.path.join(out_dir, tune.TUNE_DIR)
     for arm, rows in record["table"].items():
         if not isinstance(rows, dict):
             return f"table.{arm} is {described(rows)}, not a dict of rates"
@@ -942,7 +941,7 @@ def tuning_problem(record, out_dir):
                 return f"table.{arm}.{name} cannot be checked against its tuning cells: {e}"
             if rows[name] != held:
                 key, written, found = first_difference(rows[name], held)
-                return (f"table.{arm}.{name}.{key} is {described(written)}, but its tuning cells in {TUNE_DIR}/ give "
+                return (f"table.{arm}.{name}.{key} is {described(written)}, but its tuning cells in {tune.TUNE_DIR}/ give "
                         f"{described(found)} (an edited or copied choice.json)")
         rate, reason = tune.stable_choice(list(rows.values()))
         if rate is None:
@@ -958,7 +957,7 @@ def tuning_problem(record, out_dir):
 
 def read_tuning(out_dir):
     """(out_dir/tune/choice.json, None), (None, why it cannot be used), or (None, None) where there is none."""
-    path = os.path.join(out_dir, TUNE_DIR, "choice.json")
+    path = os.path.join(out_dir, tune.TUNE_DIR, "choice.json")
     if not os.path.lexists(path):
         return None, None
     record, why = json_object(path)
@@ -979,7 +978,7 @@ def tuning_cost(out_dir, record):
         for row in rows.values():
             name = tune.tuning_arm(arm, row["learning_rate"])
             for seed in record["tune_seeds"]:
-                results[name, seed] = json_object(os.path.join(out_dir, TUNE_DIR, name, f"seed{seed}", "result.json"))[0]
+                results[name, seed] = json_object(os.path.join(out_dir, tune.TUNE_DIR, name, f"seed{seed}", "result.json"))[0]
     return grid_cost(results)
 
 
@@ -1341,7 +1340,7 @@ def main(argv):
         section, tuning_notes = tuning_lines(tuning, arms, results, cost)
         lines += section
     elif tuning_why:
-        lines += ["## Learning-rate tuning", "", f"{TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
+        lines += ["## Learning-rate tuning", "", f"{tune.TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
                   f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.", ""]
     lines += final_loss_lines(arms, seeds, results)
     ran_on = machines(arms, seeds, results)
