@@ -189,8 +189,9 @@ def take_lock(path, busy):
     with its content (a hard link of a written file), so no kill leaves an empty one. Anything else
     at path (a symlink, a folder) is one line saying to remove it.
     """
-    host, mine = socket.gethostname(), temporary_name(path)
+    host, mine, stale = socket.gethostname(), temporary_name(path), temporary_name(path + "-stale")
     remove_stale_temporaries(path)
+    remove_stale_temporaries(path + "-stale")
     try:
         with open(mine, "x") as f:  # exclusive: a symlink planted at this name is not followed
             f.write(f"{os.getpid()} {host}")
@@ -209,7 +210,19 @@ def take_lock(path, busy):
                     holder = f"pid {pid} on {owner or '?'}"
                     raise LockHeld(f"{busy} by {holder}; wait for it, or remove {path} if that process is gone",
                                    holder) from None
-                os.remove(path)  # stale: its process ended without releasing it (or an older version left it empty)
+                # stale: its process ended without releasing it (or an older version left it empty). Another worker
+                # may have read the same dead pid and taken the lock over since: a rename moves it away atomically
+                # (one worker wins), and only a lock that still names the dead pid is removed; a new one goes back
+                try:
+                    os.rename(path, stale)
+                except FileNotFoundError:
+                    continue  # another worker moved it first
+                if read_lock(stale) != (pid, owner):
+                    try:
+                        os.link(stale, path)  # the next read names its live holder
+                    except FileExistsError:
+                        pass  # a third worker took the free name meanwhile: that one holds the cell
+                os.remove(stale)
     finally:
         os.remove(mine)
 

@@ -206,6 +206,25 @@ def test_a_lock_held_by_a_dead_process_is_taken_over_and_a_live_one_is_not(tmp_p
         assert lock.read_text() == holder and os.listdir(tmp_path) == ["lock"]
 
 
+def test_two_workers_taking_over_one_stale_lock_leave_it_to_the_first(tmp_path, monkeypatch):
+    # B read the dead pid, then A took the lock over (here: A's lock, a live pid, is at the name) before
+    # B acted on its read: B must find A's lock, not remove it and take the cell too
+    lock, dead, live = tmp_path / "lock", f"{finished_pid()} {HOST}", f"{os.getppid()} {HOST}"
+    lock.write_text(live)
+    read_lock, reads = common.read_lock, []
+
+    def stale_first_read(path):
+        reads.append(path)
+        return tuple(dead.split()) if len(reads) == 1 else read_lock(path)
+    monkeypatch.setattr(common, "read_lock", stale_first_read)
+    with pytest.raises(common.LockHeld, match=rf"^busy by pid {os.getppid()} on {HOST}; wait for it"):
+        common.take_lock(str(lock), "busy")
+    assert lock.read_text() == live and os.listdir(tmp_path) == ["lock"]
+    lock.write_text(dead)  # a stale lock that no one else touches is still taken over, and nothing is left beside it
+    with common.pid_lock(str(lock), "busy"):
+        assert lock.read_text() == f"{os.getpid()} {HOST}" and os.listdir(tmp_path) == ["lock"]
+
+
 def test_check_writable_makes_the_folder_and_leaves_nothing_in_it(tmp_path):
     folder = tmp_path / "a" / "b"
     common.check_writable(str(folder), "choose another --out_dir")
