@@ -46,6 +46,14 @@ DEFAULTS = {k: v for k, v in globals().items() if k not in _before_config and k 
 # however far their checkpoint is (a worker's processes ignore SIGTERM unless they handle it, as train.py does)
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 RDZV_PORT = 29500
+# submitit's warning (SIGUSR2) comes this long before a job's time limit; the checkpoint hook waits at most
+# WARNED_WAIT_S of it for train.py to checkpoint and exit (a step may be an evaluation or a compile), then
+# requeues anyway, leaving submitit time to: a job killed at its limit unrequeued would end its worker for good
+SIGNAL_DELAY_S = 300
+WARNED_WAIT_S = SIGNAL_DELAY_S - 60
+# submitit requeues a job that reaches its time limit at most this many times (its default, 3, would end a
+# worker on its 4th time limit, however many cells are left); preemptions are requeued without a count
+MAX_TIME_LIMITS = 10_000
 
 
 def split_args(argv):
@@ -120,7 +128,11 @@ class Worker:
         import submitit
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait()
+            try:
+                self.process.wait(timeout=WARNED_WAIT_S)
+            except subprocess.TimeoutExpired:  # the cell resumes from its last checkpoint (every eval_interval steps)
+                print(f"train.py did not stop within {WARNED_WAIT_S} s of the warning; requeued without its "
+                      f"checkpoint", flush=True)
         return submitit.helpers.DelayedSubmission(Worker(self.train_args, self.nodes, self.gpus_per_node, self.cwd))
 
 
@@ -133,11 +145,12 @@ def train_config(train_args):
 def executor(own, out_dir):
     import submitit
     folder = own["logs"] or os.path.normpath(out_dir) + "_launch"  # not inside: the report would take it for an arm
-    ex = submitit.AutoExecutor(folder=folder, cluster=own["cluster"])
+    ex = submitit.AutoExecutor(folder=folder, cluster=own["cluster"], slurm_max_num_timeout=MAX_TIME_LIMITS)
     gpus = own["gpus_per_node"]
     ex.update_parameters(name=os.path.basename(os.path.abspath(out_dir)), timeout_min=own["time_min"],
                          nodes=own["nodes"], tasks_per_node=1, gpus_per_node=gpus,
-                         cpus_per_task=own["cpus_per_gpu"] * max(gpus, 1), stderr_to_stdout=True)
+                         cpus_per_task=own["cpus_per_gpu"] * max(gpus, 1), stderr_to_stdout=True,
+                         slurm_signal_delay_s=SIGNAL_DELAY_S)
     ex.update_parameters(slurm_array_parallelism=own["concurrency"] or own["workers"],
                          **({"slurm_partition": own["partition"]} if own["partition"] else {}))
     return ex

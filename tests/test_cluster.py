@@ -63,6 +63,24 @@ def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tm
     same_cells(tmp_path / "workers", tmp_path / "alone", cells)
 
 
+def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_path, monkeypatch, capsys):
+    # train.py mid-evaluation or mid-compile past the wait: the hook requeues before SLURM's kill at the time
+    # limit, which would end the worker unrequeued; the cell resumes from its last checkpoint
+    monkeypatch.setattr(launch, "WARNED_WAIT_S", 0.5)
+    worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path))
+    worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                      preexec_fn=launch.leave_stops_to_train, start_new_session=True)  # SIGTERM unheeded
+    try:
+        started = time.time()
+        requeued = worker.checkpoint()
+        assert time.time() - started < 10 and worker.process.poll() is None
+        assert requeued.function.train_args == worker.train_args and requeued.function.process is None
+        assert "train.py did not stop within 0.5 s of the warning; requeued without its checkpoint" in capsys.readouterr().out
+    finally:
+        worker.process.kill()
+        worker.process.wait()
+
+
 def test_a_worker_started_while_the_bundled_corpus_is_prepared_waits_for_it(shards, tmp_path, monkeypatch, capsys):
     corpus = str(tmp_path / "shakespeare_bytes")
     monkeypatch.setitem(BUNDLED, corpus, "bytes")  # a bundled corpus of its own, prepared here
