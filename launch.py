@@ -16,6 +16,7 @@ The keys below are launch.py's own; every other argument goes to train.py as giv
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +76,9 @@ def split_args(argv):
         raise ConfigError("gpus_per_node and concurrency are counts (0 or more), time_min at least 1 minute")
     if own["cluster"] == "local" and own["nodes"] > 1:
         raise ConfigError(f"nodes={own['nodes']} on cluster=local: this machine is one node; use --nodes=1")
+    if own["nodes"] > 1 and own["gpus_per_node"] == 0:
+        raise ConfigError(f"nodes={own['nodes']} with gpus_per_node=0: a CPU worker is one process on one node; "
+                          f"use --nodes=1, or give each node's GPUs with --gpus_per_node")
     return own, train_args
 
 
@@ -120,7 +124,10 @@ class Worker:
             time.sleep(1)
         if self.process.returncode:
             from cells import PREEMPTED
-            why = "stopped by a signal, its cell checkpointed" if self.process.returncode == PREEMPTED else "failed"
+            if command[1] == "-m":  # torchrun exits 1 whether a rank failed or stopped (exit 75, checkpointed)
+                why = "ended (a rank failed or was stopped by a signal: each rank's last line above says which)"
+            else:
+                why = "stopped by a signal, its cell checkpointed" if self.process.returncode == PREEMPTED else "failed"
             raise RuntimeError(f"{' '.join(command)} {why} (exit status {self.process.returncode}); see this "
                                f"worker's output")
 
@@ -158,6 +165,9 @@ def executor(own, out_dir):
 
 def launch(own, train_args):
     """Submit the workers as one array; returns their jobs (submitit's)."""
+    if own["cluster"] == "slurm" and not shutil.which("sbatch"):
+        raise ConfigError("cluster=slurm but this machine has no sbatch (not a SLURM login node); submit from one, "
+                          "or run the workers on this machine with --cluster=local")
     cfg = train_config(train_args)  # a bad argument is one line here, before anything is submitted
     ex = executor(own, cfg["out_dir"])
     jobs = ex.submit_array([Worker(train_args, own["nodes"], own["gpus_per_node"], os.getcwd())

@@ -25,6 +25,7 @@ import pytest
 import launch
 import train
 from cells import PREEMPTED, Preempted, stop_on_signals
+from common import ConfigError
 from conftest import log_records, logged, result, tiny, without_timings
 from data.shards import BUNDLED
 
@@ -61,6 +62,16 @@ def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tm
     assert sum(out.count("# Paired report") for out in outputs) == 1  # the last to finish wrote the report, once
     train.main(tiny(shards, tmp_path / "alone", *grid))
     same_cells(tmp_path / "workers", tmp_path / "alone", cells)
+
+
+def test_a_launch_that_cannot_run_is_one_line_before_anything_is_submitted(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"^nodes=2 with gpus_per_node=0: a CPU worker is one process on one node; "
+                                          r"use --nodes=1"):
+        launch.split_args(["--nodes=2", "--gpus_per_node=0"])
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: not a SLURM login node
+    with pytest.raises(ConfigError, match=r"^cluster=slurm but this machine has no sbatch .*--cluster=local$"):
+        launch.main([f"--out_dir={tmp_path / 'grid'}", "--arms=attnres"])
+    assert os.listdir(tmp_path) == []  # no submitit folder, no grid
 
 
 def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_path, monkeypatch, capsys):
