@@ -15,12 +15,14 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
 
 from checkpoint import load_cell
-from common import DataError, UserError, check_writable, temporary_name
+from common import ConfigError, DataError, UserError, check_writable, dying_cleanly, process_exists, temporary_name
 from data.shards import GPT2, GPT2_PATTERN, TOKENIZER_FILE, get_tokenizer, tokenizer_of
 import model
+import records
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CODE = ("modeling_nanodepth.py", "model.py")  # the modeling code, which the folder carries
@@ -57,9 +59,20 @@ def in_model_py(scheme):
     return getattr(model, scheme.__name__, None) is scheme
 
 
-def export(cell_dir, out):
-    """The folder out (written under a temporary name, then renamed): a cell's last checkpoint for transformers."""
-    from safetensors.torch import save_file
+def remove_stale_exports(out):
+    """The temporary folders of out that killed exports left on this host (a SIGKILL runs no finally;
+    common.remove_stale_temporaries removes files only)."""
+    folder, prefix, suffix = os.path.dirname(out), os.path.basename(out) + ".", f".{socket.gethostname()}.tmp"
+    for name in os.listdir(folder):
+        pid = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+        if pid.isdigit() and (int(pid) == os.getpid() or not process_exists(int(pid))):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)  # a symlink: left alone
+
+
+def export(cell_dir, out, allow_changes=False):
+    """The folder out (written under a temporary name, then renamed): a cell's last checkpoint for transformers.
+    allow_changes: export even where model.py's definitions the cell computes with changed since it trained
+    (its logits then are not the cell's), recorded in config.json."""
     if os.path.exists(out):
         raise UserError(f"{out} exists; remove it or choose another --out")
     check_writable(os.path.dirname(os.path.abspath(out)), "choose another --out")
@@ -71,14 +84,34 @@ def export(cell_dir, out):
     if not in_model_py(type(gpt.residual)):  # the folder carries model.py, and only what it defines
         raise UserError(f"{cell_dir}: its scheme {gpt.config.residual!r} is not defined in model.py (it was "
                         f"registered in RESIDUALS from elsewhere); add it to model.py to export the cell")
+    # the folder carries today's model.py with the cell's weights: its logits are the cell's only under its code
+    trained, code = record.get("code") if isinstance(record.get("code"), dict) else {}, records.code_record()
+    changed = records.code_changes(trained, code, {gpt.config.residual})
+    if changed and not allow_changes:
+        at = f" (git commit {trained['git_commit'][:12]})" if isinstance(trained.get("git_commit"), str) else ""
+        raise ConfigError(f"{cell_dir}: the code differs from the one the cell was trained with "
+                          f"({records.described_changes(trained, code, {gpt.config.residual})}), so the export's "
+                          f"logits would not be the cell's; export with the code it was trained with{at}, or add "
+                          f"--allow_changes=True to export anyway (recorded in its config.json)")
     eot = get_tokenizer(tokenizer).eot
     config = dict(
         model_type="nanodepth", architectures=["NanodepthForCausalLM"],
         auto_map={"AutoConfig": "modeling_nanodepth.NanodepthConfig",
                   "AutoModelForCausalLM": "modeling_nanodepth.NanodepthForCausalLM"},
         gpt=record["model"], bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32",
-        nanodepth=dict(arm=record.get("arm"), seed=record.get("seed"), step=step, tokenizer=tokenizer))
-    tmp = temporary_name(os.path.abspath(out))
+        nanodepth=dict(arm=record.get("arm"), seed=record.get("seed"), step=step, tokenizer=tokenizer,
+                       code_changes=changed if allow_changes else []))
+    out = os.path.abspath(out)
+    remove_stale_exports(out)
+    tmp = temporary_name(out)
+    with dying_cleanly():  # a SIGTERM or SIGHUP meanwhile removes the temporary folder before the process dies
+        write_folder(tmp, out, gpt, config, tokenizer)
+    print(f"{cell_dir} step {step} -> {out} ({gpt.config.residual}, {tokenizer} tokens)")
+
+
+def write_folder(tmp, out, gpt, config, tokenizer):
+    """The folder written as tmp, then renamed to out; tmp removed whatever happens."""
+    from safetensors.torch import save_file
     os.makedirs(tmp)
     try:
         # each tensor its own copy: the tied embedding and head are saved under both names (safetensors
@@ -95,7 +128,6 @@ def export(cell_dir, out):
         raise DataError(f"cannot write {out} ({e.strerror or e}); free disk space or choose another --out") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{cell_dir} step {step} -> {out} ({gpt.config.residual}, {tokenizer} tokens)")
 
 
 class Parser(argparse.ArgumentParser):
@@ -107,12 +139,14 @@ def main(argv):
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cell", help="a cell folder (out_dir/<arm>/seed<k>) or its ckpt.pt")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    parser.add_argument("--allow_changes", choices=("True", "False"), default="False",
+                        help="export even where the code the cell computes with changed since it trained (recorded)")
     args = parser.parse_args(argv)
     try:
         import safetensors, transformers  # noqa: F401  (the extras, before any work)
     except ImportError as e:
         raise UserError(f"export needs {e.name}: pip install -r requirements-extras.txt") from None
-    export(args.cell, args.out)
+    export(args.cell, args.out, args.allow_changes == "True")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ $ python -m pytest tests/test_export.py -q
 import dataclasses
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,9 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import downstream  # noqa: E402
 import export  # noqa: E402
 from common import DataError, UserError  # noqa: E402
-from conftest import TINY, randomize_routing  # noqa: E402
+from conftest import ROOT, TINY, randomize_routing  # noqa: E402
 from data.shards import get_tokenizer  # noqa: E402
 import model  # noqa: E402
+import records  # noqa: E402
 from model import GPT, RESIDUALS, GPTConfig  # noqa: E402
 
 torch.set_num_threads(1)
@@ -30,9 +35,10 @@ torch.set_num_threads(1)
 # biases moved); a scheme registered from elsewhere (the README's example, in conftest) is refused
 IN_MODEL_PY = [name for name, scheme in RESIDUALS.items() if scheme in vars(model).values()]
 EXPORTED = {name: dict(residual=name) for name in IN_MODEL_PY} | {"moe": dict(residual="attnres", n_experts=4)}
+CODE = records.code_record()  # the code the cells of these tests were trained with: today's
 
 
-def write_cell(folder, seed=0, tokenizer="bytes", **overrides):
+def write_cell(folder, seed=0, tokenizer="bytes", code=CODE, **overrides):
     """A cell as train.py leaves it (ckpt.pt), its routing and MoE biases away from their init: the GPT."""
     config = GPTConfig(**{**TINY, "vocab_size": 320, **overrides})
     torch.manual_seed(seed)
@@ -40,7 +46,8 @@ def write_cell(folder, seed=0, tokenizer="bytes", **overrides):
     randomize_routing(gpt)
     for moe in gpt.moes().values():
         moe.expert_bias.copy_(torch.randn(moe.expert_bias.shape))
-    record = dict(arm=config.residual, seed=seed, data_dir="data/x", tokenizer=tokenizer, model=dataclasses.asdict(config))
+    record = dict(arm=config.residual, seed=seed, data_dir="data/x", tokenizer=tokenizer, model=dataclasses.asdict(config),
+                  code=code)
     os.makedirs(folder)
     torch.save(dict(model=gpt.state_dict(), optimizer={}, step=7, rng=[], data_hash="", config=record, loss_sum=0.0,
                     step_last=0, wall_time_s=0.0), os.path.join(folder, "ckpt.pt"))
@@ -81,7 +88,7 @@ def test_the_folder_and_its_tokenizer(tmp_path, tokenizer, capsys):
     assert sorted(os.listdir(tmp_path)) == ["cell", "hf"]  # no temporary left
     with open(out / "config.json") as f:
         config = json.load(f)
-    assert config["nanodepth"] == dict(arm="standard", seed=0, step=7, tokenizer=tokenizer)
+    assert config["nanodepth"] == dict(arm="standard", seed=0, step=7, tokenizer=tokenizer, code_changes=[])
     ours = get_tokenizer(tokenizer)
     assert config["bos_token_id"] == config["eos_token_id"] == ours.eot
     theirs = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
@@ -109,6 +116,44 @@ def test_bad_exports_are_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: the following arguments are required: --out; see python export.py"):
         export.main([str(tmp_path / "cell")])
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_code_changed_since_training_is_refused_or_recorded(tmp_path):
+    """The folder carries today's model.py: a cell whose scheme's code changed since it trained exports
+    other logits than it computed, so export refuses it, or records the changes under --allow_changes=True."""
+    old = dict(CODE, definitions=dict(CODE["definitions"], GPT="0" * 16, DualAttnRes="0" * 16),
+               git_commit="abcdef1234567890")
+    write_cell(tmp_path / "cell", residual="attnres", code=old)
+    with pytest.raises(UserError, match=r"cell: the code differs from the one the cell was trained with \(GPT\), so .*"
+                                        r"trained with \(git commit abcdef123456\), or add --allow_changes=True"):
+        export.main([str(tmp_path / "cell"), f"--out={tmp_path / 'hf'}"])
+    assert sorted(os.listdir(tmp_path)) == ["cell"]
+    export.main([str(tmp_path / "cell"), f"--out={tmp_path / 'hf'}", "--allow_changes=True"])
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["nanodepth"]["code_changes"] == ["GPT"]  # not DualAttnRes: dar's, not attnres's
+    write_cell(tmp_path / "dar", residual="dar", code=dict(old, definitions=dict(CODE["definitions"], DualAttnRes="0" * 16)))
+    with pytest.raises(UserError, match=r"trained with \(DualAttnRes\)"):
+        export.main([str(tmp_path / "dar"), f"--out={tmp_path / 'hf2'}"])
+
+
+def test_a_killed_export_leaves_no_temporary(tmp_path):
+    """SIGTERM mid-write removes the temporary folder before the process dies of it; one a SIGKILL left
+    (its writer gone) the next export removes."""
+    write_cell(tmp_path / "cell")
+    out = tmp_path / "hf"
+    killed = subprocess.run([sys.executable, "-c", f"""import os, signal, sys
+sys.path.insert(0, {ROOT!r})
+import export
+export.hf_tokenizer = lambda *args: os.kill(os.getpid(), signal.SIGTERM)  # after the weights are written
+export.export({str(tmp_path / "cell")!r}, {str(out)!r})"""], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert killed.returncode == -signal.SIGTERM, killed.stderr
+    assert sorted(os.listdir(tmp_path)) == ["cell"]
+    stale = tmp_path / f"hf.999999999.{socket.gethostname()}.tmp"  # no process has that pid
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    export.main([str(tmp_path / "cell"), f"--out={out}"])
+    assert sorted(os.listdir(tmp_path)) == ["cell", "hf"]
 
 
 LOCAL_TASKS = {
