@@ -438,7 +438,12 @@ SCORING_FILES = ("downstream.py", "model.py", "checkpoint.py", "data/shards.py")
 
 
 def scoring_code():
-    """The fingerprint of the code that computes the scores (SCORING_FILES, as records.code_fingerprint reads each)."""
+    """The fingerprint of the code that computes the scores (SCORING_FILES, as records.code_fingerprint reads each).
+    Whole files, not records.code_record's definitions restricted to a scheme's: the report pairs two arms'
+    downstream.json only where their scoring_code is equal, and arms of two schemes compute with different
+    definitions, so a fingerprint per scheme would pair no arms; a split one (shared for the pair, the scheme's
+    own across its seeds, as records.code_fingerprints does for results) would be a second check in report.py.
+    The cost: any edit to these files (a new scheme in model.py) asks for the cells to be scored again."""
     files = {}
     for name in SCORING_FILES:
         with open(os.path.join(HERE, name), "rb") as f:
