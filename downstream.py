@@ -422,6 +422,9 @@ def evaluate_tasks(model, tasks, device, autocast, world=1, batch_tokens=BATCH_T
     counts, item_losses = counts.tolist(), item_losses.tolist()
     results = {}
     for t, task in enumerate(tasks):
+        if counts[len(tasks) + t] == 0:  # every answer cut away: a block_size of 1 keeps only the end-of-text token
+            raise DataError(f"task {task.label}: its right answers keep 0 bytes in sequences cut to the model's "
+                            f"block_size, so it has no bits per byte; score a model of a longer block_size")
         accuracy = counts[t] / task.items
         first = sum(other.items for other in tasks[:t])  # this task's items in item_losses
         bits = math.fsum(item_losses[first:first + task.items]) / math.log(2)  # fsum: the same in any order

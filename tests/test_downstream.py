@@ -470,6 +470,14 @@ def test_bits_per_byte_is_the_right_answers_loss_over_its_bytes(tmp_path):
         assert gpt2.decode(tokens[start:]) == " " + task.golds[index] * "xyzw" + (1 - task.golds[index]) * "ab"
         assert n_bytes == len(gpt2.decode(tokens[start:]).encode())
 
+def test_answers_cut_to_nothing_are_one_line(tmp_path):
+    # block_size 1 keeps only each sequence's end-of-text token: no answer byte to divide by
+    bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=[dict(context="Q", continuation="ab")])])
+    with pytest.raises(DataError, match=r"^task lm: its right answers keep 0 bytes .*; score a model of a longer block_size$"):
+        evaluate(bigram(("ab", 3.0)), bundle, block_size=1)
+    assert evaluate(bigram(("ab", 3.0)), bundle, block_size=2)["tasks"]["lm"]["bits_per_byte"] > 0
+
+
 def test_long_sequences_lose_their_oldest_tokens_and_are_counted(tmp_path):
     # 2-shot prompts far beyond block_size 12: the scored choice stays, the examples go first
     items = [dict(query=f"question number {i}", choices=["ab", "xyzw"], gold=1) for i in range(3)]
