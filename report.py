@@ -1130,6 +1130,10 @@ def beside(out_dir, other, comparisons):
     if why:
         raise DataError(f"--beside={other}: its paired.json cannot be read ({why}); run python report.py {other} first")
     by_reference = theirs.get("by_reference") or {theirs.get("reference"): dict(arms=theirs.get("arms") or {})}
+    if not isinstance(by_reference, dict) or not all(isinstance(c, dict) and isinstance(c.get("arms", {}), dict)
+                                                     for c in by_reference.values()):
+        raise DataError(f"--beside={other}: its paired.json's by_reference is not a report's (comparisons by "
+                        f"reference, each with its arms); run python report.py {other} again")
     configs = [json_object(os.path.join(d, "config.json"))[0] or {} for d in (out_dir, other)]
     differ = sorted(k for k in set(configs[0]) | set(configs[1])
                     if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k))

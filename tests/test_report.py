@@ -1169,6 +1169,10 @@ def test_a_grid_beside_the_same_grid_on_another_corpus(tmp_path, no_matplotlib):
     assert (f"| rd | parent | {here_rd['mean']:+.4f} | 4/4 | {here_rd['p_ttest']:.3g} | [{ci[0]:+.4f}, {ci[1]:+.4f}] | "
             f"{there_rd['mean']:+.4f} | {there_rd['wins']}/4 | {there_rd['p_ttest']:.3g} | unavailable |") in text
     assert "settings differ in: data_dir, train_data_sha256." in text
+    for by_reference in ([theirs["by_reference"]], {"parent": {"arms": [1]}}):  # not what a report writes
+        (there / "paired.json").write_text(json.dumps(dict(theirs, by_reference=by_reference)))
+        with pytest.raises(common.DataError, match=r"paired.json's by_reference is not a report's .*; run python report.py"):
+            run(here, f"--beside={there}")
 
 
 def test_a_grid_of_one_arm_says_so_instead_of_an_empty_table(tmp_path, no_matplotlib):
