@@ -225,10 +225,15 @@ def cell_state(cell_dir, max_iters):
     result_path, ckpt_path = os.path.join(cell_dir, "result.json"), os.path.join(cell_dir, "ckpt.pt")
     if os.path.exists(result_path):
         r = read_json(result_path, strict=False)
-        used = r["wall_time_s"] * r["config"]["world_size"]
-        if r["status"] == "diverged":
-            return "diverged", f"diverged at step {r['steps']} ({r['reason']})", used, r["steps"]
-        return "finished", f"finished, val_loss {r['val_loss']:.4f}", used, r["steps"]
+        try:
+            used = r["wall_time_s"] * r["config"]["world_size"]
+            if r["status"] == "diverged":
+                return "diverged", f"diverged at step {r['steps']} ({r['reason']})", used, r["steps"]
+            return "finished", f"finished, val_loss {r['val_loss']:.4f}", used, r["steps"]
+        except (KeyError, TypeError) as e:
+            why = f"no {e}" if isinstance(e, KeyError) else e
+            raise DataError(f"{result_path} is not a result train.py writes ({why}); move it aside to train the "
+                            f"cell again") from None
     ckpt = checkpoint_summary(ckpt_path) if os.path.exists(ckpt_path) else dict(step=0, wall_time_s=0.0, world=1)
     used = ckpt["wall_time_s"] * ckpt["world"]
     pid, host = read_lock(os.path.join(cell_dir, "lock"))

@@ -25,7 +25,7 @@ import pytest
 import launch
 import train
 from cells import PREEMPTED, Preempted, stop_on_signals
-from common import ConfigError
+from common import ConfigError, DataError
 from conftest import log_records, logged, result, tiny, without_timings
 from data.shards import BUNDLED
 
@@ -191,6 +191,7 @@ def test_two_ranks_stopped_by_a_signal_resume_as_never_stopped(two_nodes, shards
     stops = re.findall(r"checkpointed at step (\d+)", err)  # each rank says where it stopped
     assert proc.returncode != 0 and f"(exitcode: {PREEMPTED})" in err, err[-3000:]
     assert len(stops) == 2 and len(set(stops)) == 1 and int(stops[0]) >= at, err[-3000:]
+    assert int(stops[0]) % 3 == 0  # a log step (--log_interval=3): ranks learn of a stop only there
     assert not (tmp_path / "attnres" / "seed0" / "result.json").exists()
     _, err, code = torchrun(tmp_path, shards)
     assert code == 0, err[-3000:]
@@ -253,3 +254,14 @@ def test_a_worker_waits_for_the_tuning_cells_of_others_and_takes_over_a_dead_one
     assert f"being trained by pid {other.pid} on {socket.gethostname()}: left to it" in out
     assert result(tmp_path / "tune", tune.tuning_arm("attnres", 1e-2), 1001)["status"] == "finished"
     assert (tmp_path / "tune" / "choice.json").exists() and result(tmp_path, "attnres")["status"] == "finished"
+
+
+def test_the_state_of_a_cell_whose_result_lacks_a_field_is_one_line(tmp_path):
+    good = dict(status="finished", steps=10, val_loss=2.5, wall_time_s=3.0, config=dict(world_size=2))
+    (tmp_path / "result.json").write_text(json.dumps(good))
+    assert launch.cell_state(str(tmp_path), 10) == ("finished", "finished, val_loss 2.5000", 6.0, 10)
+    for broken, why in ((dict(good, config=None), "'NoneType' object is not subscriptable"),
+                        ({k: v for k, v in good.items() if k != "wall_time_s"}, "no 'wall_time_s'")):
+        (tmp_path / "result.json").write_text(json.dumps(broken))
+        with pytest.raises(DataError, match=rf"result.json is not a result train.py writes \({why}\); move it aside"):
+            launch.cell_state(str(tmp_path), 10)
