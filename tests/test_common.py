@@ -15,7 +15,7 @@ import pytest
 
 import common
 import train
-from common import ConfigError, DataError
+from common import ConfigError
 from conftest import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
