@@ -379,7 +379,9 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
             log.trained(state.step, state.step - state.step_last, loss_avg, lr)
             loss_sum.zero_()
             state.step_last = state.step
-        if stop_requested(runtime):  # SIGTERM or SIGUSR1: checkpoint at this step boundary, then exit
+        # SIGTERM or SIGUSR1: checkpoint at this step boundary, then exit. Over ranks, learning of a stop is an
+        # all-reduce read on the host (a GPU sync): only at log steps, which sync already and are the same on every rank
+        if (runtime.world == 1 or state.step % s.log_interval == 0) and stop_requested(runtime):
             save_cell(cell, data, loss_sum, grid, runtime)
             if runtime.world > 1:
                 dist.barrier()  # no rank exits (and has torchrun stop the others) before rank 0 has written it
