@@ -37,20 +37,19 @@ def write_atomic(path, write):
     """
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
+    in_the_way = False
     with dying_cleanly():
         try:
-            open(tmp, "x").close()
+            open(tmp, "x").close()  # inside the try: a signal just after it still removes the temporary
+            write(tmp)
+            os.replace(tmp, path)
         except FileExistsError:
+            in_the_way = True
             raise DataError(f"cannot write {path}: {tmp} is in the way (not a file this process made); remove it") from None
         except OSError as e:
             raise cannot_write(path, e) from None
-        try:
-            write(tmp)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise cannot_write(path, e) from None
         finally:
-            if os.path.lexists(tmp):
+            if os.path.lexists(tmp) and not in_the_way:
                 os.remove(tmp)
 
 

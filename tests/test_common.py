@@ -136,6 +136,29 @@ print("not reached")
 """
 
 
+TERMINATED_ONCE_CREATED = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import common
+def open_then_terminated(*args):  # SIGTERM lands just after the temporary is created, before anything is written
+    f = open(*args)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return f
+common.write_text(sys.argv[1], "old")
+common.open = open_then_terminated
+common.write_text(sys.argv[1], "new")
+print("not reached")
+"""
+
+
+def test_a_write_killed_just_after_creating_its_temporary_leaves_none(tmp_path):
+    import signal
+    proc = subprocess.run([sys.executable, "-c", TERMINATED_ONCE_CREATED.format(root=ROOT), str(tmp_path / "report.md")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == ""
+    assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "old"
+
+
 @pytest.mark.parametrize("name", ["TERM", "HUP"])
 def test_a_write_killed_by_sigterm_or_sighup_leaves_no_temporary(tmp_path, name):
     import signal
