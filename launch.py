@@ -206,6 +206,20 @@ def grid_status(cfg):
                 measured=len(kinds) - len(left))
 
 
+def grid_device(cfg):
+    """The device the grid trains on, as its record says (out_dir/config.json, or the tuning grid's: every cell
+    of a grid shares it), not this machine's: --status may run on a login node without GPUs. Before any cell
+    trained, the one cfg names (auto: this machine's)."""
+    import records
+    import torch
+    import tune
+    for g in ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]:
+        path = os.path.join(g["out_dir"], "config.json")
+        if os.path.exists(path):
+            return str(records.read_record(path, "restore it, or delete the folder to start the grid again")["device"])
+    return "cuda" if cfg["device"] == "auto" and torch.cuda.is_available() else cfg["device"]
+
+
 def status_text(status, unit):
     counts = ", ".join(f"{status['kinds'].count(k)} {k}" for k in KINDS)
     left = "the time left is known once a cell has a result" if status["left_s"] is None else \
@@ -277,10 +291,8 @@ def last_log_record(path):
 def main(argv):
     own, train_args = split_args(argv)
     if own["status"]:
-        import torch
         cfg = train_config(train_args)
-        gpu = cfg["device"].startswith("cuda") or cfg["device"] == "auto" and torch.cuda.is_available()
-        print(status_text(grid_status(cfg), "GPU-hours" if gpu else "process-hours"))
+        print(status_text(grid_status(cfg), "GPU-hours" if grid_device(cfg).startswith("cuda") else "process-hours"))
         return
     jobs = launch(own, train_args)
     for job in jobs if own["cluster"] == "local" else []:  # on SLURM they run on without this process

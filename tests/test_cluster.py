@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 import launch
 import train
@@ -219,6 +220,16 @@ def test_status_lists_each_cell_and_the_hours_spent_and_left(shards, tmp_path, m
     text = launch.status_text(status, "process-hours")
     assert text.startswith(f"{tmp_path}: 4 cells: 1 finished, 0 diverged, 1 training, 1 resumable, 1 pending\n")
     assert "process-hours: 0.00 spent, 0.00 left at the rate measured on 1 cell(s)" in text
+
+
+def test_status_counts_gpu_hours_for_a_grid_trained_on_gpus_from_a_machine_without_one(shards, tmp_path, capsys):
+    args = tiny(shards, tmp_path, "--arms=attnres", "--seeds=0", "--device=auto")
+    launch.main([*args, "--status"])
+    here = "GPU-hours" if torch.cuda.is_available() else "process-hours"  # nothing trained yet: this machine's device
+    assert f"\n{here}: 0.00 spent" in capsys.readouterr().out
+    (tmp_path / "config.json").write_text(json.dumps(dict(device="cuda")))  # as the grid's record says where it trains
+    launch.main([*args, "--status"])
+    assert "\nGPU-hours: 0.00 spent" in capsys.readouterr().out
 
 
 def test_the_report_is_written_once_and_again_only_after_a_newer_result(shards, tmp_path, capsys):
