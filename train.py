@@ -37,7 +37,7 @@ import records
 import tune
 from cells import (DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, open_cell, rank0s,
                    save_cell, seed_for, stop_on_signals, stop_requested)
-from common import ConfigError, DataError, LockHeld, UserError, cell_lock, check_writable, pid_lock
+from common import ConfigError, DataError, LockHeld, UserError, cell_lock, check_writable, pid_lock, read_lock
 from configurator import configure
 from data.prepare import prepare_bundled
 from data.shards import BUNDLED, TOKENIZERS, find_shards, open_shard, shard_tokenizer, verify_manifest
@@ -402,7 +402,7 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
         check_writable(cfg["out_dir"], "choose another --out_dir")
     todo = unfinished(cfg, cells)
     grid = Grid(code=code, record=grid_record, differences=differences, todo=todo, init=init_weights, bundle=bundle)
-    turn, left_to_others = cells, set()
+    turn, left_to_others, seen = cells, set(), {}
     while turn:
         for arm, seed in turn:
             if stop_requested(runtime):
@@ -416,8 +416,42 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
         if runtime.world > 1:
             dist.barrier()  # every result.json (rank 0's) written before any rank reads one
         turn = rank0s(unfinished(cfg, cells), runtime) if wait else []
+        given_up = rank0s(stalled(cfg, turn, seen) if runtime.master else None, runtime)
+        if given_up:
+            raise DataError(given_up)
         if turn:
             time.sleep(10)  # other workers' cells: their results, or their locks free when a worker dies
+
+
+# a cell waited on (the tuned protocol) whose log and checkpoint have not changed this long is taken for one whose
+# worker died on another host (where its lock cannot be checked): the wait ends, saying how to free the cell
+WAIT_GIVE_UP_S = 3600
+
+
+def stalled(cfg, cells, seen):
+    """The line for the first of the others' cells whose log and checkpoint have not changed in WAIT_GIVE_UP_S;
+    None while each changes or is free. seen: cell -> (its files' mtimes, when this process saw them change),
+    kept between calls: this machine's clock alone, as another host's may differ."""
+    now = time.monotonic()
+    for arm, seed in cells:
+        folder = records.cell_dir(cfg["out_dir"], arm, seed)
+        mtimes = tuple(modified(os.path.join(folder, name)) for name in ("log.jsonl", "ckpt.pt"))
+        if seen.get((arm, seed), (None,))[0] != mtimes:
+            seen[(arm, seed)] = (mtimes, now)
+            continue
+        lock = os.path.join(folder, "lock")
+        pid, host = read_lock(lock)
+        if pid is not None and now - seen[(arm, seed)][1] >= WAIT_GIVE_UP_S:
+            return (f"[{arm} seed{seed}] is held by pid {pid} on {host}, and its log and checkpoint have not changed "
+                    f"in {WAIT_GIVE_UP_S // 60} minutes; if that worker is gone: rm {lock}, and run the same command again")
+    return None
+
+
+def modified(path):
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # not written yet, or being replaced
+        return None
 
 
 def grid_cells(cfg):

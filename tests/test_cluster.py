@@ -267,6 +267,36 @@ def test_a_worker_waits_for_the_tuning_cells_of_others_and_takes_over_a_dead_one
     assert (tmp_path / "tune" / "choice.json").exists() and result(tmp_path, "attnres")["status"] == "finished"
 
 
+def test_a_worker_waiting_on_a_tuning_cell_of_a_silent_worker_on_another_host_gives_up_saying_how_to_free_it(
+        shards, tmp_path, monkeypatch):
+    import tune
+    args = tiny(shards, tmp_path, "--arms=attnres", "--tune_learning_rates=1e-3,1e-2", "--tune_seeds=1000,1001",
+                "--tune_iters=3", "--max_iters=4", "--eval_interval=2")
+    held = tmp_path / "tune" / tune.tuning_arm("attnres", 1e-2) / "seed1000"
+    held.mkdir(parents=True)
+    (held / "lock").write_text("12 another-host")  # its lock cannot be checked from here
+    ahead, logged_at = [0.0], []
+
+    def clock():
+        return time.monotonic() + ahead[0]
+
+    def wait(seconds):  # the wait between looks, 60 times as long; the cell's log changes twice meanwhile
+        ahead[0] += seconds * 60
+        if len(logged_at) < 2:
+            logged_at.append(clock())
+            (held / "log.jsonl").write_text(json.dumps(dict(step=len(logged_at))) + "\n")
+            os.utime(held / "log.jsonl", (len(logged_at), len(logged_at)))  # a coarse clock's mtime changes too
+    monkeypatch.setattr(train, "time", SimpleNamespace(sleep=wait, monotonic=clock))
+    with pytest.raises(DataError) as err:
+        train.main(args)
+    gave_up = clock()
+    assert str(err.value) == (f"[{tune.tuning_arm('attnres', 1e-2)} seed1000] is held by pid 12 on another-host, and its "
+                              f"log and checkpoint have not changed in {train.WAIT_GIVE_UP_S // 60} minutes; if that "
+                              f"worker is gone: rm {held / 'lock'}, and run the same command again")
+    assert train.WAIT_GIVE_UP_S <= gave_up - logged_at[-1] < train.WAIT_GIVE_UP_S + 2 * 600  # a change restarts the count
+    assert not (tmp_path / "attnres").exists()  # the grid waits for the rates
+
+
 def test_the_state_of_a_cell_whose_result_lacks_a_field_is_one_line(tmp_path):
     good = dict(status="finished", steps=10, val_loss=2.5, wall_time_s=3.0, config=dict(world_size=2))
     (tmp_path / "result.json").write_text(json.dumps(good))
