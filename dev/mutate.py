@@ -210,6 +210,24 @@ MUTANTS = [
      "a larger rate never beats a smaller one (the tuning takes the smallest rate that finished)"),
     ("analyze.py", "delta=nll - base,", "delta=base - nll,", "tests/test_analyze.py",
      "intervention deltas with the wrong sign"),
+    # issue #41's review: the classes the shared grid, the tuned protocol and CORE added
+    ("common.py", "if pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):",
+     "if pid and (not pid.isdigit() or process_exists(int(pid))):", "tests/test_common.py",
+     "another host's lock taken over when its pid is not running here (two workers train one cell)"),
+    ("train.py", "state.step % s.log_interval == 0) and stop_requested(runtime):",
+     "state.step % s.log_interval == 0) and False:", "tests/test_cluster.py",
+     "a stop signal never heeded in the loop (a preempted cell loses its work since the last checkpoint)"),
+    ("paired_stats.py", "mean_square_interaction = (interaction ** 2).sum() / ((n - 1) * (m - 1))",
+     "mean_square_interaction = (interaction ** 2).sum() / (n * m)", "tests/test_paired_stats.py",
+     "the seed x text mean square over n m, not its degrees of freedom (n - 1)(m - 1)"),
+    ("tune.py", "if gain > row[\"sd\"] else None", "if gain > 0 else None", "tests/test_tune.py",
+     "a larger rate wins by any gain, inside its tuning seeds' noise"),
+    ("tune.py", "if end is None or not end < starts[s]), None)", "if end is None), None)", "tests/test_tune.py",
+     "a tuning seed that stalled at or above its step-0 loss counts as finished"),
+    ("downstream.py", "random.Random(SHUFFLE_SEED).shuffle(items)", "pass", "tests/test_downstream.py",
+     "max_per_task takes a file's first items, not nanochat's shuffled subset"),
+    ("report.py", "dtype=record.get(\"dtype\"),", "", "tests/test_report.py",
+     "downstream results scored in other precisions paired"),
 ]
 
 

@@ -126,6 +126,7 @@ TERMINATED_MID_WRITE = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 import common
+signal.signal(signal.SIG{name}, signal.SIG_DFL)  # its default action, as from a terminal (nohup ignores SIGHUP)
 def write(tmp):
     with open(tmp, "w") as f:
         f.write("half a report")
@@ -167,14 +168,14 @@ def test_a_write_killed_by_sigterm_or_sighup_leaves_no_temporary(tmp_path, name)
     assert proc.returncode == -getattr(signal, f"SIG{name}") and proc.stdout == ""  # it died of the signal
     assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "old"
     # a handler someone installed (train.py's stop at a step boundary) is kept, in force while writing too
-    seen = []
+    seen, hangup = [], signal.getsignal(signal.SIGHUP)  # SIG_IGN under nohup
     before = signal.signal(signal.SIGTERM, lambda *a: seen.append(a[0]))
     try:
         common.write_atomic(str(tmp_path / "x"), lambda tmp: (os.kill(os.getpid(), signal.SIGTERM), open(tmp, "w").close()))
         assert seen == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # restored after each write
+    assert signal.getsignal(signal.SIGHUP) == hangup  # restored after each write
 
 
 LOCK = """
