@@ -8,7 +8,7 @@ checked before anything runs, so a stale one stops the check with its number and
 works on one copy of the checkout taken at its start; set OMP_NUM_THREADS=1 on a shared machine.
 
 $ python dev/mutate.py --check         # only check the snippets (seconds)
-$ python dev/mutate.py                 # every mutant (15 minutes or more on 2 idle cores)
+$ python dev/mutate.py                 # every mutant (an hour on 2 cores busy with training runs)
 $ python dev/mutate.py 3 7             # mutants 3 and 7 only
 $ python dev/mutate.py --only=records  # the mutants whose file, test file or bug names this text
 """
