@@ -16,7 +16,7 @@
 # validation text; the 2-core CPU busy with other runs, one thread): 55 cells in about 50 minutes; every arm chose
 # 3e-3; scaled_residual ahead of standard on 5/5 seeds, every AttnRes-family arm behind (docs/comparisons.md).
 # Under this protocol (2026-12-02, --eval_tokens=16384, on both bundled corpora): every arm chose 3e-3 on both;
-# every AttnRes-family arm is behind both baselines on both (docs/comparisons.md).
+# every AttnRes-family arm is behind both baselines on both in sign (docs/comparisons.md).
 # $ python train.py config/tune_shakespeare.py      # then out/tune_shakespeare/report.md
 out_dir = "out/tune_shakespeare"
 arms = {
