@@ -97,24 +97,32 @@ def temporary_name(path):
     return f"{path}.{os.getpid()}.{socket.gethostname()}.tmp"
 
 
-def remove_stale_temporaries(path, every=False):
-    """Remove the temporaries of path whose writer is gone from this host (a kill mid-write leaves one),
-    and this pid's own (left by an earlier process of the same pid); a live writer's or another host's stay.
+def stale_temporaries(path, every=False):
+    """The temporaries of path whose writer is gone from this host (a kill mid-write leaves one), and this pid's
+    own (left by an earlier process of the same pid); a live writer's or another host's are not among them.
     every: those of every file in path's folder (report.py's, of plots it may not write again)."""
     folder, prefix, suffix = os.path.dirname(path) or ".", os.path.basename(path) + ".", f".{socket.gethostname()}.tmp"
     prefix = "" if every else prefix
     try:
         names = os.listdir(folder)
     except OSError:
-        return  # the write that follows says what is wrong with the folder
+        return []  # the write that follows says what is wrong with the folder
+    stale = []
     for name in names:
         stem = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
         written, _, pid = stem.rpartition(".") if every else ("", "", stem)
         if (written or not every) and pid.isdigit() and (int(pid) == os.getpid() or not process_exists(int(pid))):
-            try:
-                os.remove(os.path.join(folder, name))  # a symlink itself, never what it points to
-            except OSError:
-                pass  # a folder is no temporary of ours, and another writer may have removed it already
+            stale.append(os.path.join(folder, name))
+    return stale
+
+
+def remove_stale_temporaries(path, every=False):
+    """Remove path's stale temporaries (stale_temporaries), which are files."""
+    for name in stale_temporaries(path, every):
+        try:
+            os.remove(name)  # a symlink itself, never what it points to
+        except OSError:
+            pass  # a folder is no temporary of ours, and another writer may have removed it already
 
 
 def write_json(path, obj):

@@ -15,11 +15,10 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 
 from checkpoint import load_cell
-from common import ConfigError, DataError, UserError, check_writable, dying_cleanly, process_exists, temporary_name
+from common import ConfigError, DataError, UserError, check_writable, dying_cleanly, stale_temporaries, temporary_name
 from data.shards import GPT2, GPT2_PATTERN, TOKENIZER_FILE, get_tokenizer, tokenizer_of
 import model
 import records
@@ -62,11 +61,8 @@ def in_model_py(scheme):
 def remove_stale_exports(out):
     """The temporary folders of out that killed exports left on this host (a SIGKILL runs no finally;
     common.remove_stale_temporaries removes files only)."""
-    folder, prefix, suffix = os.path.dirname(out), os.path.basename(out) + ".", f".{socket.gethostname()}.tmp"
-    for name in os.listdir(folder):
-        pid = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
-        if pid.isdigit() and (int(pid) == os.getpid() or not process_exists(int(pid))):
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)  # a symlink: left alone
+    for name in stale_temporaries(out):
+        shutil.rmtree(name, ignore_errors=True)  # a symlink: left alone
 
 
 def export(cell_dir, out, allow_changes=False):
