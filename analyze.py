@@ -24,9 +24,7 @@ when matplotlib is installed, analysis_interventions.png and analysis_cosine.png
 Every input is checked before the evaluation (bad input: one line, nothing written).
 """
 
-import argparse
 import os
-import sys
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -37,7 +35,7 @@ import checkpoint
 import machine
 import records
 import train
-from common import ConfigError, UserError, check_writable, write_atomic, write_json, write_text
+from common import ConfigError, Parser, check_writable, run, write_atomic, write_json, write_text
 from data.shards import find_shards, open_shard
 from model import GPTConfig
 
@@ -264,7 +262,7 @@ def plots(a, cell_dir):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser("analyze.py", __doc__)
     parser.add_argument("cell", help="a cell folder, OUT_DIR/<arm>/seed<k>")
     parser.add_argument("--max_tokens", type=int, default=0, help="evaluate at most this many tokens (0: the cell's eval_tokens)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
@@ -311,7 +309,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    run(main)

@@ -35,7 +35,7 @@ import torch
 import machine
 import records
 import train
-from common import ConfigError, DataError, UserError, check_writable, write_json
+from common import ConfigError, DataError, check_writable, run, write_json
 from configurator import configure
 from model import GPT, RESIDUALS
 
@@ -302,7 +302,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    run(main)

@@ -3,12 +3,14 @@ What every script shares: the one-line error a user sees, and files written so t
 sees half of one (atomic writes, strict JSON, one process at a time through a pid lock, a cell's lock).
 """
 
+import argparse
 import errno
 import json
 import os
 import signal
 import socket
 import stat
+import sys
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -24,6 +26,24 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A data file, a record or a disk that does not fit."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Every script's argument parser: its docstring is --help, and a usage error is one line naming the script."""
+
+    def __init__(self, script, doc):
+        super().__init__(prog=script, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message):
+        sys.exit(f"error: {message}; see python {self.prog} --help")
+
+
+def run(main):
+    """Every script's entry point: main(sys.argv[1:]), where bad input (a UserError) is one line and exit 1."""
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        sys.exit(f"error: {e}")
 
 
 def write_atomic(path, write):

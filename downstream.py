@@ -19,7 +19,6 @@ fingerprint of the code that scored and the precision: results that differ in an
 docs/downstream.md describes the bundle format, the prompts, when to read which score and the cost.
 """
 
-import argparse
 import csv
 import hashlib
 import json
@@ -28,7 +27,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -42,7 +40,7 @@ import yaml
 import machine
 from checkpoint import load_cell
 from records import code_fingerprint
-from common import DataError, UserError, check_writable, write_json
+from common import DataError, Parser, check_writable, run, write_json
 from data.shards import get_tokenizer, tokenizer_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -533,13 +531,9 @@ def download(bundle_dir, url=BUNDLE_URL, timeout=60):
 
 # -----------------------------------------------------------------------------
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other error of the project
-        sys.exit(f"error: {message}; see python downstream.py --help")
-
 
 def main(argv):
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser("downstream.py", __doc__)
     parser.add_argument("path", nargs="?", help="a cell folder (out_dir/<arm>/seed<k>) or a grid's out_dir")
     parser.add_argument("--bundle", default=BUNDLE_DIR, help="the CORE bundle folder (default: data/eval_bundle)")
     parser.add_argument("--max_per_task", type=int, default=None, help="the first N items of each task (default: all)")
@@ -585,7 +579,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    run(main)

@@ -11,14 +11,12 @@ $ lm_eval --model hf --model_args pretrained=hf/rd_attnres_seed0,trust_remote_co
 transformers, safetensors and lm-eval are extras: pip install -r requirements-extras.txt.
 """
 
-import argparse
 import json
 import os
 import shutil
-import sys
 
 from checkpoint import load_cell
-from common import ConfigError, DataError, UserError, check_writable, dying_cleanly, stale_temporaries, temporary_name
+from common import ConfigError, DataError, Parser, UserError, check_writable, dying_cleanly, run, stale_temporaries, temporary_name
 from data.shards import GPT2, GPT2_PATTERN, TOKENIZER_FILE, get_tokenizer, tokenizer_of
 import model
 import records
@@ -126,13 +124,9 @@ def write_folder(tmp, out, gpt, config, tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other error of the project
-        sys.exit(f"error: {message}; see python export.py --help")
-
 
 def main(argv):
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser("export.py", __doc__)
     parser.add_argument("cell", help="a cell folder (out_dir/<arm>/seed<k>) or its ckpt.pt")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist)")
     parser.add_argument("--allow_changes", choices=("True", "False"), default="False",
@@ -146,7 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    run(main)

@@ -24,7 +24,7 @@ import sys
 import time
 
 # no torch at the top: submitit's job process imports this file to run a Worker, which starts train.py
-from common import ConfigError, DataError, UserError, process_exists, read_json, read_lock
+from common import ConfigError, DataError, process_exists, read_json, read_lock, run
 from configurator import coerce, configure, parse_literal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -301,7 +301,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    run(main)

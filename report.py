@@ -49,7 +49,6 @@ files and folder names is escaped in report.md, and plot names of long arm names
 with a hash.
 """
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -63,7 +62,7 @@ import numpy as np
 from scipy import stats
 
 import tune
-from common import DataError, UserError, read_json, remove_stale_temporaries, write_atomic, write_text
+from common import DataError, Parser, UserError, read_json, remove_stale_temporaries, run, write_atomic, write_text
 from model import MOE_OPTIONS
 from paired_stats import (ALPHA, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, paired_statistics, perplexity_change,
                           power_analysis, text_uncertainty)
@@ -1172,7 +1171,7 @@ BASELINES = ("standard", "scaled_residual")  # by default every arm named after 
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser("report.py", __doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--reference", help="reference arms, comma-separated (default: the arms named standard and "
                                             "scaled_residual, else the first arm)")
@@ -1384,7 +1383,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:  # a file that could not be written (full disk), or read: one line
-        sys.exit(f"error: {e}")
+    run(main)

@@ -9,7 +9,6 @@ that of the checkpoint's data_dir (data/shards.py's tokenizer_of). An empty --st
 document (the end-of-text token). Each sample is printed whole, starting with --start.
 """
 
-import argparse
 import math
 import sys
 
@@ -18,20 +17,16 @@ import torch
 import machine
 import records
 from checkpoint import load_cell
-from common import DataError, UserError
+from common import DataError, Parser, run
 from data.shards import get_tokenizer, tokenizer_of
 
 
 GREEDY_BELOW = 1e-20  # below it, draw the likeliest token (the limit at 0): logits / temperature would overflow
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other error of the project
-        sys.exit(f"error: {message}; see python sample.py --help")
-
 
 def main(argv):
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser("sample.py", __doc__)
     parser.add_argument("cell", help="out_dir/<arm>/seed<k>, or its ckpt.pt")
     parser.add_argument("--start", default="", help='the prompt, or FILE:path to read it from (default: a new document)')
     parser.add_argument("--num_samples", type=int, default=3)
@@ -94,7 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    run(main)

@@ -18,7 +18,6 @@ Training reads shards with data/shards.py (find_shards, open_shard, verify_manif
 accepts llm.c, modded-nanogpt and build-nanogpt shards. Format and guarantees: docs/shards.md.
 """
 
-import argparse
 import errno
 import glob
 import hashlib
@@ -38,7 +37,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run as a script: the repository's modules too
-from common import DataError, check_writable, pid_lock, write_json, write_text  # noqa: E402
+from common import DataError, Parser, check_writable, pid_lock, run, write_json, write_text  # noqa: E402
 from data.shards import (BUNDLED, HEADER_INTS, TOKENIZER_SHA256, TOKENIZERS, bundled_corpus, get_tokenizer,  # noqa: E402
                          open_shard, read_prepare_record, shard_header, shard_problems)
 
@@ -627,13 +626,9 @@ def prepare_bundled(out_dir, tokenizer=None, quiet=False, corpus=None):
                    quiet=quiet)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other error of the project
-        sys.exit(f"error: {message}; see python data/prepare.py --help")
 
-
-def main():
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv):
+    parser = Parser("data/prepare.py", __doc__)
     parser.add_argument("preset", nargs="?", choices=["shakespeare", "pydoc"],
                         help="prepare a bundled corpus: Shakespeare, or the Python documentation this interpreter ships")
     parser.add_argument("--input", help="glob of local .parquet/.jsonl/.txt files (default: FineWeb-Edu from the hub)")
@@ -645,20 +640,17 @@ def main():
     parser.add_argument("--val_docs", type=int, default=0, help="validation shard: the first N whole documents instead")
     parser.add_argument("--shard_tokens", type=float, default=1e8, help="tokens per train shard")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
-    args = parser.parse_args()
-    try:
-        if args.preset:
-            prepare_bundled(args.out_dir or os.path.join(HERE, f"{args.preset}_{args.tokenizer}"), args.tokenizer,
-                            corpus=args.preset)
-        else:
-            source = "local" if args.input else "fineweb_edu_" + args.subset
-            out_dir = args.out_dir or os.path.join(HERE, source + ("" if args.tokenizer == "gpt2" else "_" + args.tokenizer))
-            prepare(out_dir, input=args.input, tokenizer=args.tokenizer, subset=args.subset, max_tokens=args.max_tokens,
-                    val_tokens=args.val_tokens, val_docs=args.val_docs, shard_tokens=args.shard_tokens,
-                    workers=args.workers)
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    args = parser.parse_args(argv)
+    if args.preset:
+        prepare_bundled(args.out_dir or os.path.join(HERE, f"{args.preset}_{args.tokenizer}"), args.tokenizer,
+                        corpus=args.preset)
+    else:
+        source = "local" if args.input else "fineweb_edu_" + args.subset
+        out_dir = args.out_dir or os.path.join(HERE, source + ("" if args.tokenizer == "gpt2" else "_" + args.tokenizer))
+        prepare(out_dir, input=args.input, tokenizer=args.tokenizer, subset=args.subset, max_tokens=args.max_tokens,
+                val_tokens=args.val_tokens, val_docs=args.val_docs, shard_tokens=args.shard_tokens,
+                workers=args.workers)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -22,7 +22,7 @@ import machine
 import train
 from checkpoint import CellState
 from common import ConfigError, DataError
-from conftest import killed_at_step, log_records, logged, result, tiny, torchrun, without_timings
+from helpers import killed_at_step, log_records, logged, result, tiny, torchrun, without_timings
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,7 +27,7 @@ import launch
 import train
 from cells import PREEMPTED, Preempted, stop_on_signals
 from common import ConfigError, DataError
-from conftest import log_records, logged, result, tiny, without_timings
+from helpers import log_records, logged, result, tiny, without_timings
 from data.shards import BUNDLED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

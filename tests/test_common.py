@@ -16,7 +16,7 @@ import pytest
 import common
 import train
 from common import ConfigError
-from conftest import tiny
+from helpers import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()

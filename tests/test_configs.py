@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import train
-from conftest import logged, result, torchrun
+from helpers import logged, result, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "config", "*.py")))

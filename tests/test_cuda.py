@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from data.shards import write_shard
-from conftest import ROUTED, make, naive_depth_read, randomize_routing, rel_err, tokens, two_phase_read
+from helpers import ROUTED, make, naive_depth_read, randomize_routing, rel_err, tokens, two_phase_read
 from model import RESIDUALS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -32,7 +32,7 @@ import downstream
 import records
 import train
 from common import ConfigError, DataError
-from conftest import killed_at_step, log_records, result, tiny, torchrun, without_timings
+from helpers import killed_at_step, log_records, result, tiny, torchrun, without_timings
 from data.shards import get_tokenizer, write_shard
 from model import GPT, GPTConfig
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import downstream  # noqa: E402
 import export  # noqa: E402
 from common import DataError, UserError  # noqa: E402
-from conftest import ROOT, TINY, randomize_routing  # noqa: E402
+from helpers import ROOT, TINY, randomize_routing  # noqa: E402
 from data.shards import get_tokenizer  # noqa: E402
 import model  # noqa: E402
 import records  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 import checkpoint
 import report
 import train
-from conftest import killed_at_step, log_records, logged, result
+from helpers import killed_at_step, log_records, logged, result
 
 torch.set_num_threads(1)
 

@@ -127,7 +127,7 @@ def test_a_torchrun_process_ends_without_interpreter_finalization(end, status, s
 
 def test_torchrun_shows_each_ranks_own_error(tmp_path):
     # a failed multi-process test shows what each rank said, not only the launcher's summary
-    from conftest import torchrun
+    from helpers import torchrun
     script = tmp_path / "fails.py"
     script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
                       "if dist.get_rank() == 1:\n    raise SystemExit('rank 1 stops here')\ndist.barrier()\n")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conftest import (ROUTED, TINY, VARIANTS, logits_of, make, naive_depth_read, randomize_routing, rel_err, tokens,
+from helpers import (ROUTED, TINY, VARIANTS, logits_of, make, naive_depth_read, randomize_routing, rel_err, tokens,
                       two_phase_read)
 from model import (GPT, RESIDUALS, CausalSelfAttention, DualAttnRes, GPTConfig, History, HyperConnections,
                    StandardResidual, Streams, depth_read, depth_read_extend, depth_read_sealed, depth_weights_extend,

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import records
 import train
 from configurator import configure
-from conftest import killed_at_step, log_records, logged, result, torchrun, without_timings
+from helpers import killed_at_step, log_records, logged, result, torchrun, without_timings
 from data.shards import BUNDLED
 from model import GPT, GROUPED_MM, MLP, RESIDUALS, GPTConfig, MoE, expert_hidden, is_routing
 

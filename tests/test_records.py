@@ -24,7 +24,7 @@ import records
 import train
 from common import ConfigError
 from configurator import configure
-from conftest import README_SCHEME, log_records, result, tiny
+from helpers import README_SCHEME, log_records, result, tiny
 from model import GPT, RESIDUALS, GPTConfig
 
 DEFAULTS = dict(train.DEFAULTS, vocab_size=320)  # as train.main resolves it from the bundled corpus' bytes

@@ -15,7 +15,7 @@ import common
 import paired_stats
 import report
 import tune
-from conftest import write_tuning_cell
+from helpers import write_tuning_cell
 
 SETTINGS = dict(learning_rate=1e-3, weight_decay=0.1, dropout=0.0, max_iters=20, eval_interval=10, n_layer=2)
 WEIGHTS = {"attn.0": [1.0], "attn_v.0": [1.0], "mlp.0": [0.4, 0.6], "attn.1": [0.2, 0.3, 0.5],

@@ -33,7 +33,7 @@ import records
 import train
 from common import ConfigError, DataError
 from configurator import configure
-from conftest import log_records, logged, result, tiny, torchrun, without_timings
+from helpers import log_records, logged, result, tiny, torchrun, without_timings
 from data.shards import BUNDLED, open_shard, write_shard
 from model import GPT, RESIDUALS, GPTConfig
 

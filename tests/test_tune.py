@@ -21,7 +21,7 @@ import report
 import train
 import tune
 from common import ConfigError, read_json
-from conftest import result, tiny, write_tuning_cell
+from helpers import result, tiny, write_tuning_cell
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATES = [1e-3, 3e-3, 1e-2]
