@@ -32,6 +32,21 @@ exec(compile(README_SCHEME, "README.md (Add a scheme)", "exec"), namespace := di
 RESIDUALS["gated"] = namespace[README_CLASS]  # the name the README registers it under
 
 
+# --- the fast lane: pytest -m "not slow" --------------------------------------------------------------
+# Marked here by what a test does, not by hand in each file, so that a new test of a slow kind lands in the
+# slow lane without anyone remembering to mark it: torch.compile (a minute cold), several processes
+# (torchrun, DDP, FSDP, launch.py's workers, a scheduler), and the paper configs at a tiny size. Together
+# they are about four fifths of the suite's time on the 2-core machine.
+SLOW_FILES = {"test_cluster.py", "test_slurm.py", "test_configs.py"}
+SLOW_NAMES = re.compile(r"compile|torchrun|ddp|fsdp|two_ranks|two_nodes|two_gpus")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES or SLOW_NAMES.search(item.name):
+            item.add_marker(pytest.mark.slow)
+
+
 # --- tiny synthetic shards (train.py, checkpoint.py and their neighbours) ----------------------------
 
 @pytest.fixture(scope="session")
