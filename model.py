@@ -1077,10 +1077,39 @@ class DenseFormer(ResidualScheme):
         return Dense(sum(alpha[j] * y for j, y in enumerate(outputs)), outputs)
 
 
+class PostNorm(ResidualScheme):
+    """
+    Post-LN (the original Transformer's placement): x <- RMSNorm_k(x + f_k(x)), a norm of its own per
+    sublayer (weight 1 at init) on the sum; the stream is the normalised sum, which each block's pre-norm
+    then reads almost unchanged (a per-channel gain). NOT `standard` at init: the skip itself is
+    normalised at every sublayer, so no init makes it the pre-norm model (tests/helpers.py's
+    STARTS_AS_STANDARD leaves it out of the zero-init tests).
+    """
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * config.n_layer * config.n_embd  # a norm weight per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.norm_weight = nn.Parameter(torch.ones(self.n_sublayers, config.n_embd))
+        self.eps = config.norm_eps
+
+    def start(self, x):
+        return x
+
+    def read(self, x, k):
+        return x
+
+    def write(self, x, k, out):
+        with torch.autocast(out.device.type, enabled=False):  # the stream's norm in its own dtype (fp32)
+            return F.rms_norm(x + out, (x.size(-1),), self.norm_weight[k], self.eps)
+
+
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
 RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
                  hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
-                 scaled_residual=ScaledResidual)
+                 postnorm=PostNorm, scaled_residual=ScaledResidual)
 
 
 def option_owners(key):
