@@ -1106,10 +1106,92 @@ class PostNorm(ResidualScheme):
             return F.rms_norm(x + out, (x.size(-1),), self.norm_weight[k], self.eps)
 
 
+class LaurelRW(ResidualScheme):
+    """
+    LAuReL-RW (Menghani et al., arXiv 2411.07501), learned residual weights: x <- alpha_k f_k(x) + beta_k x,
+    two scalars per sublayer. The paper also tries normalising (alpha, beta) with a softmax; that cannot
+    start at `standard` (it halves both), so here they are plain scalars at alpha = beta = 1: exactly
+    `standard` at init.
+    """
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * 2 * config.n_layer  # alpha and beta per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.output_weight = nn.Parameter(torch.ones(self.n_sublayers))  # alpha_k
+        self.skip_weight = nn.Parameter(torch.ones(self.n_sublayers))  # beta_k
+
+    def start(self, x):
+        return x
+
+    def read(self, x, k):
+        return x
+
+    def write(self, x, k, out):
+        alpha, beta = self.output_weight[k], self.skip_weight[k]
+        self.note(f"laurel_weights/{self.name_of(k)}", lambda: torch.stack([alpha, beta]).expand(*out.shape[:-1], 2))
+        return alpha * out + beta * x
+
+
+class LaurelLR(ResidualScheme):
+    """
+    LAuReL-LR (arXiv 2411.07501), a low-rank learned skip: x <- f_k(x) + x + B_k A_k x, A_k (r x d) and
+    B_k (d x r) per sublayer, rank r = RANK. A_k is drawn N(0, 1/d), B_k starts at zero (the LoRA recipe;
+    the paper's init is inferred): exactly `standard` at init, and B learns from the first step.
+    """
+    RANK = 16
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * config.n_layer * 2 * LaurelLR.RANK * config.n_embd  # A and B per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.n_embd
+        self.down = nn.Parameter(torch.randn(self.n_sublayers, self.RANK, d) / math.sqrt(d))  # A_k
+        self.up = nn.Parameter(torch.zeros(self.n_sublayers, d, self.RANK))  # B_k
+
+    def start(self, x):
+        return x
+
+    def read(self, x, k):
+        return x
+
+    def low_rank(self, x, k):
+        """B_k A_k x, in the stream's dtype (fp32 under autocast: the stream is not rounded to bf16)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(F.linear(x, self.down[k]), self.up[k])
+
+    def write(self, x, k, out):
+        return out + x + self.low_rank(x, k)
+
+
+class Laurel(LaurelLR):
+    """
+    LAuReL-RW+LR (arXiv 2411.07501), the paper's combination: x <- alpha_k f_k(x) + beta_k (x + B_k A_k x),
+    LaurelLR's low-rank skip weighted as LaurelRW's (alpha = beta = 1, B = 0: exactly `standard` at init).
+    """
+
+    @staticmethod
+    def extra_params(config):
+        return LaurelLR.extra_params(config) + LaurelRW.extra_params(config)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.output_weight = nn.Parameter(torch.ones(self.n_sublayers))  # alpha_k
+        self.skip_weight = nn.Parameter(torch.ones(self.n_sublayers))  # beta_k
+
+    def write(self, x, k, out):
+        return self.output_weight[k] * out + self.skip_weight[k] * (x + self.low_rank(x, k))
+
+
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
 RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
                  hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
-                 postnorm=PostNorm, scaled_residual=ScaledResidual)
+                 postnorm=PostNorm, laurel_rw=LaurelRW, laurel_lr=LaurelLR, laurel=Laurel,
+                 scaled_residual=ScaledResidual)
 
 
 def option_owners(key):

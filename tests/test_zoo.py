@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import train
 from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torchrun
 
-ZOO = ["postnorm"]
+ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel"]
 
 
 def reference_model(variant, seed=0):
@@ -56,7 +56,29 @@ def postnorm_reference(model, idx):
     return head(model, x)
 
 
-REFERENCES = {"postnorm": postnorm_reference}
+# --- LAuReL -----------------------------------------------------------------------------------------
+
+def low_rank_skip(res, k, x):
+    """B_k A_k x one rank-one term at a time: sum_r B[:, r] <A[r], x>."""
+    total = torch.zeros_like(x)
+    for r in range(res.down.size(1)):
+        total = total + (x * res.down[k, r]).sum(-1, keepdim=True) * res.up[k, :, r]
+    return total
+
+
+def laurel_reference(model, idx):
+    """x <- alpha f(x) + beta x (RW), f(x) + x + B A x (LR), alpha f(x) + beta (x + B A x) (both)."""
+    res, residual = model.residual, model.config.residual
+    x = model.transformer.wte(idx)
+    for k in range(2 * model.config.n_layer):
+        out = sublayer(model, k, x)
+        skip = x + low_rank_skip(res, k, x) if residual != "laurel_rw" else x
+        x = out + skip if residual == "laurel_lr" else res.output_weight[k] * out + res.skip_weight[k] * skip
+    return head(model, x)
+
+
+REFERENCES = {"postnorm": postnorm_reference, "laurel_rw": laurel_reference, "laurel_lr": laurel_reference,
+              "laurel": laurel_reference}
 
 
 @pytest.mark.parametrize("variant", ZOO)
@@ -70,3 +92,19 @@ def test_postnorm_is_not_standard_at_init():
     # Post-LN normalises the skip at every sublayer: no init makes it the pre-norm model
     with torch.no_grad():
         assert rel_err(make("postnorm")(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["laurel_rw", "laurel_lr", "laurel"])
+def test_laurel_is_bit_identical_to_standard_at_init(variant):
+    # alpha = beta = 1 and B = 0 are exact: not only close, the same floats
+    with torch.no_grad():
+        assert torch.equal(make(variant)(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0])
+
+
+def test_laurel_low_rank_is_of_its_rank():
+    model = make("laurel_lr")
+    randomize_routing(model)
+    res = model.residual
+    assert res.down.shape[1:] == (res.RANK, 32) and res.up.shape[1:] == (32, res.RANK)
+    assert torch.linalg.matrix_rank(res.up[3] @ res.down[3]).item() == res.RANK
+
