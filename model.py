@@ -1187,11 +1187,71 @@ class Laurel(LaurelLR):
         return self.output_weight[k] * out + self.skip_weight[k] * (x + self.low_rank(x, k))
 
 
+class FracConnections(ResidualScheme):
+    """
+    Frac-Connections (Zhu et al., arXiv 2503.14125), hyper-connections at expansion rate 1/m: the stream is
+    not copied n times but split into m = FRACTIONS fractions H_1 .. H_m of d/m channels. Sublayer k reads
+    x = concat_i (sum_j R[j, i] H_j) and writes H_i <- sum_j M[j, i] H_j + b_i f_k(x)_i, f's output split
+    the same way; the output read is concat_i H_i. As in HC (the dynamic form, DFC), each of R (m x m),
+    M (m x m) and b (m) is a static part plus s * tanh(RMSNorm(H_j) W) from fraction j's normalised
+    features (W of d/m rows; s = 0.01, W = 0 at init). Init: R = M = I, b = 1, the paper's: exactly
+    `standard`. The per-fraction norm of the features is inferred from HC's per-stream one.
+    """
+    FRACTIONS = 2
+
+    @staticmethod
+    def check(config):
+        if config.n_embd % FracConnections.FRACTIONS:
+            raise ValueError(f"n_embd={config.n_embd} must split into {FracConnections.FRACTIONS} fractions")
+
+    @staticmethod
+    def extra_params(config):
+        m, width = FracConnections.FRACTIONS, config.n_embd // FracConnections.FRACTIONS
+        # per sublayer: static R, M, b; dynamic W for R, M (m columns each) and b; 3 scales
+        return 2 * config.n_layer * (2 * m * m + m + width * (2 * m + 1) + 3)
+
+    def __init__(self, config):
+        super().__init__(config)
+        m, width, n_sublayers = self.FRACTIONS, config.n_embd // self.FRACTIONS, self.n_sublayers
+        self.read_static = nn.Parameter(torch.eye(m).repeat(n_sublayers, 1, 1))
+        self.mix_static = nn.Parameter(torch.eye(m).repeat(n_sublayers, 1, 1))
+        self.write_static = nn.Parameter(torch.ones(n_sublayers, m))
+        self.read_dynamic = nn.Parameter(torch.zeros(n_sublayers, width, m))
+        self.mix_dynamic = nn.Parameter(torch.zeros(n_sublayers, width, m))
+        self.write_dynamic = nn.Parameter(torch.zeros(n_sublayers, width))
+        self.dynamic_scale = nn.Parameter(torch.full((n_sublayers, 3), 0.01))  # read, mix, write
+        self.eps = config.norm_eps
+
+    def features(self, H):
+        return F.rms_norm(H, (H.size(-1),), eps=self.eps)  # each fraction on its own
+
+    def start(self, x):
+        H = x.unflatten(-1, (self.FRACTIONS, -1))  # (B, T, m, d/m)
+        with torch.autocast(x.device.type, enabled=False):  # the fraction weights in fp32
+            return Streams(H, self.features(H))
+
+    def read(self, state, k):
+        if self.is_output(k):
+            return state.H.flatten(-2)
+        with torch.autocast(state.H.device.type, enabled=False):
+            R = self.read_static[k] + self.dynamic_scale[k, 0] * torch.tanh(state.features @ self.read_dynamic[k])
+            self.note(f"fraction_read/{self.name_of(k)}", lambda: R)
+            return torch.einsum("btji,btjd->btid", R, state.H).flatten(-2)
+
+    def write(self, state, k, out):
+        with torch.autocast(out.device.type, enabled=False):
+            M = self.mix_static[k] + self.dynamic_scale[k, 1] * torch.tanh(state.features @ self.mix_dynamic[k])
+            b = self.write_static[k] + self.dynamic_scale[k, 2] * torch.tanh(state.features @ self.write_dynamic[k])
+            self.note(f"fraction_mixing/{self.name_of(k)}", lambda: M)
+            H = torch.einsum("btji,btjd->btid", M, state.H) + b.unsqueeze(-1) * out.unflatten(-1, (self.FRACTIONS, -1))
+            return Streams(H, self.features(H) if k + 1 < self.n_sublayers else None)
+
+
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
 RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
                  hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
                  postnorm=PostNorm, laurel_rw=LaurelRW, laurel_lr=LaurelLR, laurel=Laurel,
-                 scaled_residual=ScaledResidual)
+                 frac=FracConnections, scaled_residual=ScaledResidual)
 
 
 def option_owners(key):

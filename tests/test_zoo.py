@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import train
 from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torchrun
 
-ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel"]
+ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac"]
 
 
 def reference_model(variant, seed=0):
@@ -77,8 +77,28 @@ def laurel_reference(model, idx):
     return head(model, x)
 
 
+# --- Frac-Connections -------------------------------------------------------------------------------
+
+def frac_reference(model, idx):
+    """The stream as m fractions; each weight from one fraction's normalised features, one at a time."""
+    res, eps, m = model.residual, model.config.norm_eps, model.residual.FRACTIONS
+    H = list(model.transformer.wte(idx).chunk(m, dim=-1))
+    for k in range(2 * model.config.n_layer):
+        feats = [h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) for h in H]
+        s_read, s_mix, s_write = res.dynamic_scale[k]
+        read = [[res.read_static[k, j, i] + s_read * torch.tanh(feats[j] @ res.read_dynamic[k][:, i])
+                 for i in range(m)] for j in range(m)]  # read[j][i] (B, T): fraction j's part of input i
+        x = torch.cat([sum(read[j][i].unsqueeze(-1) * H[j] for j in range(m)) for i in range(m)], dim=-1)
+        out = sublayer(model, k, x).chunk(m, dim=-1)
+        H = [sum((res.mix_static[k, j, i] + s_mix * torch.tanh(feats[j] @ res.mix_dynamic[k][:, i])).unsqueeze(-1)
+                 * H[j] for j in range(m))
+             + (res.write_static[k, i] + s_write * torch.tanh(feats[i] @ res.write_dynamic[k])).unsqueeze(-1) * out[i]
+             for i in range(m)]
+    return head(model, torch.cat(H, dim=-1))
+
+
 REFERENCES = {"postnorm": postnorm_reference, "laurel_rw": laurel_reference, "laurel_lr": laurel_reference,
-              "laurel": laurel_reference}
+              "laurel": laurel_reference, "frac": frac_reference}
 
 
 @pytest.mark.parametrize("variant", ZOO)
@@ -107,4 +127,11 @@ def test_laurel_low_rank_is_of_its_rank():
     res = model.residual
     assert res.down.shape[1:] == (res.RANK, 32) and res.up.shape[1:] == (32, res.RANK)
     assert torch.linalg.matrix_rank(res.up[3] @ res.down[3]).item() == res.RANK
+
+
+def test_frac_splits_the_stream_into_its_fractions_and_is_standard_at_init():
+    model = make("frac")
+    assert model.residual.start(torch.ones(2, 3, 32)).H.shape == (2, 3, model.residual.FRACTIONS, 32 // 2)
+    with torch.no_grad():
+        assert rel_err(model(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) < 1e-6
 
