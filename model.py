@@ -1247,11 +1247,86 @@ class FracConnections(ResidualScheme):
             return Streams(H, self.features(H) if k + 1 < self.n_sublayers else None)
 
 
+class MUDDFormer(ResidualScheme):
+    """
+    MUDDFormer (Xiao et al., arXiv 2502.12170), multiway dynamic dense connections. Layer l's attention
+    reads its queries, keys and values from three inputs and adds its output to a fourth, the residual
+    input: X_A = X^R + attn(X^Q, X^K, X^V), then X_{l+1} = X_A + mlp(X_A). After each layer, the next
+    layer's four inputs are depth aggregations over every layer output so far, the embedding X_0 first:
+        X^c = sum_{j <= l+1} a^c_j X_j,   a = static_l + W2_l GELU(W1_l RMSNorm(X_{l+1})),   c in Q, K, V, R,
+    a (B, T, 4, l+2) per token, from a small MLP of hidden width 4 (l+2); after the last layer only the
+    R way, which the output reads. Init: W2 = 0 and static_l selects X_{l+1} in every way, the paper's
+    identity start: exactly `standard` (the three attention inputs are equal, not one tensor, so Q, K
+    and V take three matmuls). Inferred: the MLP's hidden width and its parameter-free norm.
+    """
+    WAYS = 4  # query, key, value, residual
+
+    class State(NamedTuple):
+        """The layer outputs so far (X_0 first), and the current layer's inputs (q, k, v: None after the
+        last layer; r: the residual input, which the attention's output joins)."""
+        outputs: list
+        q: torch.Tensor | None
+        k: torch.Tensor | None
+        v: torch.Tensor | None
+        r: torch.Tensor
+
+    @staticmethod
+    def ways(config, layer):
+        """The aggregations after layer `layer`: all four, or the R way alone after the last."""
+        return MUDDFormer.WAYS if layer + 1 < config.n_layer else 1
+
+    @staticmethod
+    def extra_params(config):
+        total = 0
+        for layer in range(config.n_layer):  # W1 (d x h), W2 (h x h), static (h), h = ways x sources
+            h = MUDDFormer.ways(config, layer) * (layer + 2)
+            total += h * (config.n_embd + h + 1)
+        return total
+
+    def __init__(self, config):
+        super().__init__(config)
+        d, L = config.n_embd, config.n_layer
+        shapes = [(self.ways(config, l), l + 2) for l in range(L)]
+        self.hidden_in = nn.ParameterList([nn.Parameter(torch.randn(d, c * n) / math.sqrt(d)) for c, n in shapes])
+        self.hidden_out = nn.ParameterList([nn.Parameter(torch.zeros(c * n, c * n)) for c, n in shapes])
+        self.static = nn.ParameterList([nn.Parameter(F.one_hot(torch.full((c,), n - 1), n).float()) for c, n in shapes])
+        self.eps = config.norm_eps
+
+    def start(self, x):
+        return self.State([x], x, x, x, x)
+
+    def read_attention(self, state, k):
+        return state.q, state.k, state.v, None
+
+    def read(self, state, k):
+        return state.r
+
+    def weights(self, x, layer):
+        """a (B, T, ways, sources) in fp32 (fp64 for fp64 x) whatever the autocast."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            h = F.gelu(F.rms_norm(x.to(acc), (x.size(-1),), eps=self.eps) @ self.hidden_in[layer].to(acc))
+            dynamic = (h @ self.hidden_out[layer].to(acc)).unflatten(-1, self.static[layer].shape)
+            return self.static[layer].to(acc) + dynamic
+
+    def write(self, state, k, out):
+        if is_attention(k):
+            return state._replace(r=state.r + out)
+        layer = layer_of(k)
+        outputs = state.outputs + [state.r + out]
+        a = self.weights(outputs[-1], layer)
+        self.note(f"dense_weights/{self.name_of(k)}", lambda: a)
+        mixed = depth_mix(outputs, a)  # one sum of products per way, in the stream's dtype
+        if len(mixed) == 1:  # after the last layer: the output read's
+            return self.State(outputs, None, None, None, mixed[0])
+        return self.State(outputs, *mixed)
+
+
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
 RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
                  hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
                  postnorm=PostNorm, laurel_rw=LaurelRW, laurel_lr=LaurelLR, laurel=Laurel,
-                 frac=FracConnections, scaled_residual=ScaledResidual)
+                 frac=FracConnections, muddformer=MUDDFormer, scaled_residual=ScaledResidual)
 
 
 def option_owners(key):

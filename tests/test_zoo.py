@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import train
 from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torchrun
 
-ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac"]
+ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer"]
 
 
 def reference_model(variant, seed=0):
@@ -97,8 +97,30 @@ def frac_reference(model, idx):
     return head(model, torch.cat(H, dim=-1))
 
 
+# --- MUDDFormer -------------------------------------------------------------------------------------
+
+def mudd_reference(model, idx):
+    """After each layer, each way's aggregation over the layer outputs, one source and one way at a time."""
+    res, eps, L = model.residual, model.config.norm_eps, model.config.n_layer
+    X = [model.transformer.wte(idx)]
+    q = k = v = r = X[0]
+    for layer in range(L):
+        r = r + sublayer(model, 2 * layer, q, k, v)  # the attention's output joins the residual input
+        X.append(r + sublayer(model, 2 * layer + 1, r))
+        ways = 4 if layer + 1 < L else 1
+        normed = X[-1] / torch.sqrt(X[-1].pow(2).mean(-1, keepdim=True) + eps)
+        dynamic = F.gelu(normed @ res.hidden_in[layer]) @ res.hidden_out[layer]  # (B, T, ways * sources)
+        inputs = []
+        for c in range(ways):
+            a = [res.static[layer][c, j] + dynamic[..., c * len(X) + j] for j in range(len(X))]
+            inputs.append(sum(a[j].unsqueeze(-1) * X[j] for j in range(len(X))))
+        q, k, v, r = inputs if ways == 4 else (None, None, None, inputs[0])
+    return head(model, r)
+
+
 REFERENCES = {"postnorm": postnorm_reference, "laurel_rw": laurel_reference, "laurel_lr": laurel_reference,
-              "laurel": laurel_reference, "frac": frac_reference}
+              "laurel": laurel_reference, "frac": frac_reference,
+              "muddformer": mudd_reference}
 
 
 @pytest.mark.parametrize("variant", ZOO)
@@ -135,3 +157,21 @@ def test_frac_splits_the_stream_into_its_fractions_and_is_standard_at_init():
     with torch.no_grad():
         assert rel_err(model(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) < 1e-6
 
+
+def test_muddformer_is_standard_at_init_and_reads_four_ways():
+    model = make("muddformer")
+    with torch.no_grad():
+        assert rel_err(model(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) < 1e-6
+    # weights per layer: four ways over the layer outputs so far (embedding first), the last layer one way
+    assert [tuple(s.shape) for s in model.residual.static] == [(4, 2), (4, 3), (4, 4), (1, 5)]
+    randomize_routing(model)
+    seen = []
+    for block in model.transformer.h:
+        def attention(x_q, x_k, x_v, gain, sublayer=block.attention):
+            seen.append((x_q is x_k, x_k is x_v, torch.equal(x_q, x_k), torch.equal(x_k, x_v)))
+            return sublayer(x_q, x_k, x_v, gain)
+        block.attention = attention
+    with torch.no_grad():
+        model(tokens())
+    assert seen[0] == (True, True, True, True)  # layer 0 reads the embedding alone: one fused projection
+    assert all(s == (False, False, False, False) for s in seen[1:])  # later: three inputs, all different
