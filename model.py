@@ -15,6 +15,20 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
                2512.24880): n residual streams mixed by learned (doubly stochastic) matrices.
 - denseformer: DenseFormer (arXiv 2402.02622): after each layer, a learned static weighted
                average of the embedding and every layer output so far.
+- postnorm:    Post-LN, x <- RMSNorm_k(x + f_k(x)); the one scheme that is NOT `standard` at init.
+- laurel_rw, laurel_lr, laurel: LAuReL (arXiv 2411.07501): learned residual weights, a low-rank
+               learned skip, and the two combined.
+- frac:        Frac-Connections (arXiv 2503.14125): hyper-connections over fractions of the stream.
+- muddformer:  MUDDFormer (arXiv 2502.12170): after each layer, four per-token dense aggregations of
+               every layer output, for the next layer's query, key, value and residual inputs.
+
+Reading order (banners mark each part below):
+  1. the transformer branch: RMSNorm, rotary attention, MLP, MoE, Block (what every scheme feeds);
+  2. the depth read: the softmax-over-depth primitive of the AttnRes family;
+  3. the residual schemes: ResidualScheme (the interface), then one class per scheme;
+  4. the registry and the optimizer: RESIDUALS, MuonAdamW;
+  5. GPTConfig and GPT: the settings, the model, GPT.hidden (the one loop over the 2L sublayers);
+  6. the analysis API: GPT.routing_diagnostics, intervene, interventions.
 
 The transformer branch (attention, MLP) never learns which scheme feeds it: attention takes a
 query, a key and a value input (plus RD's optional value gain; one input feeds all three by
@@ -27,7 +41,8 @@ Adding a scheme:
      parameter count, as a formula), check (its config errors) and `options` (the GPTConfig fields
      only it reads; add them to GPTConfig with a default). Decode sublayer indices with layer_of,
      is_attention and is_output, never by hand;
-  2. make it exactly `standard` at init (tests/test_model.py checks it); random init is allowed:
+  2. make it exactly `standard` at init (tests/test_model.py checks it; a scheme that by design cannot be,
+     as postnorm, is named in tests/helpers.py's NOT_STANDARD_AT_INIT); random init is allowed:
      GPT builds the scheme under its own RNG, after the shared weights, so just call nn.init.*;
   3. optionally: read_attention (separate query, key and value inputs), interventions() with
      `intervention_kinds` (analysis switches, read from self.intervention), diagnostics through
@@ -51,6 +66,10 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+
+# -----------------------------------------------------------------------------
+# The transformer branch: the norm, rotary attention, the MLP and its mixture-of-experts form, and
+# Block, which runs one sublayer on the inputs a scheme reads. Nothing here knows the scheme.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -434,7 +453,7 @@ class ResidualScheme(nn.Module):
     diagnostics (self.note), dead_rows (parameter rows that get no gradient by construction).
 
     Rules: the model must be exactly `standard` at init (up to the norms' eps), so that an arm
-    starts where the baseline does. __init__ may draw random numbers (nn.init.normal_ etc.): GPT
+    starts where the baseline does (postnorm, Post-LN, cannot be by design; it says so). __init__ may draw random numbers (nn.init.normal_ etc.): GPT
     builds the scheme after the shared weights, under an RNG of its own seeded from the model's
     seed and the scheme's name, so the shared weights and the global RNG are the same in every arm.
 
@@ -1077,6 +1096,8 @@ class DenseFormer(ResidualScheme):
         return Dense(sum(alpha[j] * y for j, y in enumerate(outputs)), outputs)
 
 
+# --- the field's schemes (issue #50): Post-LN, LAuReL, Frac-Connections, MUDDFormer ---
+
 class PostNorm(ResidualScheme):
     """
     Post-LN (the original Transformer's placement): x <- RMSNorm_k(x + f_k(x)), a norm of its own per
@@ -1322,6 +1343,10 @@ class MUDDFormer(ResidualScheme):
         return self.State(outputs, *mixed)
 
 
+# -----------------------------------------------------------------------------
+# The registry and the optimizer: RESIDUALS names every scheme (the config check, train.py,
+# bench.py and the tests read it); MuonAdamW steps Muon and AdamW as one optimizer.
+
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
 RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
                  hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
@@ -1353,6 +1378,10 @@ class MuonAdamW:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
+
+# -----------------------------------------------------------------------------
+# GPTConfig and GPT: the settings (each checked, a scheme's own options only under it) and the
+# model, whose hidden() is the one loop over the 2L sublayers that every scheme plugs into.
 
 MOE_OPTIONS = ("moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate", "moe_router_lr_scale")
 MOE_COUNTS_FROM_ZERO = ("moe_shared_experts", "moe_expert_hidden")  # 0: none, and the automatic width
@@ -1523,6 +1552,8 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
                                reduction=reduction)
         return logits, loss.view(targets.shape) if reduction == "none" else loss
+
+    # --- the analysis API: what the routing does (routing_diagnostics) and what it is worth (intervene) ---
 
     @torch.no_grad()
     def routing_diagnostics(self, idx):
