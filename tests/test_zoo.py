@@ -8,8 +8,6 @@ fp32 stream, compile, MoE, activation checkpointing, warm start, ...) runs over 
 in test_model.py, test_moe.py and test_train.py; two ranks under FSDP2 train them as one process does.
 """
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -175,3 +173,20 @@ def test_muddformer_is_standard_at_init_and_reads_four_ways():
         model(tokens())
     assert seen[0] == (True, True, True, True)  # layer 0 reads the embedding alone: one fused projection
     assert all(s == (False, False, False, False) for s in seen[1:])  # later: three inputs, all different
+
+
+@pytest.mark.slow
+def test_two_ranks_under_fsdp_train_the_zoo_as_one_process_with_moe(shards, tmp_path, monkeypatch):
+    # every new scheme through train.py: 2 ranks under FSDP2 (its parameters sharded like any scheme's),
+    # MoE layers and activation checkpointing on, against one process: the same losses within fp32 rounding
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    args = [f"--arms={','.join(ZOO)}", "--batch_size=8", "--max_iters=4", "--eval_interval=2", "--n_experts=4",
+            "--moe_top_k=2", "--activation_checkpointing=True"]
+    ranks = torchrun("train.py", tiny(shards, tmp_path / "fsdp", *args, "--fsdp=True"))
+    assert ranks.returncode == 0, ranks.stderr[-2000:]
+    train.main(tiny(shards, tmp_path / "single", *args))
+    for arm in ZOO:
+        for key, rtol in (("loss", 1e-5), ("val_loss", 1e-6)):
+            ranks, single = (logged(tmp_path / run, arm, key=key) for run in ("fsdp", "single"))
+            np.testing.assert_allclose(ranks, single, rtol=rtol, err_msg=f"{arm} {key}")
