@@ -15,6 +15,8 @@ from torch.nn import functional as F
 
 import train
 from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torchrun
+from model import RESIDUALS
+from test_configs import settings_of
 
 ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer"]
 
@@ -190,3 +192,15 @@ def test_two_ranks_under_fsdp_train_the_zoo_as_one_process_with_moe(shards, tmp_
         for key, rtol in (("loss", 1e-5), ("val_loss", 1e-6)):
             ranks, single = (logged(tmp_path / run, arm, key=key) for run in ("fsdp", "single"))
             np.testing.assert_allclose(ranks, single, rtol=rtol, err_msg=f"{arm} {key}")
+
+
+@pytest.mark.parametrize("path", ["config/leaderboard.py", "config/leaderboard_120m.py"])
+def test_the_leaderboards_train_every_registered_scheme_under_the_tuned_protocol(path):
+    # (test_configs.py trains every config, these two included, at a tiny size)
+    settings = settings_of(path)
+    registered = [name for name in RESIDUALS if name != "gated"]  # gated: the README's example, tests only
+    assert settings["arms"] == {name: {"residual": name} for name in registered}, (
+        f"{path}: list every scheme of model.RESIDUALS, at its defaults, in the registry's order")
+    assert {"standard", "scaled_residual"} <= set(settings["arms"])  # both baselines, each paired with every arm
+    assert len(settings["seeds"]) >= 6 and not set(settings["seeds"]) & set(settings["tune_seeds"])
+    assert len(settings["tune_learning_rates"]) >= 2 and settings["n_layer"] >= 12
