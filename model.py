@@ -15,6 +15,20 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
                2512.24880): n residual streams mixed by learned (doubly stochastic) matrices.
 - denseformer: DenseFormer (arXiv 2402.02622): after each layer, a learned static weighted
                average of the embedding and every layer output so far.
+- postnorm:    Post-LN, x <- RMSNorm_k(x + f_k(x)); the one scheme that is NOT `standard` at init.
+- laurel_rw, laurel_lr, laurel: LAuReL (arXiv 2411.07501): learned residual weights, a low-rank
+               learned skip, and the two combined.
+- frac:        Frac-Connections (arXiv 2503.14125): hyper-connections over fractions of the stream.
+- muddformer:  MUDDFormer (arXiv 2502.12170): after each layer, four per-token dense aggregations of
+               every layer output, for the next layer's query, key, value and residual inputs.
+
+Reading order (banners mark each part below):
+  1. the transformer branch: RMSNorm, rotary attention, MLP, MoE, Block (what every scheme feeds);
+  2. the depth read: the softmax-over-depth primitive of the AttnRes family;
+  3. the residual schemes: ResidualScheme (the interface), then one class per scheme;
+  4. the registry and the optimizer: RESIDUALS, MuonAdamW;
+  5. GPTConfig and GPT: the settings, the model, GPT.hidden (the one loop over the 2L sublayers);
+  6. the analysis API: GPT.routing_diagnostics, intervene, interventions.
 
 The transformer branch (attention, MLP) never learns which scheme feeds it: attention takes a
 query, a key and a value input (plus RD's optional value gain; one input feeds all three by
@@ -27,7 +41,8 @@ Adding a scheme:
      parameter count, as a formula), check (its config errors) and `options` (the GPTConfig fields
      only it reads; add them to GPTConfig with a default). Decode sublayer indices with layer_of,
      is_attention and is_output, never by hand;
-  2. make it exactly `standard` at init (tests/test_model.py checks it); random init is allowed:
+  2. make it exactly `standard` at init (tests/test_model.py checks it; a scheme that by design cannot be,
+     as postnorm, is named in tests/helpers.py's NOT_STANDARD_AT_INIT); random init is allowed:
      GPT builds the scheme under its own RNG, after the shared weights, so just call nn.init.*;
   3. optionally: read_attention (separate query, key and value inputs), interventions() with
      `intervention_kinds` (analysis switches, read from self.intervention), diagnostics through
@@ -51,6 +66,10 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+
+# -----------------------------------------------------------------------------
+# The transformer branch: the norm, rotary attention, the MLP and its mixture-of-experts form, and
+# Block, which runs one sublayer on the inputs a scheme reads. Nothing here knows the scheme.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -434,7 +453,7 @@ class ResidualScheme(nn.Module):
     diagnostics (self.note), dead_rows (parameter rows that get no gradient by construction).
 
     Rules: the model must be exactly `standard` at init (up to the norms' eps), so that an arm
-    starts where the baseline does. __init__ may draw random numbers (nn.init.normal_ etc.): GPT
+    starts where the baseline does (postnorm, Post-LN, cannot be by design; it says so). __init__ may draw random numbers (nn.init.normal_ etc.): GPT
     builds the scheme after the shared weights, under an RNG of its own seeded from the model's
     seed and the scheme's name, so the shared weights and the global RNG are the same in every arm.
 
@@ -1077,10 +1096,262 @@ class DenseFormer(ResidualScheme):
         return Dense(sum(alpha[j] * y for j, y in enumerate(outputs)), outputs)
 
 
+# --- the field's schemes (issue #50): Post-LN, LAuReL, Frac-Connections, MUDDFormer ---
+
+class PostNorm(ResidualScheme):
+    """
+    Post-LN (the original Transformer's placement): x <- RMSNorm_k(x + f_k(x)), a norm of its own per
+    sublayer (weight 1 at init) on the sum; the stream is the normalised sum, which each block's pre-norm
+    then reads almost unchanged (a per-channel gain). NOT `standard` at init: the skip itself is
+    normalised at every sublayer, so no init makes it the pre-norm model (tests/helpers.py's
+    STARTS_AS_STANDARD leaves it out of the zero-init tests).
+    """
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * config.n_layer * config.n_embd  # a norm weight per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.norm_weight = nn.Parameter(torch.ones(self.n_sublayers, config.n_embd))
+        self.eps = config.norm_eps
+
+    def start(self, x):
+        return x
+
+    def read(self, x, k):
+        return x
+
+    def write(self, x, k, out):
+        with torch.autocast(out.device.type, enabled=False):  # the stream's norm in its own dtype (fp32)
+            return F.rms_norm(x + out, (x.size(-1),), self.norm_weight[k], self.eps)
+
+
+class LaurelRW(ResidualScheme):
+    """
+    LAuReL-RW (Menghani et al., arXiv 2411.07501), learned residual weights: x <- alpha_k f_k(x) + beta_k x,
+    two scalars per sublayer. The paper also tries normalising (alpha, beta) with a softmax; that cannot
+    start at `standard` (it halves both), so here they are plain scalars at alpha = beta = 1: exactly
+    `standard` at init.
+    """
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * 2 * config.n_layer  # alpha and beta per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.output_weight = nn.Parameter(torch.ones(self.n_sublayers))  # alpha_k
+        self.skip_weight = nn.Parameter(torch.ones(self.n_sublayers))  # beta_k
+
+    def start(self, x):
+        return x
+
+    def read(self, x, k):
+        return x
+
+    def write(self, x, k, out):
+        alpha, beta = self.output_weight[k], self.skip_weight[k]
+        self.note(f"laurel_weights/{self.name_of(k)}", lambda: torch.stack([alpha, beta]).expand(*out.shape[:-1], 2))
+        return alpha * out + beta * x
+
+
+class LaurelLR(ResidualScheme):
+    """
+    LAuReL-LR (arXiv 2411.07501), a low-rank learned skip: x <- f_k(x) + x + B_k A_k x, A_k (r x d) and
+    B_k (d x r) per sublayer, rank r = RANK. A_k is drawn N(0, 1/d), B_k starts at zero (the LoRA recipe;
+    the paper's init is inferred): exactly `standard` at init, and B learns from the first step.
+    """
+    RANK = 16
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * config.n_layer * 2 * LaurelLR.RANK * config.n_embd  # A and B per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.n_embd
+        self.down = nn.Parameter(torch.randn(self.n_sublayers, self.RANK, d) / math.sqrt(d))  # A_k
+        self.up = nn.Parameter(torch.zeros(self.n_sublayers, d, self.RANK))  # B_k
+
+    def start(self, x):
+        return x
+
+    def read(self, x, k):
+        return x
+
+    def low_rank(self, x, k):
+        """B_k A_k x, in the stream's dtype (fp32 under autocast: the stream is not rounded to bf16)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(F.linear(x, self.down[k]), self.up[k])
+
+    def write(self, x, k, out):
+        return out + x + self.low_rank(x, k)
+
+
+class Laurel(LaurelLR):
+    """
+    LAuReL-RW+LR (arXiv 2411.07501), the paper's combination: x <- alpha_k f_k(x) + beta_k (x + B_k A_k x),
+    LaurelLR's low-rank skip weighted as LaurelRW's (alpha = beta = 1, B = 0: exactly `standard` at init).
+    """
+
+    @staticmethod
+    def extra_params(config):
+        return LaurelLR.extra_params(config) + LaurelRW.extra_params(config)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.output_weight = nn.Parameter(torch.ones(self.n_sublayers))  # alpha_k
+        self.skip_weight = nn.Parameter(torch.ones(self.n_sublayers))  # beta_k
+
+    def write(self, x, k, out):
+        return self.output_weight[k] * out + self.skip_weight[k] * (x + self.low_rank(x, k))
+
+
+class FracConnections(ResidualScheme):
+    """
+    Frac-Connections (Zhu et al., arXiv 2503.14125), hyper-connections at expansion rate 1/m: the stream is
+    not copied n times but split into m = FRACTIONS fractions H_1 .. H_m of d/m channels. Sublayer k reads
+    x = concat_i (sum_j R[j, i] H_j) and writes H_i <- sum_j M[j, i] H_j + b_i f_k(x)_i, f's output split
+    the same way; the output read is concat_i H_i. As in HC (the dynamic form, DFC), each of R (m x m),
+    M (m x m) and b (m) is a static part plus s * tanh(RMSNorm(H_j) W) from fraction j's normalised
+    features (W of d/m rows; s = 0.01, W = 0 at init). Init: R = M = I, b = 1, the paper's: exactly
+    `standard`. The per-fraction norm of the features is inferred from HC's per-stream one.
+    """
+    FRACTIONS = 2
+
+    @staticmethod
+    def check(config):
+        if config.n_embd % FracConnections.FRACTIONS:
+            raise ValueError(f"n_embd={config.n_embd} must split into {FracConnections.FRACTIONS} fractions")
+
+    @staticmethod
+    def extra_params(config):
+        m, width = FracConnections.FRACTIONS, config.n_embd // FracConnections.FRACTIONS
+        # per sublayer: static R, M, b; dynamic W for R, M (m columns each) and b; 3 scales
+        return 2 * config.n_layer * (2 * m * m + m + width * (2 * m + 1) + 3)
+
+    def __init__(self, config):
+        super().__init__(config)
+        m, width, n_sublayers = self.FRACTIONS, config.n_embd // self.FRACTIONS, self.n_sublayers
+        self.read_static = nn.Parameter(torch.eye(m).repeat(n_sublayers, 1, 1))
+        self.mix_static = nn.Parameter(torch.eye(m).repeat(n_sublayers, 1, 1))
+        self.write_static = nn.Parameter(torch.ones(n_sublayers, m))
+        self.read_dynamic = nn.Parameter(torch.zeros(n_sublayers, width, m))
+        self.mix_dynamic = nn.Parameter(torch.zeros(n_sublayers, width, m))
+        self.write_dynamic = nn.Parameter(torch.zeros(n_sublayers, width))
+        self.dynamic_scale = nn.Parameter(torch.full((n_sublayers, 3), 0.01))  # read, mix, write
+        self.eps = config.norm_eps
+
+    def features(self, H):
+        return F.rms_norm(H, (H.size(-1),), eps=self.eps)  # each fraction on its own
+
+    def start(self, x):
+        H = x.unflatten(-1, (self.FRACTIONS, -1))  # (B, T, m, d/m)
+        with torch.autocast(x.device.type, enabled=False):  # the fraction weights in fp32
+            return Streams(H, self.features(H))
+
+    def read(self, state, k):
+        if self.is_output(k):
+            return state.H.flatten(-2)
+        with torch.autocast(state.H.device.type, enabled=False):
+            R = self.read_static[k] + self.dynamic_scale[k, 0] * torch.tanh(state.features @ self.read_dynamic[k])
+            self.note(f"fraction_read/{self.name_of(k)}", lambda: R)
+            return torch.einsum("btji,btjd->btid", R, state.H).flatten(-2)
+
+    def write(self, state, k, out):
+        with torch.autocast(out.device.type, enabled=False):
+            M = self.mix_static[k] + self.dynamic_scale[k, 1] * torch.tanh(state.features @ self.mix_dynamic[k])
+            b = self.write_static[k] + self.dynamic_scale[k, 2] * torch.tanh(state.features @ self.write_dynamic[k])
+            self.note(f"fraction_mixing/{self.name_of(k)}", lambda: M)
+            H = torch.einsum("btji,btjd->btid", M, state.H) + b.unsqueeze(-1) * out.unflatten(-1, (self.FRACTIONS, -1))
+            return Streams(H, self.features(H) if k + 1 < self.n_sublayers else None)
+
+
+class MUDDFormer(ResidualScheme):
+    """
+    MUDDFormer (Xiao et al., arXiv 2502.12170), multiway dynamic dense connections. Layer l's attention
+    reads its queries, keys and values from three inputs and adds its output to a fourth, the residual
+    input: X_A = X^R + attn(X^Q, X^K, X^V), then X_{l+1} = X_A + mlp(X_A). After each layer, the next
+    layer's four inputs are depth aggregations over every layer output so far, the embedding X_0 first:
+        X^c = sum_{j <= l+1} a^c_j X_j,   a = static_l + W2_l GELU(W1_l RMSNorm(X_{l+1})),   c in Q, K, V, R,
+    a (B, T, 4, l+2) per token, from a small MLP of hidden width 4 (l+2); after the last layer only the
+    R way, which the output reads. Init: W2 = 0 and static_l selects X_{l+1} in every way, the paper's
+    identity start: exactly `standard` (the three attention inputs are equal, not one tensor, so Q, K
+    and V take three matmuls). Inferred: the MLP's hidden width and its parameter-free norm.
+    """
+    WAYS = 4  # query, key, value, residual
+
+    class State(NamedTuple):
+        """The layer outputs so far (X_0 first), and the current layer's inputs (q, k, v: None after the
+        last layer; r: the residual input, which the attention's output joins)."""
+        outputs: list
+        q: torch.Tensor | None
+        k: torch.Tensor | None
+        v: torch.Tensor | None
+        r: torch.Tensor
+
+    @staticmethod
+    def ways(config, layer):
+        """The aggregations after layer `layer`: all four, or the R way alone after the last."""
+        return MUDDFormer.WAYS if layer + 1 < config.n_layer else 1
+
+    @staticmethod
+    def extra_params(config):
+        total = 0
+        for layer in range(config.n_layer):  # W1 (d x h), W2 (h x h), static (h), h = ways x sources
+            h = MUDDFormer.ways(config, layer) * (layer + 2)
+            total += h * (config.n_embd + h + 1)
+        return total
+
+    def __init__(self, config):
+        super().__init__(config)
+        d, L = config.n_embd, config.n_layer
+        shapes = [(self.ways(config, l), l + 2) for l in range(L)]
+        self.hidden_in = nn.ParameterList([nn.Parameter(torch.randn(d, c * n) / math.sqrt(d)) for c, n in shapes])
+        self.hidden_out = nn.ParameterList([nn.Parameter(torch.zeros(c * n, c * n)) for c, n in shapes])
+        self.static = nn.ParameterList([nn.Parameter(F.one_hot(torch.full((c,), n - 1), n).float()) for c, n in shapes])
+        self.eps = config.norm_eps
+
+    def start(self, x):
+        return self.State([x], x, x, x, x)
+
+    def read_attention(self, state, k):
+        return state.q, state.k, state.v, None
+
+    def read(self, state, k):
+        return state.r
+
+    def weights(self, x, layer):
+        """a (B, T, ways, sources) in fp32 (fp64 for fp64 x) whatever the autocast."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            h = F.gelu(F.rms_norm(x.to(acc), (x.size(-1),), eps=self.eps) @ self.hidden_in[layer].to(acc))
+            dynamic = (h @ self.hidden_out[layer].to(acc)).unflatten(-1, self.static[layer].shape)
+            return self.static[layer].to(acc) + dynamic
+
+    def write(self, state, k, out):
+        if is_attention(k):
+            return state._replace(r=state.r + out)
+        layer = layer_of(k)
+        outputs = state.outputs + [state.r + out]
+        a = self.weights(outputs[-1], layer)
+        self.note(f"dense_weights/{self.name_of(k)}", lambda: a)
+        mixed = depth_mix(outputs, a)  # one sum of products per way, in the stream's dtype
+        if len(mixed) == 1:  # after the last layer: the output read's
+            return self.State(outputs, None, None, None, mixed[0])
+        return self.State(outputs, *mixed)
+
+
+# -----------------------------------------------------------------------------
+# The registry and the optimizer: RESIDUALS names every scheme (the config check, train.py,
+# bench.py and the tests read it); MuonAdamW steps Muon and AdamW as one optimizer.
+
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
 RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
                  hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
-                 scaled_residual=ScaledResidual)
+                 postnorm=PostNorm, laurel_rw=LaurelRW, laurel_lr=LaurelLR, laurel=Laurel,
+                 frac=FracConnections, muddformer=MUDDFormer, scaled_residual=ScaledResidual)
 
 
 def option_owners(key):
@@ -1107,6 +1378,10 @@ class MuonAdamW:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
+
+# -----------------------------------------------------------------------------
+# GPTConfig and GPT: the settings (each checked, a scheme's own options only under it) and the
+# model, whose hidden() is the one loop over the 2L sublayers that every scheme plugs into.
 
 MOE_OPTIONS = ("moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate", "moe_router_lr_scale")
 MOE_COUNTS_FROM_ZERO = ("moe_shared_experts", "moe_expert_hidden")  # 0: none, and the automatic width
@@ -1277,6 +1552,8 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
                                reduction=reduction)
         return logits, loss.view(targets.shape) if reduction == "none" else loss
+
+    # --- the analysis API: what the routing does (routing_diagnostics) and what it is worth (intervene) ---
 
     @torch.no_grad()
     def routing_diagnostics(self, idx):

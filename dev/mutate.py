@@ -228,6 +228,19 @@ MUTANTS = [
      "max_per_task takes a file's first items, not nanochat's shuffled subset"),
     ("report.py", "dtype=record.get(\"dtype\"),", "", "tests/test_report.py",
      "downstream results scored in other precisions paired"),
+    # the field's schemes (issue #50): each against its plain-loop reference in tests/test_zoo.py
+    ("model.py", "self.norm_weight[k], self.eps)", "self.norm_weight[0], self.eps)", "tests/test_zoo.py",
+     "postnorm: every sublayer normalised by the first sublayer's norm weight"),
+    ("model.py", "return alpha * out + beta * x", "return beta * out + alpha * x", "tests/test_zoo.py",
+     "laurel_rw: the output and skip weights swapped"),
+    ("model.py", "return out + x + self.low_rank(x, k)", "return out + x + self.low_rank(out, k)", "tests/test_zoo.py",
+     "laurel_lr: the low-rank skip of the sublayer's output, not of its input"),
+    ("model.py", "self.skip_weight[k] * (x + self.low_rank(x, k))", "self.skip_weight[k] * x + self.low_rank(x, k)",
+     "tests/test_zoo.py", "laurel (RW+LR): beta weighs the identity skip only, not the low-rank term"),
+    ("model.py", "torch.einsum(\"btji,btjd->btid\", R, state.H)", "torch.einsum(\"btij,btjd->btid\", R, state.H)",
+     "tests/test_zoo.py", "frac: the read weights transposed (input i takes fraction i's row)"),
+    ("model.py", "return state._replace(r=state.r + out)", "return state._replace(r=state.q + out)",
+     "tests/test_zoo.py", "muddformer: the attention's output joins the query input, not the residual one"),
 ]
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from data.shards import write_shard
-from helpers import ROUTED, make, naive_depth_read, randomize_routing, rel_err, tokens, two_phase_read
+from helpers import (ROUTED, STARTS_AS_STANDARD, make, naive_depth_read, randomize_routing, rel_err, tokens,
+                     two_phase_read)
 from model import RESIDUALS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -58,7 +59,7 @@ def test_compiled_bf16_training_step(variant):
     assert any(not torch.equal(a, b) for a, b in zip(after, before))
 
 
-@pytest.mark.parametrize("variant", ROUTED)
+@pytest.mark.parametrize("variant", STARTS_AS_STANDARD)
 def test_zero_init_equals_standard_on_cuda(variant):
     standard = make("standard", seed=3, norm_eps=1e-10).cuda()
     model = make(variant, seed=4, norm_eps=1e-10)

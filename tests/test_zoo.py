@@ -1,0 +1,206 @@
+"""
+The field's schemes beside ours (issue #50): postnorm, the LAuReL family (laurel_rw, laurel_lr, laurel),
+frac (Frac-Connections) and muddformer. Each model equals, on the same weights with its routing
+parameters random, a plain-loop float64 implementation written here from the paper's equations (one
+source, one fraction, one way at a time; no code of model.py's schemes); each is `standard` at init where
+the paper's init gives it (postnorm is not, and says so). The generic contract (zero init, gradients,
+fp32 stream, compile, MoE, activation checkpointing, warm start, ...) runs over them from the registry
+in test_model.py, test_moe.py and test_train.py; two ranks under FSDP2 train them as one process does.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+import train
+from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torchrun
+from model import RESIDUALS
+from test_configs import settings_of
+
+ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer"]
+
+
+def reference_model(variant, seed=0):
+    """The tiny model in float64 with random routing, and the same batch."""
+    model = make(variant, seed=seed)
+    randomize_routing(model)
+    return model.double(), tokens()
+
+
+def rms(x, weight, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def sublayer(model, k, x, x_k=None, x_v=None):
+    """Sublayer k's output from its input(s): layer k // 2's attention (queries from x, keys from x_k,
+    values from x_v; each pre-normed by ln_1) or its MLP (pre-normed by ln_2)."""
+    block = model.transformer.h[k // 2]
+    if k % 2 == 1:
+        return block.mlp(block.ln_2(x))
+    x_k, x_v = (x if t is None else t for t in (x_k, x_v))
+    return block.attn(block.ln_1(x), block.ln_1(x_k), block.ln_1(x_v))
+
+
+def head(model, x):
+    return model.lm_head(model.transformer.ln_f(x))
+
+
+# --- postnorm ---------------------------------------------------------------------------------------
+
+def postnorm_reference(model, idx):
+    res, eps = model.residual, model.config.norm_eps
+    x = model.transformer.wte(idx)
+    for k in range(2 * model.config.n_layer):
+        x = rms(x + sublayer(model, k, x), res.norm_weight[k], eps)  # the sum normalised, skip included
+    return head(model, x)
+
+
+# --- LAuReL -----------------------------------------------------------------------------------------
+
+def low_rank_skip(res, k, x):
+    """B_k A_k x one rank-one term at a time: sum_r B[:, r] <A[r], x>."""
+    total = torch.zeros_like(x)
+    for r in range(res.down.size(1)):
+        total = total + (x * res.down[k, r]).sum(-1, keepdim=True) * res.up[k, :, r]
+    return total
+
+
+def laurel_reference(model, idx):
+    """x <- alpha f(x) + beta x (RW), f(x) + x + B A x (LR), alpha f(x) + beta (x + B A x) (both)."""
+    res, residual = model.residual, model.config.residual
+    x = model.transformer.wte(idx)
+    for k in range(2 * model.config.n_layer):
+        out = sublayer(model, k, x)
+        skip = x + low_rank_skip(res, k, x) if residual != "laurel_rw" else x
+        x = out + skip if residual == "laurel_lr" else res.output_weight[k] * out + res.skip_weight[k] * skip
+    return head(model, x)
+
+
+# --- Frac-Connections -------------------------------------------------------------------------------
+
+def frac_reference(model, idx):
+    """The stream as m fractions; each weight from one fraction's normalised features, one at a time."""
+    res, eps, m = model.residual, model.config.norm_eps, model.residual.FRACTIONS
+    H = list(model.transformer.wte(idx).chunk(m, dim=-1))
+    for k in range(2 * model.config.n_layer):
+        feats = [h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) for h in H]
+        s_read, s_mix, s_write = res.dynamic_scale[k]
+        read = [[res.read_static[k, j, i] + s_read * torch.tanh(feats[j] @ res.read_dynamic[k][:, i])
+                 for i in range(m)] for j in range(m)]  # read[j][i] (B, T): fraction j's part of input i
+        x = torch.cat([sum(read[j][i].unsqueeze(-1) * H[j] for j in range(m)) for i in range(m)], dim=-1)
+        out = sublayer(model, k, x).chunk(m, dim=-1)
+        H = [sum((res.mix_static[k, j, i] + s_mix * torch.tanh(feats[j] @ res.mix_dynamic[k][:, i])).unsqueeze(-1)
+                 * H[j] for j in range(m))
+             + (res.write_static[k, i] + s_write * torch.tanh(feats[i] @ res.write_dynamic[k])).unsqueeze(-1) * out[i]
+             for i in range(m)]
+    return head(model, torch.cat(H, dim=-1))
+
+
+# --- MUDDFormer -------------------------------------------------------------------------------------
+
+def mudd_reference(model, idx):
+    """After each layer, each way's aggregation over the layer outputs, one source and one way at a time."""
+    res, eps, L = model.residual, model.config.norm_eps, model.config.n_layer
+    X = [model.transformer.wte(idx)]
+    q = k = v = r = X[0]
+    for layer in range(L):
+        r = r + sublayer(model, 2 * layer, q, k, v)  # the attention's output joins the residual input
+        X.append(r + sublayer(model, 2 * layer + 1, r))
+        ways = 4 if layer + 1 < L else 1
+        normed = X[-1] / torch.sqrt(X[-1].pow(2).mean(-1, keepdim=True) + eps)
+        dynamic = F.gelu(normed @ res.hidden_in[layer]) @ res.hidden_out[layer]  # (B, T, ways * sources)
+        inputs = []
+        for c in range(ways):
+            a = [res.static[layer][c, j] + dynamic[..., c * len(X) + j] for j in range(len(X))]
+            inputs.append(sum(a[j].unsqueeze(-1) * X[j] for j in range(len(X))))
+        q, k, v, r = inputs if ways == 4 else (None, None, None, inputs[0])
+    return head(model, r)
+
+
+REFERENCES = {"postnorm": postnorm_reference, "laurel_rw": laurel_reference, "laurel_lr": laurel_reference,
+              "laurel": laurel_reference, "frac": frac_reference,
+              "muddformer": mudd_reference}
+
+
+@pytest.mark.parametrize("variant", ZOO)
+def test_matches_its_plain_loop_reference_in_float64(variant):
+    model, idx = reference_model(variant)
+    with torch.no_grad():
+        assert rel_err(model(idx, idx)[0], REFERENCES[variant](model, idx)) < 1e-10
+
+
+def test_postnorm_is_not_standard_at_init():
+    # Post-LN normalises the skip at every sublayer: no init makes it the pre-norm model
+    with torch.no_grad():
+        assert rel_err(make("postnorm")(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["laurel_rw", "laurel_lr", "laurel"])
+def test_laurel_is_bit_identical_to_standard_at_init(variant):
+    # alpha = beta = 1 and B = 0 are exact: not only close, the same floats
+    with torch.no_grad():
+        assert torch.equal(make(variant)(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0])
+
+
+def test_laurel_low_rank_is_of_its_rank():
+    model = make("laurel_lr")
+    randomize_routing(model)
+    res = model.residual
+    assert res.down.shape[1:] == (res.RANK, 32) and res.up.shape[1:] == (32, res.RANK)
+    assert torch.linalg.matrix_rank(res.up[3] @ res.down[3]).item() == res.RANK
+
+
+def test_frac_splits_the_stream_into_its_fractions_and_is_standard_at_init():
+    model = make("frac")
+    assert model.residual.start(torch.ones(2, 3, 32)).H.shape == (2, 3, model.residual.FRACTIONS, 32 // 2)
+    with torch.no_grad():
+        assert rel_err(model(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) < 1e-6
+
+
+def test_muddformer_is_standard_at_init_and_reads_four_ways():
+    model = make("muddformer")
+    with torch.no_grad():
+        assert rel_err(model(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) < 1e-6
+    # weights per layer: four ways over the layer outputs so far (embedding first), the last layer one way
+    assert [tuple(s.shape) for s in model.residual.static] == [(4, 2), (4, 3), (4, 4), (1, 5)]
+    randomize_routing(model)
+    seen = []
+    for block in model.transformer.h:
+        def attention(x_q, x_k, x_v, gain, sublayer=block.attention):
+            seen.append((x_q is x_k, x_k is x_v, torch.equal(x_q, x_k), torch.equal(x_k, x_v)))
+            return sublayer(x_q, x_k, x_v, gain)
+        block.attention = attention
+    with torch.no_grad():
+        model(tokens())
+    assert seen[0] == (True, True, True, True)  # layer 0 reads the embedding alone: one fused projection
+    assert all(s == (False, False, False, False) for s in seen[1:])  # later: three inputs, all different
+
+
+@pytest.mark.slow
+def test_two_ranks_under_fsdp_train_the_zoo_as_one_process_with_moe(shards, tmp_path, monkeypatch):
+    # every new scheme through train.py: 2 ranks under FSDP2 (its parameters sharded like any scheme's),
+    # MoE layers and activation checkpointing on, against one process: the same losses within fp32 rounding
+    import report
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    args = [f"--arms={','.join(ZOO)}", "--batch_size=8", "--max_iters=4", "--eval_interval=2", "--n_experts=4",
+            "--moe_top_k=2", "--activation_checkpointing=True"]
+    ranks = torchrun("train.py", tiny(shards, tmp_path / "fsdp", *args, "--fsdp=True"))
+    assert ranks.returncode == 0, ranks.stderr[-2000:]
+    train.main(tiny(shards, tmp_path / "single", *args))
+    for arm in ZOO:
+        for key, rtol in (("loss", 1e-5), ("val_loss", 1e-6)):
+            ranks, single = (logged(tmp_path / run, arm, key=key) for run in ("fsdp", "single"))
+            np.testing.assert_allclose(ranks, single, rtol=rtol, err_msg=f"{arm} {key}")
+
+
+@pytest.mark.parametrize("path", ["config/leaderboard.py", "config/leaderboard_120m.py"])
+def test_the_leaderboards_train_every_registered_scheme_under_the_tuned_protocol(path):
+    # (test_configs.py trains every config, these two included, at a tiny size)
+    settings = settings_of(path)
+    registered = [name for name in RESIDUALS if name != "gated"]  # gated: the README's example, tests only
+    assert settings["arms"] == {name: {"residual": name} for name in registered}, (
+        f"{path}: list every scheme of model.RESIDUALS, at its defaults, in the registry's order")
+    assert {"standard", "scaled_residual"} <= set(settings["arms"])  # both baselines, each paired with every arm
+    assert len(settings["seeds"]) >= 6 and not set(settings["seeds"]) & set(settings["tune_seeds"])
+    assert len(settings["tune_learning_rates"]) >= 2 and settings["n_layer"] >= 12
