@@ -42,7 +42,7 @@ Adding a scheme:
      only it reads; add them to GPTConfig with a default). Decode sublayer indices with layer_of,
      is_attention and is_output, never by hand;
   2. make it exactly `standard` at init (tests/test_model.py checks it; a scheme that by design cannot be,
-     as postnorm, is named in tests/helpers.py's NOT_STANDARD_AT_INIT); random init is allowed:
+     as postnorm, says `standard_at_init = False`); random init is allowed:
      GPT builds the scheme under its own RNG, after the shared weights, so just call nn.init.*;
   3. optionally: read_attention (separate query, key and value inputs), interventions() with
      `intervention_kinds` (analysis switches, read from self.intervention), diagnostics through
@@ -1103,9 +1103,11 @@ class PostNorm(ResidualScheme):
     Post-LN (the original Transformer's placement): x <- RMSNorm_k(x + f_k(x)), a norm of its own per
     sublayer (weight 1 at init) on the sum; the stream is the normalised sum, which each block's pre-norm
     then reads almost unchanged (a per-channel gain). NOT `standard` at init: the skip itself is
-    normalised at every sublayer, so no init makes it the pre-norm model (tests/helpers.py's
-    STARTS_AS_STANDARD leaves it out of the zero-init tests).
+    normalised at every sublayer, so no init makes it the pre-norm model; it says so (standard_at_init),
+    and the zero-init tests read that.
     """
+
+    standard_at_init = False
 
     @staticmethod
     def extra_params(config):

@@ -39,12 +39,11 @@ VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {
     "dar_copy": dict(residual="dar", dar_start="copy"),
 }
 ROUTED = [v for v in VARIANTS if v != "standard"]
-NOT_STANDARD_AT_INIT = {"postnorm"}  # schemes no init makes `standard` (Post-LN normalises the skip itself)
-
-
 def starts_as_standard(residual):
-    """Whether scheme `residual` is `standard` at init (the zero-init tests run only where it is)."""
-    return residual not in NOT_STANDARD_AT_INIT
+    """Whether scheme `residual` is `standard` at init: every scheme is, unless it declares
+    `standard_at_init = False` (Post-LN, whose normalised skip no init can undo); the zero-init tests run
+    only where it is."""
+    return getattr(RESIDUALS[residual], "standard_at_init", True)
 
 
 STARTS_AS_STANDARD = [v for v in ROUTED if starts_as_standard(VARIANTS[v]["residual"])]
