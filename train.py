@@ -411,7 +411,9 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
                 if rank0s(holder, runtime) is None:
                     train_cell(arm, seed, cfg, grid, train_shards, val, runtime)
                 elif runtime.master and (arm, seed) not in left_to_others:
-                    print(f"[{arm} seed{seed}] being trained by {holder}: left to it")
+                    lock = os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "lock")
+                    print(f"[{arm} seed{seed}] being trained by {holder}: left to it (if that process is gone, "
+                          f"rm {lock} and run again)")
                     left_to_others.add((arm, seed))
         if runtime.world > 1:
             dist.barrier()  # every result.json (rank 0's) written before any rank reads one
@@ -463,10 +465,17 @@ def unfinished(cfg, cells):
             if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
 
 
+# how long the last worker waits for a report.lock that this host cannot check (another host's, or one naming no
+# process) to go: another host's worker writes a report in seconds
+REPORT_WAIT_S = 120
+
+
 def write_report(cfg):
     """The paired report, written once, by the worker that finds every cell of the grid finished (the
-    last to finish): under out_dir/report.lock, and only when no report is newer than every result and
-    downstream.json (a worker finished at the same time, or a rerun of a finished grid, finds it written)."""
+    last to finish): under out_dir/report.lock, and only when no report is newer than every result,
+    downstream.json and the tuning's choice.json (a worker finished at the same time, or a rerun of a
+    finished grid, finds it written). A lock this host cannot check that stays REPORT_WAIT_S is an error
+    naming it: the grid finished without a report."""
     cells = grid_cells(cfg)
     left = unfinished(cfg, cells)
     if left:
@@ -475,18 +484,30 @@ def write_report(cfg):
         return
     inputs = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), name) for arm, seed in cells
               for name in ("result.json", "downstream.json")]
+    if cfg["tune_learning_rates"]:  # another choice is another grid's report
+        inputs.append(os.path.join(cfg["out_dir"], tune.TUNE_DIR, "choice.json"))
     inputs = [p for p in inputs if os.path.exists(p)]
-    path = os.path.join(cfg["out_dir"], "report.md")
+    path, lock = os.path.join(cfg["out_dir"], "report.md"), os.path.join(cfg["out_dir"], "report.lock")
     command = [cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else [])
-    try:
-        with pid_lock(os.path.join(cfg["out_dir"], "report.lock"), "the report is being written"):
-            if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, inputs)):
-                print(f"{path} is up to date with every result; python report.py {' '.join(command)} writes it again")
+    give_up = time.monotonic() + REPORT_WAIT_S
+    while True:
+        try:
+            with pid_lock(lock, "the report is being written"):
+                if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, inputs)):
+                    print(f"{path} is up to date with every result; python report.py {' '.join(command)} "
+                          f"writes it again")
+                    return
+                import report
+                report.main(command)
                 return
-            import report
-            report.main(command)
-    except LockHeld:
-        pass  # another worker is writing it
+        except LockHeld as e:
+            if e.alive:
+                print(f"{path} is being written by {e.holder} (lock {lock})")
+                return
+            if time.monotonic() >= give_up:
+                raise DataError(f"no report written: {lock} is held by {e.holder}, which this host cannot check; "
+                                f"if no run is writing it: rm {lock}; python report.py {' '.join(command)}") from None
+            time.sleep(2)
 
 
 def build_config(given, runtime, data, init):

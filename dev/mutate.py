@@ -228,6 +228,16 @@ MUTANTS = [
      "max_per_task takes a file's first items, not nanochat's shuffled subset"),
     ("report.py", "dtype=record.get(\"dtype\"),", "", "tests/test_report.py",
      "downstream results scored in other precisions paired"),
+    # issue #52: a lock of this very pid (a restart), the report's inputs and a report.lock this host cannot check
+    ("common.py", "if (pid, owner) == (str(os.getpid()), host) and os.path.abspath(path) not in held_locks:",
+     "if False:", "tests/test_common.py",
+     "a lock of this process's own pid (a container restart) held forever: the worker leaves the cell to itself"),
+    ("train.py", "for name in (\"result.json\", \"downstream.json\")]", "for name in (\"result.json\",)]",
+     "tests/test_train.py", "a downstream.json newer than the report leaves the report up to date"),
+    ("train.py", "inputs.append(os.path.join(cfg[\"out_dir\"], tune.TUNE_DIR, \"choice.json\"))", "pass",
+     "tests/test_train.py", "the report kept up to date after the tuning chose again"),
+    ("train.py", "if e.alive:", "if True:", "tests/test_train.py",
+     "another host's report.lock: the grid ends without a report, exit 0, no line"),
 ]
 
 

@@ -15,6 +15,7 @@ import importlib.machinery
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -455,6 +456,76 @@ def test_an_unusable_warm_start_is_one_line_before_training(warm, shards, tmp_pa
         train.main(tiny(shards, tmp_path / "bad", "--arms=attnres", f"--init_from={path}", *extra))
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "bad")
+
+
+# --- the report at the grid's end: written once, again when an input is newer, never silently not at all --------
+
+def finished_grid(out_dir, monkeypatch, tuned=False):
+    """A grid of one finished cell (attnres seed0) whose report.main writes report.md and counts its calls."""
+    cfg = dict(out_dir=str(out_dir), arms={"attnres": {}}, seeds=[0], reference_arm="",
+               tune_learning_rates=[1e-3, 1e-2] if tuned else [])
+    cell = out_dir / "attnres" / "seed0"
+    cell.mkdir(parents=True)
+    (cell / "result.json").write_text("{}")
+    calls = []
+    import report
+
+    def fake_report(argv):
+        calls.append(argv)
+        (out_dir / "report.md").write_text(f"report {len(calls)}")
+    monkeypatch.setattr(report, "main", fake_report)
+    return cfg, calls
+
+
+def age(path, seconds):
+    """Set path's modification time seconds in the past (negative: in the future)."""
+    when = os.path.getmtime(path) - seconds
+    os.utime(path, (when, when))
+
+
+def test_the_report_is_written_again_after_a_newer_downstream_result_or_tuning_choice(tmp_path, monkeypatch, capsys):
+    cfg, calls = finished_grid(tmp_path, monkeypatch, tuned=True)
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "choice.json").write_text("{}")
+    train.write_report(cfg)
+    train.write_report(cfg)
+    assert len(calls) == 1 and "report.md is up to date with every result" in capsys.readouterr().out
+    for newer in (tmp_path / "attnres" / "seed0" / "downstream.json", tmp_path / "tune" / "choice.json"):
+        newer.write_text("{}")  # scored later (python downstream.py), or the tuning chose again (--allow_changes)
+        age(newer, -10)
+        before = len(calls)
+        train.write_report(cfg)
+        assert len(calls) == before + 1, f"the report ignores a newer {newer.name}"
+        age(newer, 100)  # older than the report again: the next one is up to date
+        train.write_report(cfg)
+        assert len(calls) == before + 1
+    assert not (tmp_path / "report.lock").exists()
+
+
+@pytest.mark.parametrize("lock_text", ["123 another-host", "not a lock"])
+def test_a_report_lock_this_host_cannot_check_is_named_with_the_command_that_frees_it(
+        tmp_path, monkeypatch, lock_text):
+    cfg, calls = finished_grid(tmp_path, monkeypatch)
+    lock = tmp_path / "report.lock"
+    lock.write_text(lock_text)  # left by a worker on another host of a shared filesystem, or by hand
+    monkeypatch.setattr(train, "REPORT_WAIT_S", 0)
+    with pytest.raises(DataError) as err:
+        train.write_report(cfg)
+    assert str(err.value).startswith(f"no report written: {lock} is held by ") and str(err.value).endswith(
+        f"; if no run is writing it: rm {lock}; python report.py {tmp_path}"), str(err.value)
+    assert not calls and lock.read_text() == lock_text
+    # another host's worker writing it: this one waits for its lock to go, then finds the report written
+    monkeypatch.setattr(train, "REPORT_WAIT_S", 60)
+    monkeypatch.setattr(train.time, "sleep", lambda seconds: lock.unlink())
+    train.write_report(cfg)
+    assert len(calls) == 1 and not lock.exists()
+
+
+def test_a_report_lock_of_a_live_process_here_is_left_to_it(tmp_path, monkeypatch, capsys):
+    cfg, calls = finished_grid(tmp_path, monkeypatch)
+    (tmp_path / "report.lock").write_text(f"{os.getppid()} {socket.gethostname()}")
+    train.write_report(cfg)
+    assert not calls and f"report.md is being written by pid {os.getppid()} on " in capsys.readouterr().out
 
 
 # --- damaged inputs and outputs: one line each ----------------------------------------------------------
