@@ -67,6 +67,9 @@ def export(cell_dir, out, allow_changes=False):
     """The folder out (written under a temporary name, then renamed): a cell's last checkpoint for transformers.
     allow_changes: export even where model.py's definitions the cell computes with changed since it trained
     (its logits then are not the cell's), recorded in config.json."""
+    if not out.strip():  # "" is the working directory to abspath, and its parent to dirname: never a folder to write
+        raise UserError(f"--out={out!r} is empty (an unset variable?); give the folder to write, e.g. "
+                        f"--out=hf/<arm>_seed<k>")
     if os.path.exists(out):
         raise UserError(f"{out} exists; remove it or choose another --out")
     check_writable(os.path.dirname(os.path.abspath(out)), "choose another --out")

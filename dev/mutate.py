@@ -238,6 +238,15 @@ MUTANTS = [
      "tests/test_train.py", "the report kept up to date after the tuning chose again"),
     ("train.py", "if e.alive:", "if True:", "tests/test_train.py",
      "another host's report.lock: the grid ends without a report, exit 0, no line"),
+    # issue #52: export's --out= (an unset variable) and the exported model's survivors
+    ("export.py", "if not out.strip():", "if False:", "tests/test_export.py",
+     "--out= empty: the export replaces the working directory, or is written into its parent"),
+    ("modeling_nanodepth.py", "logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)",
+     "logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1)", "tests/test_export.py",
+     "the exported model's loss with labels= unshifted (each token scored on predicting itself)"),
+    ("modeling_nanodepth.py", "self.max_position_embeddings = self.gpt.get(\"block_size\", GPTConfig.block_size)",
+     "self.max_position_embeddings = 1024", "tests/test_export.py",
+     "max_position_embeddings fixed at 1024 whatever the cell's block_size (lm-eval reads it)"),
 ]
 
 
