@@ -36,7 +36,7 @@ import machine
 import records
 import train
 from common import ConfigError, Parser, check_writable, run, write_atomic, write_json, write_text
-from data.shards import find_shards, open_shard
+from data.shards import find_shards, open_shard, resolve_data_dir
 from model import GPTConfig
 
 
@@ -272,7 +272,7 @@ def main(argv):
     cell, cfg = open_cell(args.cell)
     model, step = cell.model, cell.step
     runtime = machine.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
-    data_dir = train.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
+    data_dir = resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = model.config.block_size
     if records.validation_hash(val, cfg["eval_tokens"], T) != cfg["val_hash"]:  # a shorter shard differs too

@@ -35,7 +35,7 @@ import train
 from common import ConfigError, DataError
 from configurator import configure
 from helpers import log_records, logged, result, tiny, torchrun, without_timings
-from data.shards import BUNDLED, open_shard, write_shard
+from data.shards import BUNDLED, data_vocab_size, find_data, open_shard, resolve_data_dir, write_shard
 from model import GPT, RESIDUALS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ def test_config_files_are_valid(path, world, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = configure(train.DEFAULTS, [path])
     if cfg["vocab_size"] is None:  # the data sets it, as main does
-        cfg["vocab_size"] = train.data_vocab_size(BUNDLED[train.resolve_data_dir(cfg["data_dir"])])
+        cfg["vocab_size"] = data_vocab_size(BUNDLED[resolve_data_dir(cfg["data_dir"])])
     records.check_config(cfg, world)
     if world == 8:  # the paper protocol: GPT-2 tokens, 2^19 tokens per step, 2.0B (controls: 0.5B) tokens per run
         assert cfg["vocab_size"] == 50304
@@ -211,7 +211,7 @@ def test_the_grids_config_json_is_what_build_config_assembles(grid, shards):
     given = configure(train.DEFAULTS, tiny(shards, grid, "--seeds=0,1"), entries=dict(arms=train.SCHEME_ARMS))
     before = json.dumps(given)
     runtime = machine.setup(given)
-    data = train.find_data(given, runtime)
+    data = find_data(given, runtime)
     cfg = train.build_config(given, runtime, data, checkpoint.load_init_from(""))
     assert json.dumps(given) == before
     recorded = json.load(open(os.path.join(grid, "config.json")))
@@ -487,17 +487,17 @@ def test_the_report_is_written_again_after_a_newer_downstream_result_or_tuning_c
     cfg, calls = finished_grid(tmp_path, monkeypatch, tuned=True)
     (tmp_path / "tune").mkdir()
     (tmp_path / "tune" / "choice.json").write_text("{}")
-    train.write_report(cfg)
-    train.write_report(cfg)
+    cells.write_report(cfg)
+    cells.write_report(cfg)
     assert len(calls) == 1 and "report.md is up to date with every result" in capsys.readouterr().out
     for newer in (tmp_path / "attnres" / "seed0" / "downstream.json", tmp_path / "tune" / "choice.json"):
         newer.write_text("{}")  # scored later (python downstream.py), or the tuning chose again (--allow_changes)
         age(newer, -10)
         before = len(calls)
-        train.write_report(cfg)
+        cells.write_report(cfg)
         assert len(calls) == before + 1, f"the report ignores a newer {newer.name}"
         age(newer, 100)  # older than the report again: the next one is up to date
-        train.write_report(cfg)
+        cells.write_report(cfg)
         assert len(calls) == before + 1
     assert not (tmp_path / "report.lock").exists()
 
@@ -508,23 +508,23 @@ def test_a_report_lock_this_host_cannot_check_is_named_with_the_command_that_fre
     cfg, calls = finished_grid(tmp_path, monkeypatch)
     lock = tmp_path / "report.lock"
     lock.write_text(lock_text)  # left by a worker on another host of a shared filesystem, or by hand
-    monkeypatch.setattr(train, "REPORT_WAIT_S", 0)
+    monkeypatch.setattr(cells, "REPORT_WAIT_S", 0)
     with pytest.raises(DataError) as err:
-        train.write_report(cfg)
+        cells.write_report(cfg)
     assert str(err.value).startswith(f"no report written: {lock} is held by ") and str(err.value).endswith(
         f"; if no run is writing it: rm {lock}; python report.py {tmp_path}"), str(err.value)
     assert not calls and lock.read_text() == lock_text
     # another host's worker writing it: this one waits for its lock to go, then finds the report written
-    monkeypatch.setattr(train, "REPORT_WAIT_S", 60)
-    monkeypatch.setattr(train.time, "sleep", lambda seconds: lock.unlink())
-    train.write_report(cfg)
+    monkeypatch.setattr(cells, "REPORT_WAIT_S", 60)
+    monkeypatch.setattr(cells.time, "sleep", lambda seconds: lock.unlink())
+    cells.write_report(cfg)
     assert len(calls) == 1 and not lock.exists()
 
 
 def test_a_report_lock_of_a_live_process_here_is_left_to_it(tmp_path, monkeypatch, capsys):
     cfg, calls = finished_grid(tmp_path, monkeypatch)
     (tmp_path / "report.lock").write_text(f"{os.getppid()} {socket.gethostname()}")
-    train.write_report(cfg)
+    cells.write_report(cfg)
     assert not calls and f"report.md is being written by pid {os.getppid()} on " in capsys.readouterr().out
 
 
@@ -605,10 +605,10 @@ def test_relative_data_dir_is_under_the_project_from_any_directory(shards, tmp_p
     train.main(tiny(os.path.relpath(shards, ROOT), "rel", "--max_iters=1", "--arms=attnres"))
     assert result(tmp_path / "rel", "attnres")["steps"] == 1  # out_dir: under the working directory
     assert result(tmp_path / "rel", "attnres")["config"]["data_dir"] == shards  # recorded resolved
-    assert BUNDLED[train.resolve_data_dir(train.DEFAULTS["data_dir"])] == "bytes"
+    assert BUNDLED[resolve_data_dir(train.DEFAULTS["data_dir"])] == "bytes"
     # one that is there from the working directory is taken from there
     os.makedirs("data/shakespeare_bytes")
-    assert train.resolve_data_dir(train.DEFAULTS["data_dir"]) == str(tmp_path / "data" / "shakespeare_bytes")
+    assert resolve_data_dir(train.DEFAULTS["data_dir"]) == str(tmp_path / "data" / "shakespeare_bytes")
 
 
 def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkeypatch):
