@@ -36,7 +36,7 @@ import machine
 import records
 import train
 from common import ConfigError, Parser, check_writable, run, write_atomic, write_json, write_text
-from data.shards import find_shards, open_shard
+from data.shards import find_shards, open_shard, resolve_data_dir
 from model import GPTConfig
 
 
@@ -50,8 +50,8 @@ def not_a_record(path, why):
 
 
 def open_cell(cell_dir):
-    """(its model with the checkpoint's weights, on the CPU, the cell's config.json record, the
-    checkpoint's step), as checkpoint.load_cell, with the record the analysis reads checked too."""
+    """(the cell as checkpoint.open_trained opens it, on the CPU; its config.json record), the record the
+    analysis reads checked too."""
     give = "give OUT_DIR/<arm>/seed<k> of a train.py run"
     if not os.path.exists(cell_dir):
         raise ConfigError(f"{cell_dir} does not exist; {give}")
@@ -79,14 +79,15 @@ def open_cell(cell_dir):
     if not os.path.isfile(ckpt_path):
         raise ConfigError(f"{ckpt_path} is missing: the cell saves it at its first evaluation after step 0; "
                           f"train the cell (train.py) first")
-    model, record, step = checkpoint.load_cell(cell_dir, "cpu")
-    if record["model"] != cfg["model"]:  # the evaluation settings below are config.json's
+    cell = checkpoint.open_trained(cell_dir, "cpu")
+    model = cell.model
+    if cell.record["model"] != cfg["model"]:  # the evaluation settings below are config.json's
         raise ConfigError(f"{ckpt_path} holds another model than {config_path} (a file copied from another cell?); "
                           f"restore the cell's own files, or rerun train.py for the cell")
     if not all(v.isfinite().all() for v in model.state_dict().values() if v.is_floating_point()):
         raise ConfigError(f"{ckpt_path} has non-finite weights (a diverged cell): there is nothing to analyse; "
                           f"retrain the cell, e.g. with a lower learning_rate")
-    return model, cfg, step
+    return cell, cfg
 
 
 def recorded_val_loss(cell_dir):
@@ -268,9 +269,10 @@ def main(argv):
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="", help="auto, bfloat16 or float32 (default: the cell's)")
     args = parser.parse_args(argv)
-    model, cfg, step = open_cell(args.cell)
+    cell, cfg = open_cell(args.cell)
+    model, step = cell.model, cell.step
     runtime = machine.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
-    data_dir = train.resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
+    data_dir = resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = model.config.block_size
     if records.validation_hash(val, cfg["eval_tokens"], T) != cfg["val_hash"]:  # a shorter shard differs too
@@ -284,12 +286,10 @@ def main(argv):
     # every input is checked: now minutes of evaluation, then the writes
     check_writable(args.cell, "analyze.py writes its results there; make it writable, or copy the cell folder somewhere "
                               "writable and analyse the copy")
-    code = records.code_record()  # the analysis is of this code's model: recorded, and said when it is not the cell's
-    trained = cfg.get("code") if isinstance(cfg.get("code"), dict) else {}
-    if records.code_changes(trained, code, {model.config.residual}):
-        print(f"note: the code differs from the one {args.cell} was trained with "
-              f"({records.described_changes(trained, code, {model.config.residual})}); these numbers are of the "
-              f"current code")
+    code = cell.code  # the analysis is of this code's model: recorded, and said when it is not the cell's
+    if cell.code_changes:
+        print(f"note: the code differs from the one {args.cell} was trained with ({cell.changed()}); these numbers "
+              f"are of the current code")
     model.to(runtime.device)
     evaluation = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
     base, rows = interventions(model, val, evaluation, runtime)
@@ -297,7 +297,7 @@ def main(argv):
     a = dict(cell=os.path.abspath(args.cell), arm=cfg["arm"], seed=cfg["seed"], residual=model.config.residual,
              step=step, device=runtime.device, tokens=tokens, cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
              capped=capped, base_nll=base, recorded_val_loss=recorded, code=code,
-             trained_code=trained.get("fingerprint"),
+             trained_code=cell.trained_code.get("fingerprint"),
              interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
              representations=records.rounded(representations(model, val, evaluation, runtime)))
     if model.config.residual == "dar":

@@ -4,7 +4,8 @@ init, the warm start, a resume from its checkpoint, its config.json and log), sa
 it, evaluate_downstream scores the CORE tasks when due, finish_cell writes result.json (common.cell_lock
 lets one process at a time train it). A stop signal (SIGTERM, SIGUSR1: stop_on_signals) ends it at a
 step boundary, checkpointed (stop_requested, Preempted; exit status PREEMPTED). seed_for is the
-pairing: a seed's init, data order and dropout seeds, the same for every arm.
+pairing: a seed's init, data order and dropout seeds, the same for every arm. Among a grid's workers,
+grid_cells and unfinished say which cells are left, and write_report writes the paired report once.
 """
 
 import dataclasses
@@ -22,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import downstream
 import records
+import tune
 from checkpoint import CellState
-from common import write_json
+from common import DataError, LockHeld, pid_lock, write_json
 from data.shards import get_tokenizer
 from machine import apply_fsdp, machine_record
 from model import GPT, GPTConfig
@@ -215,3 +217,60 @@ def finish_cell(cell, data, val_loss, sequence_losses, diverged, routing, grid, 
         diverged=diverged, routing=routing,
         init_hash=cell.init_hash, data_hash=data.hash, eval_tokens=(s.eval_tokens - 1) // s.block_size * s.block_size,
         changes=state.changes, wall_time_s=cell.log.wall_time_s()))
+
+
+# -----------------------------------------------------------------------------
+# the grid's cells among its workers: which have no result yet, and the report the last one writes
+
+def grid_cells(cfg):
+    return [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
+
+
+def unfinished(cfg, cells):
+    return [(arm, seed) for arm, seed in cells
+            if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
+
+
+# how long the last worker waits for a report.lock that this host cannot check (another host's, or one naming no
+# process) to go: another host's worker writes a report in seconds
+REPORT_WAIT_S = 120
+
+
+def write_report(cfg):
+    """The paired report, written once, by the worker that finds every cell of the grid finished (the
+    last to finish): under out_dir/report.lock, and only when no report is newer than every result,
+    downstream.json and the tuning's choice.json (a worker finished at the same time, or a rerun of a
+    finished grid, finds it written). A lock this host cannot check that stays REPORT_WAIT_S is an error
+    naming it: the grid finished without a report."""
+    cells = grid_cells(cfg)
+    left = unfinished(cfg, cells)
+    if left:
+        print(f"{len(left)} cell(s) without a result, trained by other workers (or stopped): the last worker "
+              f"to finish writes the report")
+        return
+    inputs = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), name) for arm, seed in cells
+              for name in ("result.json", "downstream.json")]
+    if cfg["tune_learning_rates"]:  # another choice is another grid's report
+        inputs.append(os.path.join(cfg["out_dir"], tune.TUNE_DIR, "choice.json"))
+    inputs = [p for p in inputs if os.path.exists(p)]
+    path, lock = os.path.join(cfg["out_dir"], "report.md"), os.path.join(cfg["out_dir"], "report.lock")
+    command = [cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else [])
+    give_up = time.monotonic() + REPORT_WAIT_S
+    while True:
+        try:
+            with pid_lock(lock, "the report is being written"):
+                if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, inputs)):
+                    print(f"{path} is up to date with every result; python report.py {' '.join(command)} "
+                          f"writes it again")
+                    return
+                import report
+                report.main(command)
+                return
+        except LockHeld as e:
+            if e.alive:
+                print(f"{path} is being written by {e.holder} (lock {lock})")
+                return
+            if time.monotonic() >= give_up:
+                raise DataError(f"no report written: {lock} is held by {e.holder}, which this host cannot check; "
+                                f"if no run is writing it: rm {lock}; python report.py {' '.join(command)}") from None
+            time.sleep(2)

@@ -1,12 +1,14 @@
 """
 A cell's checkpoint, ckpt.pt: where its training stands (CellState), its model and optimizer state
 and every rank's RNG, saved so that a kill or a full disk never loses the last good one, and resumed
-so that the cell goes on line for line as if never stopped; and init_from, another grid's checkpoint
-as every cell's starting weights (the warm start). docs/protocol.md says what is checked before a
+so that the cell goes on line for line as if never stopped; a trained cell opened for a tool
+(open_trained: sample.py, export.py, downstream.py, analyze.py); and init_from, another grid's
+checkpoint as every cell's starting weights (the warm start). docs/protocol.md says what is checked before a
 checkpoint is resumed or warm-started from.
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import records
 from common import ConfigError, DataError, write_atomic, write_text
+from data.shards import get_tokenizer, tokenizer_of
 from model import GPT, GPTConfig, is_routing
 
 REMEDY = "delete it to train the cell from scratch"
@@ -104,9 +107,40 @@ def load_tensors(path, device):
         raise ValueError(why) from None
 
 
-def load_cell(path, device):
-    """The model (uncompiled, in eval mode), record and step of a cell's ckpt.pt; path is the cell
-    folder or the checkpoint itself (sample.py, downstream.py)."""
+@dataclasses.dataclass
+class TrainedCell:
+    """A trained cell as a tool opens it (open_trained). code_changes: the definitions it computes with
+    that changed since it trained (records.code_changes), so its numbers under today's code are not its
+    own: each tool says so (sample.py, downstream.py, analyze.py) or refuses (export.py)."""
+    path: str  # the cell folder or ckpt.pt given
+    model: GPT  # uncompiled, in eval mode, on the device asked for
+    record: dict  # the checkpoint's record (the cell's config.json as it trained)
+    step: int
+    trained_code: dict  # records.code_record() when it trained ({} in a record without one)
+    code: dict  # records.code_record() now
+    code_changes: list
+
+    @functools.cached_property
+    def tokenizer_name(self):
+        """The tokenizer of the cell's data: its record's, or asked of its data_dir (older cells)."""
+        try:
+            return self.record.get("tokenizer") or tokenizer_of(self.record["data_dir"])
+        except DataError as e:
+            raise DataError(f"the tokenizer of {self.path}'s data_dir is unknown: {e}") from None
+
+    @property
+    def tokenizer(self):
+        return get_tokenizer(self.tokenizer_name)
+
+    def changed(self):
+        """The code changes as a phrase for one line ('GPT, Block'), '' when there are none."""
+        return records.described_changes(self.trained_code, self.code, {self.model.config.residual}) \
+            if self.code_changes else ""
+
+
+def open_trained(path, device="cpu"):
+    """A trained cell's ckpt.pt as a TrainedCell (nanochat's load_model): its model, record, step,
+    tokenizer and the code changed since it trained; path is the cell folder or the checkpoint itself."""
     ckpt_path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     give = "give a cell folder of train.py's out_dir (out/<arm>/seed<k>) or its ckpt.pt"
     if not os.path.isfile(ckpt_path):
@@ -125,7 +159,11 @@ def load_cell(path, device):
     except (TypeError, ValueError, RuntimeError) as e:
         raise DataError(f"{ckpt_path}: its model does not fit this model.py ({str(e).splitlines()[0]}); "
                         f"use the code that trained it") from None
-    return model.to(device).eval(), record, ckpt["step"]
+    # the weights are the cell's, the code today's: the changes it computes with are the provenance rule's
+    trained = record.get("code") if isinstance(record.get("code"), dict) else {}
+    code = records.code_record()
+    return TrainedCell(path, model.to(device).eval(), record, ckpt["step"], trained, code,
+                       records.code_changes(trained, code, {model.config.residual}))
 
 
 def load_checkpoint(path, device):

@@ -188,11 +188,18 @@ def check_writable(folder, remedy):
 
 
 class LockHeld(DataError):
-    """A lock that a live process holds (or one on another host, which cannot be checked)."""
+    """A lock that a live process holds (or one on another host, or one that names no process, which cannot be
+    checked)."""
 
-    def __init__(self, message, holder):
+    def __init__(self, message, holder, alive):
         super().__init__(message)
-        self.holder = holder  # 'pid N on HOST'
+        self.holder = holder  # 'pid N on HOST', or what a lock naming no process holds, escaped
+        self.alive = alive  # whether a live process on this host holds it (else no one here can tell)
+
+
+# the locks this process holds (absolute paths): a lock naming this pid on this host that is not among them is
+# from an earlier process with the same pid (a container or pid-namespace restart), whose lock is stale
+held_locks = set()
 
 
 @contextmanager
@@ -205,16 +212,17 @@ def pid_lock(path, busy):
     try:
         yield
     finally:
-        os.remove(path)
+        release_lock(path)
 
 
 def take_lock(path, busy):
     """
     Create the lock path holding this process's pid and host, or raise LockHeld when a live process
-    holds it. A lock whose process is gone from this host (a killed run) is taken over; one from
-    another host (a shared filesystem) cannot be checked and stays until removed. The lock appears
-    with its content (a hard link of a written file), so no kill leaves an empty one. Anything else
-    at path (a symlink, a folder) is one line saying to remove it.
+    holds it. A lock whose process is gone from this host (a killed run, or this pid before a restart)
+    is taken over; one from another host (a shared filesystem), or one that names no process, cannot be
+    checked and stays until removed. The lock appears with its content (a hard link of a written
+    file), so no kill leaves an empty one. Anything else at path (a symlink, a folder) is one line
+    saying to remove it.
     """
     host, mine, stale = socket.gethostname(), temporary_name(path), temporary_name(path + "-stale")
     remove_stale_temporaries(path)
@@ -228,15 +236,20 @@ def take_lock(path, busy):
         while True:
             try:
                 os.link(mine, path)
+                held_locks.add(os.path.abspath(path))
                 break
             except FileExistsError:
                 pid, owner = read_lock(path)
                 if pid is None:
                     continue  # released meanwhile
-                if pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):
-                    holder = f"pid {pid} on {owner or '?'}"
+                if (pid, owner) == (str(os.getpid()), host) and os.path.abspath(path) not in held_locks:
+                    pass  # this pid's lock from before a restart: the process that wrote it is gone
+                elif pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):
+                    named = pid.isdigit() and owner.isprintable() and len(owner) <= 255  # a host name's limit
+                    holder = f"pid {pid} on {owner or '?'}" if named else \
+                        f"a lock naming no process ({ascii(f'{pid} {owner}'.strip())[:80]})"  # garbage, escaped
                     raise LockHeld(f"{busy} by {holder}; wait for it, or remove {path} if that process is gone",
-                                   holder) from None
+                                   holder, named and owner == host) from None
                 # stale: its process ended without releasing it (or an older version left it empty). Another worker
                 # may have read the same dead pid and taken the lock over since: a rename moves it away atomically
                 # (one worker wins), and only a lock that still names the dead pid is removed; a new one goes back
@@ -257,8 +270,9 @@ def take_lock(path, busy):
 @contextmanager
 def cell_lock(cell_dir, master):
     """One process at a time trains a cell: cell_dir/lock (take_lock: pid and host, a killed run's
-    lock taken over). Yields None when this process holds it, else who does ('pid N on HOST'), so a
-    worker of a shared grid passes on to the next cell. Under DDP rank 0 holds it (the others get None)."""
+    lock taken over). Yields None when this process holds it, else who does ('pid N on HOST', or what
+    a lock naming no process holds), so a worker of a shared grid passes on to the next cell. Under DDP
+    rank 0 holds it (the others get None)."""
     if not master:
         yield None
         return
@@ -276,7 +290,12 @@ def cell_lock(cell_dir, master):
     try:
         yield None
     finally:
-        os.remove(path)
+        release_lock(path)
+
+
+def release_lock(path):
+    held_locks.discard(os.path.abspath(path))
+    os.remove(path)
 
 
 def read_lock(path):

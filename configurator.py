@@ -16,12 +16,19 @@ Rules, fixing nanoGPT's sharp edges:
 - None is a value only for a key whose default is None (--out_dir=None is an error, not a crash later);
 - a config file is found from the working directory or else this file's directory, and runs with
   __file__ set, so it can exec a neighbour from any working directory; one that fails to run is
-  one error line.
+  one error line;
+- a config file is what its name says: .json a JSON object, .yaml or .yml a YAML mapping, anything
+  else Python, refused when a top-level statement sets nothing (a JSON object, YAML's `key: value`
+  lines are valid Python that would set no key and train the default grid); a UTF-8 BOM is skipped;
+- numpy values (np.float64(1e-3), np.logspace(...)) are taken as the Python numbers and lists they hold.
 """
 
 import ast
 import difflib
+import json
 import os
+
+import yaml
 
 from common import ConfigError
 
@@ -70,6 +77,79 @@ def parse_literal(text):
         return text
 
 
+def plain(value):
+    """numpy scalars and arrays as Python numbers and lists (a config file may compute rates with numpy),
+    inside lists, tuples and dicts too."""
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def not_json(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_mapping(arg, path, text):
+    """The keys a .json or .yaml config file sets: its top level must be an object of names."""
+    try:
+        if path.lower().endswith(".json"):
+            value = json.loads(text, parse_constant=not_json)
+        else:
+            value = yaml.safe_load(text)
+    except (ValueError, RecursionError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config file {arg} cannot be read ({first}); fix the file") from None
+    value = {} if value is None else value  # an empty YAML file sets nothing, like an empty Python one
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"config file {arg} holds a {type(value).__name__}, not an object of keys; "
+                          f"write it as {{\"max_iters\": 100, ...}} (JSON) or max_iters: 100 lines (YAML)")
+    return value
+
+
+def run_python(arg, path, text):
+    """The names a Python config file sets at its top level (helpers, imports and callables left out)."""
+    try:
+        tree = ast.parse(text, path)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {arg} line {e.lineno}: {e.msg}; fix its Python") from None
+    for node in tree.body:  # a statement that sets nothing: a JSON object, YAML's `key: value` (an annotation)
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+            and isinstance(node.value.value, str)
+        if (isinstance(node, ast.Expr) and not docstring and not isinstance(node.value, ast.Call)) \
+                or (isinstance(node, ast.AnnAssign) and node.value is None):
+            raise ConfigError(f"config file {arg} line {node.lineno} is not Python that sets a key (JSON or YAML?); "
+                              f"name the file .json or .yaml, or write key = value lines")
+    scope = {"__file__": os.path.abspath(path)}  # a config file can read its neighbours from there
+    try:
+        exec(compile(tree, path, "exec"), scope)
+    except SyntaxError as e:  # raised by a file it execs
+        where = e.filename if e.filename and not e.filename.startswith("<") else arg  # exec'd text has none
+        raise ConfigError(f"config file {where} line {e.lineno}: {e.msg}; fix its Python") from None
+    except Exception as e:
+        raise ConfigError(f"config file {arg} raised {type(e).__name__}: {e}; fix the file") from None
+    return {key: value for key, value in scope.items()
+            if not (key.startswith("_") or callable(value) or type(value).__name__ == "module")}
+
+
+def read_config_file(arg):
+    """The keys config file arg sets, read as its name says (JSON, YAML or Python), numpy values made plain."""
+    path = arg if os.path.isfile(arg) else os.path.join(HERE, arg)  # config/x.py from any directory
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {arg} not found (arguments are config files or --key=value)")
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM an editor put first is not text
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {arg} cannot be read ({getattr(e, 'strerror', None) or e}); "
+                          f"give a UTF-8 text file") from None
+    reader = read_mapping if path.lower().endswith((".json", ".yaml", ".yml")) else run_python
+    return {key: plain(value) for key, value in reader(arg, path, text).items()}
+
+
 def check_key(key, config):
     if key not in config:
         close = difflib.get_close_matches(key, list(config), n=1)
@@ -96,21 +176,7 @@ def configure(defaults, argv, entries=None):
             check_key(key, config)
             config[key] = coerce(key, parse_literal(text), current(key, config, defaults), entries.get(key))
         else:
-            path = arg if os.path.isfile(arg) else os.path.join(HERE, arg)  # config/x.py from any directory
-            if not os.path.isfile(path):
-                raise ConfigError(f"config file {arg} not found (arguments are config files or --key=value)")
-            scope = {"__file__": os.path.abspath(path)}  # a config file can read its neighbours from there
-            try:
-                with open(path) as f:
-                    exec(compile(f.read(), path, "exec"), scope)
-            except SyntaxError as e:
-                where = e.filename if e.filename and not e.filename.startswith("<") else arg  # exec'd text has none
-                raise ConfigError(f"config file {where} line {e.lineno}: {e.msg}; fix its Python") from None
-            except Exception as e:
-                raise ConfigError(f"config file {arg} raised {type(e).__name__}: {e}; fix the file") from None
-            for key, value in scope.items():
-                if key.startswith("_") or callable(value) or type(value).__name__ == "module":
-                    continue  # helpers and imports inside the config file
+            for key, value in read_config_file(arg).items():
                 check_key(key, config)
                 config[key] = coerce(key, value, current(key, config, defaults), entries.get(key))
     return config

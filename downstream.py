@@ -27,6 +27,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -38,10 +39,9 @@ import torch.distributed as dist
 import yaml
 
 import machine
-from checkpoint import load_cell
+from checkpoint import open_trained
 from records import code_fingerprint
 from common import DataError, Parser, check_writable, run, write_json
-from data.shards import get_tokenizer, tokenizer_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLE_DIR = os.path.join(HERE, "data", "eval_bundle")
@@ -559,9 +559,11 @@ def main(argv):
     device, autocast, rank, world = runtime.device, runtime.autocast, runtime.rank, runtime.world
     for cell_dir in cells:
         t0 = time.time()
-        model, record, step = load_cell(cell_dir, device)
-        # the cell records its data's tokenizer; older cells are asked of their data_dir
-        tokenizer = get_tokenizer(record.get("tokenizer") or tokenizer_of(record["data_dir"]))
+        cell = open_trained(cell_dir, device)
+        model, step, tokenizer = cell.model, cell.step, cell.tokenizer
+        if cell.code_changes:  # its scores are of today's code (downstream.json records the scoring code's)
+            print(f"note: the code differs from the one {cell_dir} was trained with ({cell.changed()})",
+                  file=sys.stderr)
         if tokenizer.vocab_size > model.config.vocab_size:  # a cell trained on token ids of its own
             raise DataError(f"{cell_dir}: vocab_size {model.config.vocab_size} is below its tokenizer's "
                             f"{tokenizer.vocab_size}; it cannot read text, so it has no CORE score")

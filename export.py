@@ -15,11 +15,10 @@ import json
 import os
 import shutil
 
-from checkpoint import load_cell
+from checkpoint import open_trained
 from common import ConfigError, DataError, Parser, UserError, check_writable, dying_cleanly, run, stale_temporaries, temporary_name
-from data.shards import GPT2, GPT2_PATTERN, TOKENIZER_FILE, get_tokenizer, tokenizer_of
+from data.shards import GPT2, GPT2_PATTERN, TOKENIZER_FILE, get_tokenizer
 import model
-import records
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CODE = ("modeling_nanodepth.py", "model.py")  # the modeling code, which the folder carries
@@ -67,34 +66,36 @@ def export(cell_dir, out, allow_changes=False):
     """The folder out (written under a temporary name, then renamed): a cell's last checkpoint for transformers.
     allow_changes: export even where model.py's definitions the cell computes with changed since it trained
     (its logits then are not the cell's), recorded in config.json."""
+    if not out.strip():  # "" is the working directory to abspath, and its parent to dirname: never a folder to write
+        raise UserError(f"--out={out!r} is empty (an unset variable?); give the folder to write, e.g. "
+                        f"--out=hf/<arm>_seed<k>")
     if os.path.exists(out):
         raise UserError(f"{out} exists; remove it or choose another --out")
     check_writable(os.path.dirname(os.path.abspath(out)), "choose another --out")
-    gpt, record, step = load_cell(cell_dir, "cpu")
-    tokenizer = record.get("tokenizer") or tokenizer_of(record["data_dir"])
-    if get_tokenizer(tokenizer).vocab_size > gpt.config.vocab_size:
+    cell = open_trained(cell_dir, "cpu")
+    gpt, record, step, tokenizer = cell.model, cell.record, cell.step, cell.tokenizer_name
+    if cell.tokenizer.vocab_size > gpt.config.vocab_size:
         raise DataError(f"{cell_dir}: vocab_size {gpt.config.vocab_size} is below its {tokenizer} tokenizer's "
-                        f"{get_tokenizer(tokenizer).vocab_size} ids; it reads no text, so there is nothing to export")
+                        f"{cell.tokenizer.vocab_size} ids; it reads no text, so there is nothing to export")
     if not in_model_py(type(gpt.residual)):  # the folder carries model.py, and only what it defines
         raise UserError(f"{cell_dir}: its scheme {gpt.config.residual!r} is not defined in model.py (it was "
                         f"registered in RESIDUALS from elsewhere); add it to model.py to export the cell")
     # the folder carries today's model.py with the cell's weights: its logits are the cell's only under its code
-    trained, code = record.get("code") if isinstance(record.get("code"), dict) else {}, records.code_record()
-    changed = records.code_changes(trained, code, {gpt.config.residual})
-    if changed and not allow_changes:
-        at = f" (git commit {trained['git_commit'][:12]})" if isinstance(trained.get("git_commit"), str) else ""
+    if cell.code_changes and not allow_changes:
+        commit = cell.trained_code.get("git_commit")
+        at = f" (git commit {commit[:12]})" if isinstance(commit, str) else ""
         raise ConfigError(f"{cell_dir}: the code differs from the one the cell was trained with "
-                          f"({records.described_changes(trained, code, {gpt.config.residual})}), so the export's "
+                          f"({cell.changed()}), so the export's "
                           f"logits would not be the cell's; export with the code it was trained with{at}, or add "
                           f"--allow_changes=True to export anyway (recorded in its config.json)")
-    eot = get_tokenizer(tokenizer).eot
+    eot = cell.tokenizer.eot
     config = dict(
         model_type="nanodepth", architectures=["NanodepthForCausalLM"],
         auto_map={"AutoConfig": "modeling_nanodepth.NanodepthConfig",
                   "AutoModelForCausalLM": "modeling_nanodepth.NanodepthForCausalLM"},
         gpt=record["model"], bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32",
         nanodepth=dict(arm=record.get("arm"), seed=record.get("seed"), step=step, tokenizer=tokenizer,
-                       code_changes=changed if allow_changes else []))
+                       code_changes=cell.code_changes if allow_changes else []))
     out = os.path.abspath(out)
     remove_stale_exports(out)
     tmp = temporary_name(out)

@@ -15,10 +15,8 @@ import sys
 import torch
 
 import machine
-import records
-from checkpoint import load_cell
+from checkpoint import open_trained
 from common import DataError, Parser, run
-from data.shards import get_tokenizer, tokenizer_of
 
 
 GREEDY_BELOW = 1e-20  # below it, draw the likeliest token (the limit at 0): logits / temperature would overflow
@@ -54,16 +52,10 @@ def main(argv):
     if torch.device(device).type == "meta":  # accepted by torch, but its tensors hold no values to sample from
         parser.error(f"--device={args.device}: a meta device holds no values; use cpu or cuda")
 
-    model, record, _ = load_cell(args.cell, device)
-    trained, code = record.get("code") if isinstance(record.get("code"), dict) else {}, records.code_record()
-    if records.code_changes(trained, code, {model.config.residual}):  # the weights are the cell's, the code today's
-        print(f"note: the code differs from the one the cell was trained with "
-              f"({records.described_changes(trained, code, {model.config.residual})})", file=sys.stderr)
-    try:
-        # the cell records its data's tokenizer; older cells are asked of their data_dir
-        tokenizer = get_tokenizer(record.get("tokenizer") or tokenizer_of(record["data_dir"]))
-    except DataError as e:
-        raise DataError(f"the tokenizer of {args.cell}'s data_dir is unknown: {e}") from None
+    cell = open_trained(args.cell, device)
+    model, tokenizer = cell.model, cell.tokenizer
+    if cell.code_changes:  # the weights are the cell's, the code today's
+        print(f"note: the code differs from the one the cell was trained with ({cell.changed()})", file=sys.stderr)
     start = args.start
     if start.startswith("FILE:"):
         try:

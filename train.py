@@ -10,15 +10,14 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/rd_343m.py
 $ torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \
       --nproc_per_node=8 train.py config/rd_343m.py        # multi-node: out_dir on a shared filesystem
 
-Each cell writes out_dir/<arm>/seed<k>/: config.json, log.jsonl, ckpt.pt and, when done,
-result.json. Run the same command again: finished cells are skipped, a killed cell resumes from
-its last checkpoint (checkpoint.py), and a cell recorded with other settings, data or code is
-refused unless allow_changes=True (records.py; docs/protocol.md says what is recorded). This file
-is the config, the data order, the step and the loop; machine.py sets up the processes and device,
-cells.py opens, checkpoints and finishes a cell. The grid ends with the paired report (report.py).
+Each cell writes out_dir/<arm>/seed<k>/: config.json, log.jsonl, ckpt.pt and, when done, result.json.
+Run the same command again: finished cells are skipped, a killed cell resumes (checkpoint.py), a cell
+recorded with other settings, data or code is refused unless allow_changes=True (records.py,
+docs/protocol.md). This file is the config, the data order, the step, the loop and the grid; machine.py
+sets up the processes and device, cells.py opens, checkpoints and finishes a cell, data/shards.py finds
+and checks the data. The grid ends with the paired report (report.py).
 """
 
-import dataclasses
 import hashlib
 import math
 import os
@@ -35,12 +34,11 @@ import checkpoint
 import downstream
 import records
 import tune
-from cells import (DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, open_cell, rank0s,
-                   save_cell, seed_for, stop_on_signals, stop_requested)
-from common import ConfigError, DataError, LockHeld, UserError, cell_lock, check_writable, pid_lock, read_lock
+from cells import (DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, grid_cells, open_cell,
+                   rank0s, save_cell, seed_for, stop_on_signals, stop_requested, unfinished, write_report)
+from common import DataError, UserError, cell_lock, check_writable, read_lock
 from configurator import configure
-from data.prepare import prepare_bundled
-from data.shards import BUNDLED, TOKENIZERS, find_shards, open_shard, shard_tokenizer, verify_manifest
+from data.shards import data_vocab_size, find_data, open_data
 from machine import cpu_threads, exit_without_finalizing, resolve_compile, setup
 from model import RESIDUALS
 
@@ -112,86 +110,11 @@ SCHEME_ARMS = {name: {"residual": name} for name in RESIDUALS}
 # -----------------------------------------------------------------------------
 # data: the same batches for every arm of a seed, the same validation tokens for every cell
 
-def resolve_data_dir(path):
-    """data_dir as an absolute path: a relative one is taken from the working directory when it is
-    there, else from the project directory (so the bundled default works from anywhere)."""
-    if os.path.isabs(path) or os.path.exists(path):
-        return os.path.abspath(path)
-    return os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), path))
-
-
-@dataclasses.dataclass
-class DataFiles:
-    """What find_data found: the absolute data_dir, its tokenizer (byte and GPT-2 cells never pair), its
-    manifest (None without one) and its shards."""
-    dir: str
-    tokenizer: str
-    manifest: dict | None
-    val_path: str
-    train_paths: list
-
-
-def find_data(cfg, runtime):
-    """cfg's data_dir as DataFiles, with the shards' names and sizes checked against the manifest
-    (the bundled corpus prepared on first use)."""
-    data_dir = resolve_data_dir(cfg["data_dir"])
-    if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
-        if runtime.master:
-            prepare_bundled_or_wait(data_dir)
-        if runtime.world > 1:
-            dist.barrier()
-    manifest = verify_manifest(data_dir, full=cfg["verify_shards"] and runtime.master)  # the sha256s once, on rank 0
-    val_path, train_paths = find_shards(data_dir)
-    tokenizer = manifest["tokenizer"] if manifest else shard_tokenizer(val_path)
-    return DataFiles(data_dir, tokenizer, manifest, val_path, train_paths)
-
-
-def prepare_bundled_or_wait(data_dir):
-    """The bundled corpus prepared on first use: by this process, or by the one preparing it now (a
-    worker of the same grid started meanwhile), which this one waits for."""
-    said = False
-    while True:
-        try:
-            return prepare_bundled(data_dir)
-        except LockHeld as e:
-            if not said:
-                print(f"waiting for {data_dir}: being prepared by {e.holder}")
-            said = True
-            time.sleep(2)
-
-
-def data_vocab_size(tokenizer):
-    """The vocabulary of a tokenizer's data: its ids padded to a multiple of 64 (bytes 320, gpt2 50304)."""
-    return -(-TOKENIZERS[tokenizer].vocab_size // 64) * 64
-
-
-def open_data(cfg, data, vocab_size, init_tokenizer):
-    """The validation shard and the train shards of find_data's data, every one checked before
-    anything trains (other validation tokens show in each cell's val_hash)."""
-    manifest, val_path, train_paths = data.manifest, data.val_path, data.train_paths
-    tokenizer, data_dir = cfg["tokenizer"], cfg["data_dir"]
-    if init_tokenizer not in (None, tokenizer):  # the same ids would be other tokens
-        raise ConfigError(f"init_from={cfg['init_from']} was trained on {init_tokenizer} tokens, data_dir {data_dir} "
-                          f"holds {tokenizer} tokens; warm-start on data of the checkpoint's tokenizer")
-    needed = TOKENIZERS[tokenizer].vocab_size
-    if manifest and vocab_size < needed:
-        raise ConfigError(f"vocab_size={vocab_size} is less than the {needed} ids of {data_dir}'s {tokenizer} tokens; "
-                          f"set --vocab_size={data_vocab_size(tokenizer)} (padded to a multiple of 64), or leave it unset")
-    val = open_shard(val_path, vocab_size, tokenizer)
-    if cfg["eval_tokens"] > len(val):
-        raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "
-                          f"({len(val):,} tokens); lower eval_tokens")
-    train_shards = [open_shard(path, vocab_size, tokenizer) for path in train_paths]
-    return val, train_shards
-
-
 class TrainData:
-    """
-    Sequences of block_size + 1 tokens cut from the train shards. Each epoch visits them in a
+    """Sequences of block_size + 1 tokens cut from the train shards. Each epoch visits them in a
     permutation drawn from the data seed, so a step's batch depends only on (data seed, step):
     every arm sees the same batches, and resuming needs nothing but the step. `hash` chains the
-    sha256 of every batch drawn with batch(), from data_hash (a resumed cell's).
-    """
+    sha256 of every batch drawn with batch(), from data_hash (a resumed cell's)."""
 
     def __init__(self, shards, block_size, seed, data_hash=""):
         self.shards = shards
@@ -248,11 +171,9 @@ def micro_batches(n, batch_size):
 # one step, the schedule, evaluation
 
 def backward_step(train_model, batches, step_sequences, runtime):
-    """
-    Accumulate into .grad the gradient of the step's mean token loss: each micro-batch's mean
+    """Accumulate into .grad the gradient of the step's mean token loss: each micro-batch's mean
     weighted by its share of the step's sequences, times the world size (which DDP's gradient
-    average divides out). Returns this rank's part of the step's mean loss (detached).
-    """
+    average divides out). Returns this rank's part of the step's mean loss (detached)."""
     part = 0.0
     for i, (x, y) in enumerate(batches):
         if isinstance(train_model, DDP):  # sync gradients on the last micro-step only (FSDP reduces each one:
@@ -279,12 +200,11 @@ def learning_rate_at(step, cell):
 @torch.no_grad()
 def sequence_losses(model, val, cell, runtime):
     """The mean NLL (nats/token) of each sequence of the fixed validation set, as a float64 array in
-    sequence order, whole on every rank (the text's share of the uncertainty: report.py). The set:
-    the first cell.eval_tokens tokens of the validation shard as whole sequences of cell.block_size + 1,
-    split over ranks, each sequence's token losses summed in fp64, so the result does not depend on
-    eval_batch_size or the world size beyond fp32 rounding. model may be the compiled module: every
-    batch has one shape (a short last one is padded with ignored targets), so evaluation compiles
-    once. Every rank runs as many batches (an FSDP forward is collective)."""
+    sequence order, whole on every rank (the text's share of the uncertainty: report.py). The set: the
+    first cell.eval_tokens tokens of the validation shard as whole sequences of cell.block_size + 1, split
+    over ranks, each sequence's token losses summed in fp64, so the result does not depend on eval_batch_size
+    or the world size beyond fp32 rounding. model may be the compiled module: every batch has one shape (a
+    short last one padded with ignored targets), so evaluation compiles once; every rank runs as many."""
     T = cell.block_size
     n_seq = (cell.eval_tokens - 1) // T
     ours = np.arange(runtime.rank, n_seq, runtime.world)
@@ -411,7 +331,8 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
                 if rank0s(holder, runtime) is None:
                     train_cell(arm, seed, cfg, grid, train_shards, val, runtime)
                 elif runtime.master and (arm, seed) not in left_to_others:
-                    print(f"[{arm} seed{seed}] being trained by {holder}: left to it")
+                    print(f"[{arm} seed{seed}] being trained by {holder}: left to it (if that process is gone, rm "
+                          f"{os.path.join(records.cell_dir(cfg['out_dir'], arm, seed), 'lock')} and run again)")
                     left_to_others.add((arm, seed))
         if runtime.world > 1:
             dist.barrier()  # every result.json (rank 0's) written before any rank reads one
@@ -454,58 +375,21 @@ def modified(path):
         return None
 
 
-def grid_cells(cfg):
-    return [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
-
-
-def unfinished(cfg, cells):
-    return [(arm, seed) for arm, seed in cells
-            if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
-
-
-def write_report(cfg):
-    """The paired report, written once, by the worker that finds every cell of the grid finished (the
-    last to finish): under out_dir/report.lock, and only when no report is newer than every result and
-    downstream.json (a worker finished at the same time, or a rerun of a finished grid, finds it written)."""
-    cells = grid_cells(cfg)
-    left = unfinished(cfg, cells)
-    if left:
-        print(f"{len(left)} cell(s) without a result, trained by other workers (or stopped): the last worker "
-              f"to finish writes the report")
-        return
-    inputs = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), name) for arm, seed in cells
-              for name in ("result.json", "downstream.json")]
-    inputs = [p for p in inputs if os.path.exists(p)]
-    path = os.path.join(cfg["out_dir"], "report.md")
-    command = [cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else [])
-    try:
-        with pid_lock(os.path.join(cfg["out_dir"], "report.lock"), "the report is being written"):
-            if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, inputs)):
-                print(f"{path} is up to date with every result; python report.py {' '.join(command)} writes it again")
-                return
-            import report
-            report.main(command)
-    except LockHeld:
-        pass  # another worker is writing it
-
-
 def build_config(given, runtime, data, init):
-    """
-    The run's config, as out_dir/config.json records it (each cell's config.json adds its arm's
+    """The run's config, as out_dir/config.json records it (each cell's config.json adds its arm's
     settings over it; docs/protocol.md lists the keys). given: DEFAULTS updated by config files and
     --key=value. Over it: each arm's settings typed, and what this run found: the data's absolute
     folder, tokenizer and train shards' fingerprint (other train data is a change, like other
     weights), the vocabulary (the data's unless given), the machine as used, and the warm start's
     sha256 (a rerun from other weights is a change). The tuned protocol's grids are this config with
-    other arms (tune.py).
-    """
+    other arms (tune.py)."""
     vocab_size = given["vocab_size"]
     if vocab_size is None and data:  # the data sets the vocabulary
         vocab_size = data_vocab_size(data.tokenizer)
-    # the machine as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the same);
-    # the world size changes a step's rounding, and on a CPU compiled kernels round differently on another
-    # thread count (measured), so both are settings too. torch.__version__ is a str subclass, which weights_only
-    # checkpoint loads refuse. No data (an empty data_dir) is check_config's line.
+    # the machine as used, so a rerun compares what ran (--device=cpu and --device=auto on a CPU are the same); the
+    # world size changes a step's rounding, and on a CPU compiled kernels round differently on another thread count
+    # (measured), so both are settings. torch.__version__ is a str subclass, which weights_only loads refuse. No data
+    # (an empty data_dir) is check_config's line.
     return dict(given, data_dir=data.dir if data else given["data_dir"], tokenizer=data and data.tokenizer,
                 vocab_size=vocab_size, arms=records.typed_arms(given), device=runtime.device.split(":")[0],
                 dtype=runtime.dtype, torch_version=str(torch.__version__), world_size=runtime.world,

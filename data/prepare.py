@@ -30,6 +30,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
 
@@ -37,7 +38,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run as a script: the repository's modules too
-from common import DataError, Parser, check_writable, pid_lock, run, write_json, write_text  # noqa: E402
+from common import DataError, LockHeld, Parser, check_writable, pid_lock, run, write_json, write_text  # noqa: E402
 from data.shards import (BUNDLED, HEADER_INTS, TOKENIZER_SHA256, TOKENIZERS, bundled_corpus, get_tokenizer,  # noqa: E402
                          open_shard, read_prepare_record, shard_header, shard_problems)
 
@@ -625,6 +626,19 @@ def prepare_bundled(out_dir, tokenizer=None, quiet=False, corpus=None):
     return prepare(out_dir, input=input, tokenizer=tokenizer, val_docs=val_docs, shard_tokens=100_000_000, workers=1,
                    quiet=quiet)
 
+
+def prepare_bundled_or_wait(data_dir):
+    """The bundled corpus prepared on first use: by this process, or by the one preparing it now (a
+    worker of the same grid started meanwhile), which this one waits for."""
+    said = False
+    while True:
+        try:
+            return prepare_bundled(data_dir)
+        except LockHeld as e:
+            if not said:
+                print(f"waiting for {data_dir}: being prepared by {e.holder}")
+            said = True
+            time.sleep(2)
 
 
 def main(argv):

@@ -1,18 +1,20 @@
 """
 What training reads: the token shard format (llm.c / modded-nanogpt: a 256 x int32 header of magic
 20240520, version 1 and the token count, then uint16 tokens; build-nanogpt's headerless .npy too),
-finding a data_dir's shards, checking them against data/prepare.py's manifest.json, and the two
-tokenizers: gpt2 (50,257 ids) and bytes (the 256 UTF-8 byte values plus end-of-text: 257 ids).
+finding a data_dir's shards, checking them against data/prepare.py's manifest.json, the two
+tokenizers: gpt2 (50,257 ids) and bytes (the 256 UTF-8 byte values plus end-of-text: 257 ids), and
+the checks of a run's data before anything trains (resolve_data_dir, open_data: train.py).
 data/prepare.py writes shards; format and guarantees: docs/shards.md.
 """
 
+import dataclasses
 import hashlib
 import os
 from contextlib import contextmanager
 
 import numpy as np
 
-from common import DataError, read_json, write_atomic
+from common import ConfigError, DataError, read_json, write_atomic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_FILE = os.path.join(HERE, "gpt2.tiktoken")
@@ -323,3 +325,67 @@ def verify_manifest(data_dir, full=False):
     if problems:
         raise DataError(next(iter(problems.values())))
     return manifest
+
+
+# -----------------------------------------------------------------------------
+# the data a run trains on: train.py's checks before anything trains
+
+def resolve_data_dir(path):
+    """data_dir as an absolute path: a relative one is taken from the working directory when it is
+    there, else from the project directory (so the bundled default works from anywhere)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return os.path.abspath(path)
+    return os.path.abspath(os.path.join(os.path.dirname(HERE), path))
+
+
+@dataclasses.dataclass
+class DataFiles:
+    """What find_data found: the absolute data_dir, its tokenizer (byte and GPT-2 cells never pair), its
+    manifest (None without one) and its shards."""
+    dir: str
+    tokenizer: str
+    manifest: dict | None
+    val_path: str
+    train_paths: list
+
+
+def find_data(cfg, runtime):
+    """cfg's data_dir as DataFiles, with the shards' names and sizes checked against the manifest
+    (the bundled corpus prepared on first use)."""
+    data_dir = resolve_data_dir(cfg["data_dir"])
+    if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
+        if runtime.master:
+            from data.prepare import prepare_bundled_or_wait  # here: data/prepare.py imports this file
+            prepare_bundled_or_wait(data_dir)
+        if runtime.world > 1:
+            import torch.distributed as dist  # here: this file is torch-free for the tools that read data only
+            dist.barrier()
+    manifest = verify_manifest(data_dir, full=cfg["verify_shards"] and runtime.master)  # the sha256s once, on rank 0
+    val_path, train_paths = find_shards(data_dir)
+    tokenizer = manifest["tokenizer"] if manifest else shard_tokenizer(val_path)
+    return DataFiles(data_dir, tokenizer, manifest, val_path, train_paths)
+
+
+def data_vocab_size(tokenizer):
+    """The vocabulary of a tokenizer's data: its ids padded to a multiple of 64 (bytes 320, gpt2 50304)."""
+    return -(-TOKENIZERS[tokenizer].vocab_size // 64) * 64
+
+
+def open_data(cfg, data, vocab_size, init_tokenizer):
+    """The validation shard and the train shards of find_data's data, every one checked before
+    anything trains (other validation tokens show in each cell's val_hash)."""
+    manifest, val_path, train_paths = data.manifest, data.val_path, data.train_paths
+    tokenizer, data_dir = cfg["tokenizer"], cfg["data_dir"]
+    if init_tokenizer not in (None, tokenizer):  # the same ids would be other tokens
+        raise ConfigError(f"init_from={cfg['init_from']} was trained on {init_tokenizer} tokens, data_dir {data_dir} "
+                          f"holds {tokenizer} tokens; warm-start on data of the checkpoint's tokenizer")
+    needed = TOKENIZERS[tokenizer].vocab_size
+    if manifest and vocab_size < needed:
+        raise ConfigError(f"vocab_size={vocab_size} is less than the {needed} ids of {data_dir}'s {tokenizer} tokens; "
+                          f"set --vocab_size={data_vocab_size(tokenizer)} (padded to a multiple of 64), or leave it unset")
+    val = open_shard(val_path, vocab_size, tokenizer)
+    if cfg["eval_tokens"] > len(val):
+        raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is more than the validation shard {val_path} holds "
+                          f"({len(val):,} tokens); lower eval_tokens")
+    train_shards = [open_shard(path, vocab_size, tokenizer) for path in train_paths]
+    return val, train_shards

@@ -241,6 +241,25 @@ MUTANTS = [
      "tests/test_zoo.py", "frac: the read weights transposed (input i takes fraction i's row)"),
     ("model.py", "return state._replace(r=state.r + out)", "return state._replace(r=state.q + out)",
      "tests/test_zoo.py", "muddformer: the attention's output joins the query input, not the residual one"),
+    # issue #52: a lock of this very pid (a restart), the report's inputs and a report.lock this host cannot check
+    ("common.py", "if (pid, owner) == (str(os.getpid()), host) and os.path.abspath(path) not in held_locks:",
+     "if False:", "tests/test_common.py",
+     "a lock of this process's own pid (a container restart) held forever: the worker leaves the cell to itself"),
+    ("cells.py", "for name in (\"result.json\", \"downstream.json\")]", "for name in (\"result.json\",)]",
+     "tests/test_train.py", "a downstream.json newer than the report leaves the report up to date"),
+    ("cells.py", "inputs.append(os.path.join(cfg[\"out_dir\"], tune.TUNE_DIR, \"choice.json\"))", "pass",
+     "tests/test_train.py", "the report kept up to date after the tuning chose again"),
+    ("cells.py", "if e.alive:", "if True:", "tests/test_train.py",
+     "another host's report.lock: the grid ends without a report, exit 0, no line"),
+    # issue #52: export's --out= (an unset variable) and the exported model's survivors
+    ("export.py", "if not out.strip():", "if False:", "tests/test_export.py",
+     "--out= empty: the export replaces the working directory, or is written into its parent"),
+    ("modeling_nanodepth.py", "logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)",
+     "logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1)", "tests/test_export.py",
+     "the exported model's loss with labels= unshifted (each token scored on predicting itself)"),
+    ("modeling_nanodepth.py", "self.max_position_embeddings = self.gpt.get(\"block_size\", GPTConfig.block_size)",
+     "self.max_position_embeddings = 1024", "tests/test_export.py",
+     "max_position_embeddings fixed at 1024 whatever the cell's block_size (lm-eval reads it)"),
 ]
 
 

@@ -324,3 +324,25 @@ def test_fsdp_killed_and_resumed_equals_one_process(shards, tmp_path):
     a, b = (result(tmp_path / d, "attnres")["pairing"] for d in ("fsdp", "single"))
     assert (a["settings"].pop("fsdp"), b["settings"].pop("fsdp")) == (True, False)
     assert (a["settings"].pop("world_size"), b["settings"].pop("world_size")) == (2, 1) and a == b
+
+
+def test_open_trained_gives_the_cells_model_record_step_tokenizer_and_code_changes(stopped, shards, tmp_path):
+    out, cell_dir, _ = copy_of(stopped, tmp_path, shards)
+    ckpt = torch.load(cell_dir / "ckpt.pt", weights_only=True)
+    cell = checkpoint.open_trained(str(cell_dir))
+    assert (cell.step, cell.record, cell.code_changes, cell.changed()) == (4, ckpt["config"], [], "")
+    assert not cell.model.training and all(torch.equal(v, ckpt["model"][k]) for k, v in cell.model.state_dict().items())
+    assert cell.tokenizer_name == "gpt2" and cell.tokenizer.eot == 50256  # the shards' GPT-2 header, recorded
+    assert checkpoint.open_trained(str(cell_dir / "ckpt.pt")).step == 4  # the checkpoint itself, as its folder
+    # an older cell without a recorded tokenizer: asked of its data_dir, or one line when that is gone
+    code = dict(cell.code, definitions=dict(cell.code["definitions"], GPT="0" * 16))
+    for data_dir, expected in ((shards, "gpt2"), (str(tmp_path / "gone"), None)):
+        record = {k: v for k, v in ckpt["config"].items() if k != "tokenizer"} | dict(data_dir=data_dir, code=code)
+        torch.save(dict(ckpt, config=record), tmp_path / "older.pt")
+        older = checkpoint.open_trained(str(tmp_path / "older.pt"))
+        assert (older.code_changes, older.changed()) == (["GPT"], "GPT"), "the code changed since it trained: GPT"
+        if expected:
+            assert older.tokenizer_name == expected
+        else:
+            with pytest.raises(DataError, match=r"^the tokenizer of .*older.pt's data_dir is unknown: "):
+                older.tokenizer

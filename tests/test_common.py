@@ -230,6 +230,29 @@ def test_a_lock_held_by_a_dead_process_is_taken_over_and_a_live_one_is_not(tmp_p
         assert lock.read_text() == holder and os.listdir(tmp_path) == ["lock"]
 
 
+def test_a_lock_of_this_very_pid_is_stale_unless_this_process_holds_it(tmp_path):
+    # a container or pid-namespace restart: the new process has the old one's pid and host, and holds no lock yet
+    lock = tmp_path / "lock"
+    lock.write_text(f"{os.getpid()} {HOST}")
+    with common.pid_lock(str(lock), "busy"):
+        assert lock.read_text() == f"{os.getpid()} {HOST}" and os.listdir(tmp_path) == ["lock"]
+        with pytest.raises(common.LockHeld, match=rf"^busy by pid {os.getpid()} on {HOST}; wait"):
+            common.take_lock(str(lock), "busy")  # the lock this process holds is still held
+    assert not lock.exists() and not common.held_locks
+
+
+@pytest.mark.parametrize("text", ["garbage\x1b[31m red\nmore", "12 \x00host", "x"])
+def test_a_lock_naming_no_process_is_held_and_shown_escaped(tmp_path, text):
+    lock = tmp_path / "lock"
+    lock.write_text(text)
+    with pytest.raises(common.LockHeld) as err:
+        common.take_lock(str(lock), "busy")
+    message = str(err.value)
+    assert message.startswith("busy by a lock naming no process (") and f"remove {lock} if" in message, message
+    assert message.isprintable() and not err.value.alive, "a lock's raw control characters reach the terminal"
+    assert lock.read_text() == text
+
+
 def test_two_workers_taking_over_one_stale_lock_leave_it_to_the_first(tmp_path, monkeypatch):
     # B read the dead pid, then A took the lock over (here: A's lock, a live pid, is at the name) before
     # B acted on its read: B must find A's lock, not remove it and take the cell too
@@ -305,9 +328,27 @@ def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path, capsys):
     lock.write_text(f"{os.getppid()} {host}")
     train.main(tiny(shards, tmp_path / "o", "--arms=attnres"))
     out = capsys.readouterr().out
-    assert f"[attnres seed0] being trained by pid {os.getppid()} on {host}: left to it" in out
+    assert f"[attnres seed0] being trained by pid {os.getppid()} on {host}: left to it (if that process is gone, " \
+           f"rm {lock} and run again)" in out, "a reused pid would hold the cell without naming its lock"
     assert "the last worker to finish writes the report" in out
     assert sorted(os.listdir(cell)) == ["lock"] and not os.path.exists(tmp_path / "o" / "report.md")
+
+
+def test_a_worker_restarted_with_its_old_pid_trains_the_cell_and_a_garbage_lock_is_named(shards, tmp_path, capsys):
+    cell = tmp_path / "attnres" / "seed0"
+    cell.mkdir(parents=True)
+    (cell / "lock").write_text(f"{os.getpid()} {HOST}")  # left by this pid before a container restart
+    train.main(tiny(shards, tmp_path, "--arms=attnres", "--max_iters=2", "--eval_interval=2"))
+    assert (cell / "result.json").exists() and not (cell / "lock").exists()
+    capsys.readouterr()
+    other = tmp_path / "o"
+    (other / "attnres" / "seed0").mkdir(parents=True)
+    (other / "attnres" / "seed0" / "lock").write_text("\x1b]0;pwned\x07 x")
+    train.main(tiny(shards, other, "--arms=attnres", "--max_iters=2", "--eval_interval=2"))
+    out = capsys.readouterr().out
+    assert "being trained by a lock naming no process ('\\x1b]0;pwned\\x07 x'): left to it (if that process is " \
+           f"gone, rm {other / 'attnres' / 'seed0' / 'lock'} and run again)" in out, out
+    assert "\x1b" not in out
 
 
 def test_a_lock_appears_with_its_content_and_an_empty_one_is_taken_over(tmp_path):

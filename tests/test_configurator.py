@@ -58,3 +58,63 @@ def test_config_files_that_exec_neighbours_work_from_any_directory(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     cfg = configure(train.DEFAULTS, ["config/dar_120m.py"])  # not under tmp_path: found beside configurator.py
     assert cfg["n_layer"] == 12 and cfg["out_dir"] == "out/dar_120m" and "dar" in cfg["arms"]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("cfg.py", '{"max_iters": 10}\n'),  # a JSON object is a Python expression that sets nothing
+    ("cfg.txt", "max_iters: 10\nout_dir: runs/x\n"),  # YAML's key: value lines are Python annotations
+    ("cfg", "max_iters = 10\n- 3\n"),
+])
+def test_config_file_that_is_not_python_assignments_is_refused(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=rf"config file .*{name} line \d+ is not Python that sets a key.*"
+                                          r"name the file \.json or \.yaml"):
+        configure(DEFAULTS, [str(tmp_path / name)])
+
+
+def test_json_and_yaml_config_files_are_read_as_what_they_are(tmp_path):
+    (tmp_path / "c.json").write_text('{"max_iters": 10, "seeds": [3], "arms": "b", "init_from": null}')
+    (tmp_path / "c.yaml").write_text("# a comment\nmax_iters: 20\nout_dir: runs/x\ncompile: false\n")
+    (tmp_path / "empty.yml").write_text("")
+    cfg = configure(DEFAULTS, [str(tmp_path / "c.json")])
+    assert (cfg["max_iters"], cfg["seeds"], cfg["init_from"]) == (10, [3], None)
+    assert cfg["arms"] == {"b": DEFAULTS["arms"]["b"]}
+    cfg = configure(DEFAULTS, [str(tmp_path / "c.json"), str(tmp_path / "c.yaml"), str(tmp_path / "empty.yml")])
+    assert (cfg["max_iters"], cfg["out_dir"], cfg["compile"], cfg["seeds"]) == (20, "runs/x", False, [3])
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("torn.json", '{"max_iters": 1', "torn.json cannot be read"),
+    ("nan.json", '{"learning_rate": NaN}', r"cannot be read \(NaN is not JSON\)"),
+    ("list.json", "[1, 2]", "holds a list, not an object of keys"),
+    ("scalar.yaml", "just words", "holds a str, not an object of keys"),
+    ("keys.yaml", "1: 2", "not an object of keys"),
+    ("bad.yaml", "a: [1", "bad.yaml cannot be read"),
+    ("typo.yaml", "max_iter: 3", "unknown config key 'max_iter'; did you mean max_iters"),
+    ("latin1.py", b"out_dir = '\xe9'\n", "cannot be read .*give a UTF-8 text file"),
+])
+def test_json_and_yaml_config_file_errors_are_one_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        configure(DEFAULTS, [str(path)])
+
+
+@pytest.mark.parametrize("name", ["c.py", "c.json", "c.yaml"])
+def test_config_file_with_a_utf8_bom_is_read(tmp_path, name):
+    text = {"c.py": "max_iters = 7\n", "c.json": '{"max_iters": 7}', "c.yaml": "max_iters: 7\n"}[name]
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())  # what some editors put first
+    assert configure(DEFAULTS, [str(tmp_path / name)])["max_iters"] == 7
+
+
+def test_numpy_values_in_a_config_file_are_plain_numbers(tmp_path):
+    (tmp_path / "c.py").write_text("import numpy as np\nlearning_rate = np.float32(0.5)\nmax_iters = np.int64(9)\n"
+                                   "tune_learning_rates = np.logspace(-3, -2, 2)\nseeds = [np.int64(4)]\n")
+    cfg = configure(dict(DEFAULTS, tune_learning_rates=[]), [str(tmp_path / "c.py")])
+    assert (cfg["learning_rate"], cfg["max_iters"], cfg["seeds"]) == (0.5, 9, [4])
+    assert cfg["tune_learning_rates"] == [1e-3, 1e-2]
+    assert all(type(v) in (int, float) for v in [cfg["learning_rate"], cfg["max_iters"], *cfg["seeds"],
+                                                  *cfg["tune_learning_rates"]]), "numpy types left in the config"
+    import tune  # the rates' check takes them as the numbers they are, not as 'give positive numbers'
+    tune_cfg = dict(train.DEFAULTS, tune_learning_rates=cfg["tune_learning_rates"])
+    tune.check(tune_cfg)

@@ -707,6 +707,19 @@ def test_cli_writes_downstream_json_into_every_cell(tmp_path):
         assert json.load(f)["max_per_task"] is None
 
 
+def test_the_cli_says_when_the_code_changed_since_the_cell_trained(tmp_path, capsys):
+    bundle = write_bundle(tmp_path / "bundle", mixed_tasks())
+    cell = tmp_path / "out" / "attnres" / "seed0"
+    save_cell(cell, 0, step=3)  # its record holds no code: an earlier version's, compared as a whole
+    downstream.main([str(cell), f"--bundle={bundle}", "--max_per_task=5", "--device=cpu"])
+    assert f"note: the code differs from the one {cell} was trained with (all of it: " in capsys.readouterr().err
+    ckpt = torch.load(cell / "ckpt.pt", weights_only=True)
+    ckpt["config"]["code"] = records.code_record()  # today's: nothing to say
+    torch.save(ckpt, cell / "ckpt.pt")
+    downstream.main([str(cell), f"--bundle={bundle}", "--max_per_task=5", "--device=cpu"])
+    assert "code differs" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name, code, message", [
     ("model.py", ("base=10000.0", "base=10001.0"), ("must be in [0, 1)", "must lie in [0, 1)")),
     ("downstream.py", ("SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234", "SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1235"),

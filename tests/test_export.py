@@ -118,6 +118,33 @@ def test_bad_exports_are_one_line(tmp_path):
     assert not os.path.exists(tmp_path / "o")
 
 
+@pytest.mark.parametrize("out", ["", " "])
+def test_an_empty_out_is_refused_and_nothing_is_written(tmp_path, monkeypatch, out):
+    write_cell(tmp_path / "cell")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # --out=$UNSET: the working directory replaced, or a folder in its parent
+    with pytest.raises(UserError, match=r"^--out='\s*' is empty \(an unset variable\?\); give the folder to write"):
+        export.main([str(tmp_path / "cell"), f"--out={out}"])
+    assert sorted(os.listdir(tmp_path)) == ["cell", "cwd"] and os.listdir(tmp_path / "cwd") == []
+
+
+def test_the_exported_models_loss_with_labels_is_the_projects_and_its_length_the_cells(tmp_path):
+    """transformers' convention: labels are the input ids and the model shifts them (-100 ignored); tools such
+    as lm-evaluation-harness read the longest sequence from max_position_embeddings."""
+    gpt = write_cell(tmp_path / "cell", residual="rd_attnres", block_size=24)
+    export.main([str(tmp_path / "cell"), f"--out={tmp_path / 'hf'}"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    assert loaded.config.max_position_embeddings == 24, "lm-eval would cut or pad to another length than the cell's"
+    x = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(2))
+    labels = x.clone()
+    labels[1, -5:] = -100  # right padding, ignored
+    targets = labels[:, 1:].masked_fill(labels[:, 1:] == -100, -1)  # the project's ignored target is -1
+    with torch.no_grad():
+        ours = gpt(x[:, :-1], targets)[1]
+        theirs = loaded(x, labels=labels).loss
+    assert torch.allclose(theirs, ours, rtol=1e-6, atol=1e-6), f"loss with labels= {theirs} is not the cell's {ours}"
+
+
 def test_code_changed_since_training_is_refused_or_recorded(tmp_path):
     """The folder carries today's model.py: a cell whose scheme's code changed since it trained exports
     other logits than it computed, so export refuses it, or records the changes under --allow_changes=True."""

@@ -19,7 +19,7 @@ import records
 import train
 from configurator import configure
 from helpers import killed_at_step, log_records, logged, result, starts_as_standard, torchrun, without_timings
-from data.shards import BUNDLED
+from data.shards import BUNDLED, data_vocab_size, resolve_data_dir
 from model import GPT, GROUPED_MM, MLP, RESIDUALS, GPTConfig, MoE, expert_hidden, is_routing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -391,7 +391,7 @@ def test_config_files_are_valid_and_their_headers_count_right(path, world, total
     monkeypatch.chdir(ROOT)
     cfg = configure(train.DEFAULTS, [path])
     if cfg["vocab_size"] is None:  # the data sets it, as main does
-        cfg["vocab_size"] = train.data_vocab_size(BUNDLED[train.resolve_data_dir(cfg["data_dir"])])
+        cfg["vocab_size"] = data_vocab_size(BUNDLED[resolve_data_dir(cfg["data_dir"])])
     records.check_config(cfg, world)
     with torch.device("meta"):
         model = GPT(records.model_config(cfg, cfg["arms"]["standard"]))

@@ -691,8 +691,8 @@ def test_one_prepare_at_a_time_per_out_dir(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     host = socket.gethostname()
-    for holder, pid in ((f"{os.getpid()} {host}", os.getpid()), ("123 another-host", 123)):
-        (out / "lock").write_text(holder)  # a running prepare.py: this process, or one on another host
+    for holder, pid in ((f"{os.getppid()} {host}", os.getppid()), ("123 another-host", 123)):
+        (out / "lock").write_text(holder)  # a running prepare.py: a live process here (the parent), or one elsewhere
         with pytest.raises(DataError, match=rf"{out} is being prepared by pid {pid} on .*; wait for it, or remove "
                                               rf"{out / 'lock'} if that process is gone"):
             P.prepare(str(out), **args)

@@ -15,6 +15,7 @@ import importlib.machinery
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -34,7 +35,7 @@ import train
 from common import ConfigError, DataError
 from configurator import configure
 from helpers import log_records, logged, result, starts_as_standard, tiny, torchrun, without_timings
-from data.shards import BUNDLED, open_shard, write_shard
+from data.shards import BUNDLED, data_vocab_size, find_data, open_shard, resolve_data_dir, write_shard
 from model import GPT, RESIDUALS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +93,7 @@ def test_config_files_are_valid(path, world, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = configure(train.DEFAULTS, [path])
     if cfg["vocab_size"] is None:  # the data sets it, as main does
-        cfg["vocab_size"] = train.data_vocab_size(BUNDLED[train.resolve_data_dir(cfg["data_dir"])])
+        cfg["vocab_size"] = data_vocab_size(BUNDLED[resolve_data_dir(cfg["data_dir"])])
     records.check_config(cfg, world)
     if world == 8:  # the paper protocol: GPT-2 tokens, 2^19 tokens per step, 2.0B (controls: 0.5B) tokens per run
         assert cfg["vocab_size"] == 50304
@@ -210,7 +211,7 @@ def test_the_grids_config_json_is_what_build_config_assembles(grid, shards):
     given = configure(train.DEFAULTS, tiny(shards, grid, "--seeds=0,1"), entries=dict(arms=train.SCHEME_ARMS))
     before = json.dumps(given)
     runtime = machine.setup(given)
-    data = train.find_data(given, runtime)
+    data = find_data(given, runtime)
     cfg = train.build_config(given, runtime, data, checkpoint.load_init_from(""))
     assert json.dumps(given) == before
     recorded = json.load(open(os.path.join(grid, "config.json")))
@@ -457,6 +458,76 @@ def test_an_unusable_warm_start_is_one_line_before_training(warm, shards, tmp_pa
     assert not os.path.exists(tmp_path / "bad")
 
 
+# --- the report at the grid's end: written once, again when an input is newer, never silently not at all --------
+
+def finished_grid(out_dir, monkeypatch, tuned=False):
+    """A grid of one finished cell (attnres seed0) whose report.main writes report.md and counts its calls."""
+    cfg = dict(out_dir=str(out_dir), arms={"attnres": {}}, seeds=[0], reference_arm="",
+               tune_learning_rates=[1e-3, 1e-2] if tuned else [])
+    cell = out_dir / "attnres" / "seed0"
+    cell.mkdir(parents=True)
+    (cell / "result.json").write_text("{}")
+    calls = []
+    import report
+
+    def fake_report(argv):
+        calls.append(argv)
+        (out_dir / "report.md").write_text(f"report {len(calls)}")
+    monkeypatch.setattr(report, "main", fake_report)
+    return cfg, calls
+
+
+def age(path, seconds):
+    """Set path's modification time seconds in the past (negative: in the future)."""
+    when = os.path.getmtime(path) - seconds
+    os.utime(path, (when, when))
+
+
+def test_the_report_is_written_again_after_a_newer_downstream_result_or_tuning_choice(tmp_path, monkeypatch, capsys):
+    cfg, calls = finished_grid(tmp_path, monkeypatch, tuned=True)
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "choice.json").write_text("{}")
+    cells.write_report(cfg)
+    cells.write_report(cfg)
+    assert len(calls) == 1 and "report.md is up to date with every result" in capsys.readouterr().out
+    for newer in (tmp_path / "attnres" / "seed0" / "downstream.json", tmp_path / "tune" / "choice.json"):
+        newer.write_text("{}")  # scored later (python downstream.py), or the tuning chose again (--allow_changes)
+        age(newer, -10)
+        before = len(calls)
+        cells.write_report(cfg)
+        assert len(calls) == before + 1, f"the report ignores a newer {newer.name}"
+        age(newer, 100)  # older than the report again: the next one is up to date
+        cells.write_report(cfg)
+        assert len(calls) == before + 1
+    assert not (tmp_path / "report.lock").exists()
+
+
+@pytest.mark.parametrize("lock_text", ["123 another-host", "not a lock"])
+def test_a_report_lock_this_host_cannot_check_is_named_with_the_command_that_frees_it(
+        tmp_path, monkeypatch, lock_text):
+    cfg, calls = finished_grid(tmp_path, monkeypatch)
+    lock = tmp_path / "report.lock"
+    lock.write_text(lock_text)  # left by a worker on another host of a shared filesystem, or by hand
+    monkeypatch.setattr(cells, "REPORT_WAIT_S", 0)
+    with pytest.raises(DataError) as err:
+        cells.write_report(cfg)
+    assert str(err.value).startswith(f"no report written: {lock} is held by ") and str(err.value).endswith(
+        f"; if no run is writing it: rm {lock}; python report.py {tmp_path}"), str(err.value)
+    assert not calls and lock.read_text() == lock_text
+    # another host's worker writing it: this one waits for its lock to go, then finds the report written
+    monkeypatch.setattr(cells, "REPORT_WAIT_S", 60)
+    monkeypatch.setattr(cells.time, "sleep", lambda seconds: lock.unlink())
+    cells.write_report(cfg)
+    assert len(calls) == 1 and not lock.exists()
+
+
+def test_a_report_lock_of_a_live_process_here_is_left_to_it(tmp_path, monkeypatch, capsys):
+    cfg, calls = finished_grid(tmp_path, monkeypatch)
+    (tmp_path / "report.lock").write_text(f"{os.getppid()} {socket.gethostname()}")
+    cells.write_report(cfg)
+    assert not calls and f"report.md is being written by pid {os.getppid()} on " in capsys.readouterr().out
+
+
 # --- damaged inputs and outputs: one line each ----------------------------------------------------------
 
 def test_a_torn_result_is_one_line(shards, tmp_path):
@@ -534,10 +605,10 @@ def test_relative_data_dir_is_under_the_project_from_any_directory(shards, tmp_p
     train.main(tiny(os.path.relpath(shards, ROOT), "rel", "--max_iters=1", "--arms=attnres"))
     assert result(tmp_path / "rel", "attnres")["steps"] == 1  # out_dir: under the working directory
     assert result(tmp_path / "rel", "attnres")["config"]["data_dir"] == shards  # recorded resolved
-    assert BUNDLED[train.resolve_data_dir(train.DEFAULTS["data_dir"])] == "bytes"
+    assert BUNDLED[resolve_data_dir(train.DEFAULTS["data_dir"])] == "bytes"
     # one that is there from the working directory is taken from there
     os.makedirs("data/shakespeare_bytes")
-    assert train.resolve_data_dir(train.DEFAULTS["data_dir"]) == str(tmp_path / "data" / "shakespeare_bytes")
+    assert resolve_data_dir(train.DEFAULTS["data_dir"]) == str(tmp_path / "data" / "shakespeare_bytes")
 
 
 def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkeypatch):
