@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import common
+import grid_files
 import paired_stats
 import report
 import tune
@@ -502,7 +503,7 @@ def test_hostile_files_and_folders_are_skipped_with_a_note(tmp_path, monkeypatch
         return refuse
 
     monkeypatch.setattr(common, "open", refusing(real_open), raising=False)  # report reads JSON through common
-    monkeypatch.setattr(report, "open", refusing(real_open), raising=False)
+    monkeypatch.setattr(grid_files, "open", refusing(real_open), raising=False)
     monkeypatch.setattr(os, "listdir", refusing(real_listdir))
     paired, text = run(out)
     rd = paired["arms"]["rd"]
@@ -883,6 +884,23 @@ def tuned_grid(tmp_path, change=None):
     return out
 
 
+def test_report_runs_where_torch_cannot_be_imported(tmp_path):
+    """A copied grid on a machine with numpy, scipy and matplotlib only: report.py writes its report (a stub torch
+    package first on the path raises ImportError, as an absent one would)."""
+    out = tuned_grid(tmp_path)
+    stub = tmp_path / "no_torch" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('No module named torch (a test stub)')\n")
+    env = dict(os.environ, PYTHONPATH=str(stub.parent), OMP_NUM_THREADS="1")
+    cli = subprocess.run([sys.executable, "report.py", str(out)], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.abspath(report.__file__)))
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    text = (out / "report.md").read_text()
+    assert "## Learning-rate tuning" in text and "## Paired against parent" in text, "the tuning read without torch"
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True, env=env)
+    assert probe.returncode != 0 and "a test stub" in probe.stderr, "the stub must make torch unimportable"
+
+
 def test_the_tuning_section_shows_each_arms_rates_its_choice_and_cost(tmp_path, no_matplotlib):
     paired, text = run(make_grid(tmp_path, LOSSES))
     assert paired["tuning"] is None and "Learning-rate tuning" not in text
@@ -1061,7 +1079,7 @@ def test_the_delta_curves_of_every_reference_are_one_figure(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
     out = make_grid(tmp_path, BASELINE_LOSSES, arms=BASELINE_ARMS)
-    arms, seeds, results, unusable, logs, _ = report.load_grid(str(out))
+    arms, seeds, results, unusable, logs, _ = grid_files.load_grid(str(out))
     comparisons = {ref: report.compare(ref, ["standard"][:i], arms, seeds, results, unusable, logs, 0.03)
                    for i, ref in enumerate(["standard", "scaled_residual"])}
     assert comparisons["scaled_residual"]["curves"]["gated"]["mean"] == pytest.approx([0, 0, -0.02])

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import grid_files
 import records
 import report
 import train
@@ -131,7 +132,7 @@ def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller
     printed = capsys.readouterr().out
     assert "tuned: standard at learning_rate 0.003 (the safer rate: 0.01 has the lowest mean" in printed
     assert "tuned: attnres at learning_rate 0.001 (the lowest mean)" in printed
-    assert report.tuning_problem(record, os.path.dirname(tune_dir)) is None  # what tune writes, the report reads
+    assert grid_files.tuning_problem(record, os.path.dirname(tune_dir)) is None  # what tune writes, the report reads
     before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
     assert tune.choose(cfg, tune_dir) == choice  # rerun: the same choice, the same file
     assert open(os.path.join(tune_dir, "choice.json"), "rb").read() == before
