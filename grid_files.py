@@ -474,8 +474,10 @@ def beats(row, safer):
 
 def stable_choice(rows):
     """(rate, reason) for one arm from its tuning rows: among the rates where every seed finished below its step-0
-    loss, the smallest that no larger rate beats; (None, reason) where no rate did. The lowest mean is never
-    beaten (a larger rate's gain over it is not positive), so the choice is it or a smaller, safer rate."""
+    loss, the smallest that no larger rate beats (every larger one, not only the next: rates need not be ordered like
+    their losses); (None, reason) where no rate did. The lowest mean is never beaten (a larger rate's gain over it
+    is not positive), so the choice is it or a smaller, safer rate. The reason says why: the lowest mean and which
+    rate beats the next smaller one, or why the lowest mean does not beat the safer rate."""
     usable = sorted((row for row in rows if row["problem"] is None), key=lambda row: row["learning_rate"])
     if not usable:
         return None, "no rate finished on every tuning seed (" + "; ".join(
@@ -484,8 +486,14 @@ def stable_choice(rows):
     best = min(usable, key=lambda row: (row["mean"], row["learning_rate"]))
     below = [row for row in usable if row["learning_rate"] < chosen["learning_rate"]]
     if chosen is best:
-        won = beats(best, below[-1]) if below else None
-        return best["learning_rate"], "the lowest mean" + (f", {won}" if won else "")
+        if not below:
+            return best["learning_rate"], "the lowest mean"
+        safer = below[-1]  # the next smaller rate, beaten by the chosen one or by a rate above it
+        winner = next(r for r in usable if r["learning_rate"] > safer["learning_rate"] and beats(r, safer))
+        won = beats(winner, safer)
+        return best["learning_rate"], "the lowest mean, " + (won if winner is best else
+                                                             f"and {rate_name(winner['learning_rate'])} beats "
+                                                             f"{rate_name(safer['learning_rate'])} ({won})")
     worse = [s for s, loss in chosen["val_loss"].items() if not best["val_loss"][s] < loss]
     how = f"worse on seed {', '.join(worse)}" if worse else \
         f"{chosen['mean'] - best['mean']:.4f} lower, within its seeds' s.d. {best['sd']:.4f}"

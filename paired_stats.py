@@ -67,7 +67,8 @@ def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
     taken as 0), with its 95% interval mean +- t(n - 1) sqrt(var(mean)) (ci95_t: the seeds' degrees of freedom);
     and the 95% interval of a two-way bootstrap that draws seeds and sequences independently, with replacement
     (ci95; the generator seeded with BOOTSTRAP_SEED: the same on every run). The bootstrap draws only from the n
-    seeds seen, so at few seeds it is narrower than ci95_t, and than the seeds-only t interval. n, m >= 2."""
+    seeds seen, so at few seeds it is narrower than ci95_t, and than the seeds-only t interval. n, m >= 2. Identical
+    deltas everywhere (identical) have neither interval (NaN), nor shares."""
     d = np.asarray(deltas, dtype=np.float64)
     n, m = d.shape
     rng = np.random.default_rng(BOOTSTRAP_SEED)
@@ -87,8 +88,13 @@ def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
                     seed_x_text=mean_square_interaction / (n * m))
     total = sum(variance.values())
     half = stats.t.ppf(0.975, n - 1) * math.sqrt(total)
-    return dict(n=n, sequences=m, mean=float(mean), ci95_t=[float(mean - half), float(mean + half)],
-                ci95=[float(q) for q in np.quantile(means, [0.025, 0.975])],
+    # every delta the same (an arm that computes what the reference does): no variance, and so no interval, rather
+    # than one of zero width that would claim the mean exactly
+    identical = bool((d == d.flat[0]).all())
+    undefined = [float("nan")] * 2
+    return dict(n=n, sequences=m, mean=float(mean), identical=identical,
+                ci95_t=undefined if identical else [float(mean - half), float(mean + half)],
+                ci95=undefined if identical else [float(q) for q in np.quantile(means, [0.025, 0.975])],
                 bootstrap_sd=float(means.std()), resamples=resamples, variance={k: float(v) for k, v in variance.items()},
                 share={k: float(v / total) if total > 0 else float("nan") for k, v in variance.items()})
 

@@ -291,7 +291,8 @@ def loss_curves(logs, arm, seeds):
 
 
 def delta_curve(logs, arm, reference, seeds):
-    """NLL(arm) - NLL(reference) at the evaluations every seed has: tokens, mean and 95% t-interval over seeds."""
+    """NLL(arm) - NLL(reference) at the evaluations every seed has: tokens, mean and 95% t-interval over seeds (NaN
+    where fewer than 2 seeds or every seed has the same delta: undefined)."""
     (tokens, values), (ref_tokens, ref_values) = loss_curves(logs, arm, seeds), loss_curves(logs, reference, seeds)
     common = np.intersect1d(tokens, ref_tokens)
     d = values[:, np.isin(tokens, common)] - ref_values[:, np.isin(ref_tokens, common)]
@@ -299,6 +300,7 @@ def delta_curve(logs, arm, reference, seeds):
     with np.errstate(over="ignore", invalid="ignore"):  # a diverging arm's losses past 1e308: inf, null in paired.json
         mean = d.mean(0) if n else np.full(len(common), np.nan)
         half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
+        half = np.where((d == d[:1]).all(0), np.nan, half)  # every seed the same delta: no interval, not a zero-wide one
         return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
 
 
@@ -306,9 +308,10 @@ def delta_curve(logs, arm, reference, seeds):
 # text: numbers, text from files as inert markdown or plot text, file names
 
 def fmt(x, spec="+.4f"):
-    """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits)."""
+    """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits); a
+    number that is not defined (None, NaN: no seed, one seed) is the word, never nan."""
     if x is None or isinstance(x, float) and math.isnan(x):
-        return "nan"
+        return "undefined"
     return format(x, spec[:-1] + "e" if spec.endswith("f") and abs(x) >= 1e6 else spec)
 
 
@@ -467,19 +470,32 @@ def strict(x):
     return x
 
 
+def interval(ci):
+    """A 95% interval as a table cell: [low, high], or undefined where either end is (no seeds to draw it from)."""
+    return "undefined" if any(x is None or math.isnan(x) for x in ci) else f"[{fmt(ci[0])}, {fmt(ci[1])}]"
+
+
 def statistics_cells(st):
-    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells; identical
-    deltas have no t interval or p ("undefined", said under the table: identical_lines)."""
-    interval = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
-    return [str(st["n"]), f"{st['wins']}/{st['n']}", fmt(st["mean"]), fmt(st["std"], ".4f"), interval,
-            "undefined" if st["identical"] else fmt(st["p_ttest"], ".3g"), fmt(st["p_sign"], ".3g")]
+    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells; what is not
+    defined (no seed, one seed, identical deltas) is "undefined", said why under the table (identical_lines)."""
+    t_test = st["n"] > 1 and not st["identical"]
+    return [str(st["n"]), f"{st['wins']}/{st['n']}", fmt(st["mean"]), fmt(st["std"], ".4f"),
+            interval(st["ci95"]) if t_test else "undefined", fmt(st["p_ttest"], ".3g") if t_test else "undefined",
+            fmt(st["p_sign"], ".3g")]
 
 
 def identical_lines(statistics):
-    """A line per comparison ({name: paired_statistics}) whose seeds all have the same delta."""
-    lines = [f"- {md(name)}: every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are "
-             f"undefined (s.d. 0), not p = 0; the sign test still counts"
-             for name, st in statistics.items() if st["identical"]]
+    """A line per comparison ({name: paired_statistics}) whose statistics are not all defined, saying why: no paired
+    seed, one, or every seed the same delta."""
+    def why(st):
+        if st["n"] == 0:
+            return "no paired seed: its mean, s.d., interval and p-values are undefined (see the seeds left out)"
+        if st["n"] == 1:
+            return ("1 paired seed: no s.d., so the t-test's p and interval are undefined; a sign test of one seed "
+                    "cannot go below p = 1")
+        return (f"every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are undefined "
+                f"(s.d. 0), not p = 0; the sign test still counts") if st["identical"] else None
+    lines = [f"- {md(name)}: {reason}" for name, st in statistics.items() if (reason := why(st))]
     return lines + [""] if lines else []
 
 
@@ -527,16 +543,19 @@ def text_lines(others, paired):
     notes = []
     for arm in others:
         st, text = paired[arm], paired[arm]["text"]
-        seeds_only = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
+        seeds_only = "undefined" if st["identical"] else interval(st["ci95"])
         if "unavailable" in text:
             lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", *["-"] * 4))
             notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
             continue
         share = text["share"]
+        shares = ["-"] * 3 if text.get("identical") else \
+            [fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text")]
         lines.append(table_row(arm, str(text["n"]), str(text["sequences"]), fmt(text["mean"]), seeds_only,
-                               f"[{fmt(text['ci95_t'][0])}, {fmt(text['ci95_t'][1])}]",
-                               f"[{fmt(text['ci95'][0])}, {fmt(text['ci95'][1])}]",
-                               *(fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text"))))
+                               interval(text["ci95_t"]), interval(text["ci95"]), *shares))
+        if text.get("identical"):
+            notes.append(f"- {md(arm)}: every seed and sequence has the same delta: no variance, so the intervals "
+                         f"over seeds and text are undefined (not zero wide) and no source has a share")
         if text["sequences"] < FEW_SEQUENCES:
             notes.append(f"- {md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
                          f"{FEW_SEQUENCES}): the text's share is estimated from little text; raise eval_tokens")
@@ -745,14 +764,32 @@ def beside(out_dir, other, comparisons):
         raise DataError(f"--beside={other}: its paired.json's by_reference is not a report's (comparisons by "
                         f"reference, each with its arms); run python report.py {other} again")
     configs = [grid_record(d) for d in (out_dir, other)]
-    differ = sorted(k for k in set(configs[0]) | set(configs[1])
-                    if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k))
+    unrecorded = [d for d, c in zip((out_dir, other), configs) if not c]
+    differ = [] if unrecorded else sorted(k for k in set(configs[0]) | set(configs[1])
+                                          if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k))
     rows = []
     for reference, comparison in comparisons.items():
         there = (by_reference.get(reference) or {}).get("arms") or {}
         rows += [dict(arm=arm, reference=reference, here=here, there=there[arm] if isinstance(there.get(arm), dict) else None)
                  for arm, here in comparison["paired"].items()]
-    return dict(out_dir=other, differ=differ, rows=rows)
+    arms = dict.fromkeys(a for row in rows for a in (row["reference"], row["arm"]))
+    return dict(out_dir=other, differ=differ, rows=rows, unrecorded=unrecorded,
+                arm_differ={} if unrecorded else arm_differences(configs, arms))
+
+
+def arm_differences(configs, arms):
+    """{arm: ["key (here vs there)", ...]} for the arms whose own settings (each over its grid's) differ between two
+    grids' config.json: one arm name for two methods (Block AttnRes here, Full AttnRes there) compares nothing alike."""
+    differ = {}
+    for arm in arms:
+        own = [c["arms"].get(arm) if isinstance(c.get("arms"), dict) else None for c in configs]
+        if not all(isinstance(o, dict) for o in own):
+            differ[arm] = ["not recorded in both grids' config.json"]
+            continue
+        values = [{k: o.get(k, c.get(k)) for k in sorted(set(own[0]) | set(own[1]))} for o, c in zip(own, configs)]
+        if keys := [k for k in values[0] if values[0][k] != values[1][k]]:
+            differ[arm] = ["{} ({} vs {})".format(k, *shorten(values[0][k], values[1][k])) for k in keys]
+    return differ
 
 
 def beside_lines(side):
@@ -761,12 +798,20 @@ def beside_lines(side):
         if st is None:
             return ["-"] * 4
         text = st.get("text") or {}
-        interval = "unavailable" if "ci95_t" not in text else f"[{fmt(text['ci95_t'][0])}, {fmt(text['ci95_t'][1])}]"
-        return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), interval]
-    differ = ", ".join(side["differ"]) or "nothing"
+        ci = "unavailable" if "ci95_t" not in text else interval(text["ci95_t"])
+        return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), ci]
+    if side["unrecorded"]:
+        settings = (f"The grids' settings cannot be compared: {md(' and '.join(side['unrecorded']))} holds no readable "
+                    f"config.json.")
+    else:
+        arms = "; ".join(f"{arm}: {', '.join(keys)}" for arm, keys in side["arm_differ"].items())
+        grid = f"differ in: {md(', '.join(side['differ']))}" if side["differ"] else "are alike"
+        settings = (f"The grids' settings {grid}" +
+                    (f"; **arms of one name with other settings** (their rows compare different methods or rates): "
+                     f"{md(arms)}." if arms else "; every compared arm's own settings are alike."))
     lines = [f"## Beside {md(side['out_dir'])}", "",
              f"Each comparison here and the same one there (from its paired.json): mean delta, wins, p (t-test) and the "
-             f"95% interval over seeds and text (t). The grids' settings differ in: {md(differ)}.", "",
+             f"95% interval over seeds and text (t). {settings}", "",
              "| arm | reference | here: mean delta | wins | p | CI, seeds and text | there: mean delta | wins | p | "
              "CI, seeds and text |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [table_row(row["arm"], md(row["reference"]), *cells(row["here"]), *cells(row["there"])) for row in side["rows"]]
@@ -869,7 +914,8 @@ def comparison_lines(reference, comparison, earlier, effect):
         st = paired[arm]
         percent = 100 * st["ppl_change"]
         table.append(table_row(arm, *statistics_cells(st),
-                               "off scale" if math.isinf(percent) else fmt(percent, "+.2f") + "%"))
+                               "off scale" if math.isinf(percent) else "undefined" if math.isnan(percent)
+                               else fmt(percent, "+.2f") + "%"))
         lines.append(f"Per-seed deltas, {md(arm)}: "
                      + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(st["seeds"], st["deltas"])) or "none"))
     lines += ["", *table, "", *identical_lines({arm: paired[arm] for arm in others})]

@@ -16,12 +16,13 @@ seeds never choose a rate (tune_seeds and seeds may not overlap), nor does the c
 empty tune_learning_rates is the frozen protocol (one setting for every arm), the default.
 """
 
+import json
 import os
 import sys
 
 import records
 from common import ConfigError, write_json
-from grid_files import TUNE_DIR, rate_name, stable_choice, tuning_arm, tuning_row
+from grid_files import TUNE_DIR, rate_name, recorded_choice, stable_choice, tuning_arm, tuning_row
 TUNED_KEYS = ("learning_rate", "min_lr")  # what tuning sets in each arm
 
 
@@ -112,13 +113,33 @@ def choose(cfg, tune_dir, master=True):
             raise ConfigError(f"arm {arm!r}: {reason[arm]}; add smaller rates to tune_learning_rates")
     if master:
         n = cfg["eval_tokens"]
-        write_json(os.path.join(tune_dir, "choice.json"), dict(
+        record = dict(
             tune_seeds=list(seeds), tune_iters=budget, max_iters=cfg["max_iters"], seeds=list(cfg["seeds"]),
             learning_rates=rates, min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"),
-            tuning_text=dict(first_token=n, tokens=n), test_tokens=n, table=table, choice=choice, reason=reason))
+            tuning_text=dict(first_token=n, tokens=n), test_tokens=n, table=table, choice=choice, reason=reason)
+        check_recorded(os.path.join(tune_dir, "choice.json"), recorded_choice(tune_dir), record)
+        write_json(os.path.join(tune_dir, "choice.json"), record)
         for arm in choice:
             print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({reason[arm]})")
     return choice
+
+
+CHOICE_SETTINGS = ("tune_seeds", "tune_iters", "max_iters", "seeds", "learning_rates", "min_lr_ratio", "tuning_text",
+                   "test_tokens")  # what a choice.json was made under; the rest follows from its tuning cells
+
+
+def check_recorded(path, recorded, record):
+    """A choice.json written before is replaced only by what it would be anyway, or by another tuning's (its
+    settings changed, --allow_changes: said in one line); one of the same tuning that differs was edited or copied,
+    and is refused rather than silently rewritten."""
+    if recorded is None or recorded == json.loads(json.dumps(record)):
+        return
+    if changed := [k for k in CHOICE_SETTINGS if recorded.get(k) != record[k]]:
+        print(f"note: {path} rewritten: this tuning's {', '.join(changed)} differ from the recorded one's")
+        return
+    differ = [k for k in sorted(set(recorded) | set(record)) if recorded.get(k) != json.loads(json.dumps(record.get(k)))]
+    raise ConfigError(f"{path} differs from the choice its tuning cells give (in {', '.join(differ)}): edited by "
+                      f"hand or copied from another tuning; delete it and rerun the same command to write it again")
 
 
 def tuned_arms(cfg, choice):

@@ -167,7 +167,18 @@ def test_variance_shares_in_closed_form():
     # the same seeds with no text effect: the seeds-only t interval of the per-seed deltas
     seeds_only = paired_stats.text_uncertainty(np.repeat(seed[:, None], 5, axis=1), resamples=100)
     assert seeds_only["ci95_t"] == pytest.approx(paired_stats.paired_statistics(seed)["ci95"], rel=1e-12)
-    assert paired_stats.text_uncertainty(np.zeros((2, 3)), resamples=10)["ci95"] == [0.0, 0.0]
+
+
+
+@pytest.mark.parametrize("value", [0.0, -0.03])
+def test_identical_sequence_deltas_draw_no_zero_width_interval(value):
+    # issue #52: every seed and sequence the same delta gave "[+0.0000, +0.0000]" over seeds and text: no variance
+    # is no interval, not certainty
+    tu = paired_stats.text_uncertainty(np.full((3, 4), value), resamples=10)
+    assert tu["identical"] and tu["mean"] == pytest.approx(value)
+    assert all(math.isnan(x) for x in tu["ci95"] + tu["ci95_t"]), f"an interval of zero width was drawn: {tu}"
+    varied = paired_stats.text_uncertainty(np.array([[0.0, 0.0], [0.0, 0.1]]), resamples=10)
+    assert not varied["identical"] and varied["ci95_t"][0] < varied["ci95_t"][1], "one delta apart is variance"
 
 
 def test_variance_components_by_simulation():

@@ -188,7 +188,11 @@ def test_each_arm_is_paired_with_the_reference_seed_by_seed(tmp_path, no_matplot
         (0, "extra/seed0 missing"), (1, "extra/seed1 diverged"), (3, "parent and extra differ in code")]
     assert new["seeds"] == [] and [d["reason"] for d in new["left_out"]] == [f"new/seed{s} missing" for s in range(4)]
     assert "| rd | 2 | 2/2 |" in text and "| extra | 1 | 1/1 |" in text and "- extra, seed 0: extra/seed0 missing" in text
-    assert "| new | 0 | 0/0 | nan | nan | [nan, nan] | nan | nan | nan% |" in text
+    assert "| new | 0 | 0/0 | undefined | undefined | undefined | undefined | undefined | undefined |" in text
+    assert "- new: no paired seed: its mean, s.d., interval and p-values are undefined" in text
+    assert "- extra: 1 paired seed: no s.d., so the t-test's p and interval are undefined" in text
+    assert "nan" not in text.replace("| extra | 1 | 10 | nan |", ""), "undefined statistics are words (the diverged " \
+        "cell's reason is its own)"
     assert "Per-seed deltas, extra: seed 2: -0.0200" in text
 
 
@@ -572,7 +576,7 @@ def test_power_says_why_without_two_seeds_or_spread(tmp_path, no_matplotlib):
     assert power["std"] is None and power["detectable_effect"] is None and power["seeds_needed"] is None
     assert power["notes"] == ["n = 1: no s.d. of the deltas to size the t-test from",
                               "the sign test cannot reach p < 0.05 at 1 seed: its smallest p is 1; it needs 6"]
-    assert "| rd | 1 | nan | - | - | 1 |" in text and "- rd: n = 1: no s.d. of the deltas" in text
+    assert "| rd | 1 | undefined | - | - | 1 |" in text and "- rd: n = 1: no s.d. of the deltas" in text
 
 
 def test_a_diverging_but_finite_arm_still_gets_its_report(tmp_path, no_matplotlib):
@@ -754,7 +758,7 @@ def test_downstream_pairs_only_one_evaluation_and_says_why_not(tmp_path, no_matp
     assert "rd/seed4/downstream.json: unreadable (not JSON)" in paired["skipped"]
     for seed, reason in reasons.items():
         assert f"- rd, seed {seed}: {reason}" in text
-    assert "| rd | 0 | 0/0 | nan |" in text and "Task accuracy" not in text
+    assert "| rd | 0 | 0/0 | undefined |" in text and "Task accuracy" not in text
     assert "| parent | 0.1333 | 0.1400 | - | 0.1533 | 0.1600 | 0.1667 | 0.1733 |" in text  # CORE per cell
     assert "| rd | 0.2000 | 0.2000 | 0.1600 | 0.2000 | unreadable | 0.2000 | 0.1867 |" in text
     write_downstream(out, "rd", 0, dict(hellaswag=32, lambada=20), bundle="b" * 64)
@@ -1105,6 +1109,24 @@ def with_sequences(out, arms, seeds, sequences, rng):
     return recorded
 
 
+def test_identical_deltas_draw_no_zero_width_interval_in_the_report(tmp_path, no_matplotlib):
+    # rd computes what parent does (every seed and sequence the same delta): no interval anywhere, in words
+    out = make_grid(tmp_path, {(arm, s): 3.0 + s / 8 for arm in ("parent", "rd") for s in range(3)})
+    for arm in ("parent", "rd"):
+        for seed in range(3):
+            edit(out, arm, seed, lambda r: r.update(val_sequence_losses=[r["val_loss"] - 0.25, r["val_loss"] + 0.25]))
+    paired, text = run(out)
+    rd = paired["arms"]["rd"]
+    assert rd["text"]["identical"] and rd["text"]["ci95_t"] == [None, None] and rd["text"]["ci95"] == [None, None]
+    assert "| rd | 3 | 2 | +0.0000 | undefined | undefined | undefined | - | - | - |" in text
+    assert "- rd: every seed and sequence has the same delta: no variance, so the intervals over seeds and text " \
+           "are undefined (not zero wide)" in text
+    assert "[+0.0000, +0.0000]" not in text, "an interval of zero width drawn from identical deltas"
+    curve = rd["delta_curve"]
+    assert all(low is None and high is None for low, high in zip(curve["ci95_low"], curve["ci95_high"])), \
+        "every evaluation's deltas are identical: the curve's band is undefined, not zero wide"
+
+
 def test_the_text_interval_and_shares_are_paired_stats_on_the_sequence_deltas(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     losses = with_sequences(out, ("parent", "rd"), range(4), 50, np.random.default_rng(0))
@@ -1186,11 +1208,43 @@ def test_a_grid_beside_the_same_grid_on_another_corpus(tmp_path, no_matplotlib):
     ci = here_rd["text"]["ci95_t"]
     assert (f"| rd | parent | {here_rd['mean']:+.4f} | 4/4 | {here_rd['p_ttest']:.3g} | [{ci[0]:+.4f}, {ci[1]:+.4f}] | "
             f"{there_rd['mean']:+.4f} | {there_rd['wins']}/4 | {there_rd['p_ttest']:.3g} | unavailable |") in text
-    assert "settings differ in: data_dir, train_data_sha256." in text
+    assert "settings differ in: data_dir, train_data_sha256; every compared arm's own settings are alike." in text
     for by_reference in ([theirs["by_reference"]], {"parent": {"arms": [1]}}):  # not what a report writes
         (there / "paired.json").write_text(json.dumps(dict(theirs, by_reference=by_reference)))
         with pytest.raises(common.DataError, match=r"paired.json's by_reference is not a report's .*; run python report.py"):
             run(here, f"--beside={there}")
+
+
+def test_beside_with_two_references_and_an_arm_of_other_settings_there(tmp_path, no_matplotlib):
+    # two references (the baselines by name), and arm x Block AttnRes here but Full AttnRes there: each reference's
+    # rows show that reference's numbers from the other grid, and x's other settings are named, never "nothing"
+    arms = ("standard", "scaled_residual", "x")
+    losses = {(arm, s): 3.0 + s / 10 - i / 50 for i, arm in enumerate(arms) for s in range(3)}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    here = make_grid(tmp_path / "a", losses, arms=arms)
+    there = make_grid(tmp_path / "b", {(arm, s): loss + 0.3 * (arm == "x") + 0.01 * s for (arm, s), loss in
+                                       losses.items()}, arms=arms)
+    for out, block in ((here, 2), (there, 1)):
+        config = json.loads((out / "config.json").read_text())
+        config["arms"]["x"] = dict(residual="attnres", attnres_block_size=block)
+        (out / "config.json").write_text(json.dumps(config))
+    theirs, _ = run(there)
+    paired, text = run(here, f"--beside={there}")
+    rows = {(row["arm"], row["reference"]): row for row in paired["beside"]["rows"]}
+    assert set(rows) == {("scaled_residual", "standard"), ("x", "standard"), ("x", "scaled_residual")}
+    for (arm, reference), row in rows.items():
+        assert row["there"] == theirs["by_reference"][reference]["arms"][arm], \
+            f"{arm} against {reference}: the other grid's numbers against that reference, not the first one's"
+    x = theirs["by_reference"]["scaled_residual"]["arms"]["x"]
+    assert f"| x | scaled_residual | {paired['by_reference']['scaled_residual']['arms']['x']['mean']:+.4f} | 3/3 |" in text
+    assert f"| {x['mean']:+.4f} | 0/3 |" in text, "the second reference's row holds its own numbers there"
+    assert paired["beside"]["arm_differ"] == {"x": ["attnres_block_size (2 vs 1)"]}
+    assert "differ in: nothing" not in text and "The grids' settings are alike; **arms of one name" in text
+    assert ("**arms of one name with other settings** (their rows compare different methods or rates): x: "
+            "attnres_block_size (2 vs 1).") in text
+    (there / "config.json").unlink()
+    _, text = run(here, f"--beside={there}")
+    assert f"The grids' settings cannot be compared: {there} holds no readable config.json." in text
 
 
 def test_a_grid_of_one_arm_says_so_instead_of_an_empty_table(tmp_path, no_matplotlib):
