@@ -64,8 +64,8 @@ from scipy import stats
 from common import DataError, Parser, remove_stale_temporaries, run, write_atomic, write_text
 from grid_files import (TUNE_DIR, as_compared, close, described, grid_record, is_finite, is_seed, load_downstream,
                         load_grid, read_paired, read_tuning, tuning_results)
-from paired_stats import (ALPHA, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, paired_statistics, perplexity_change,
-                          power_analysis, text_uncertainty)
+from paired_stats import (ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER,
+                          paired_statistics, perplexity_change, power_analysis, text_uncertainty, verdict)
 
 MISSING = object()  # a pairing key one cell does not record
 
@@ -529,6 +529,29 @@ def text_comparison(results, reference, arm, seeds):
     return text_uncertainty(np.stack(rows))
 
 
+def disagreement(st, text):
+    """Why an arm's intervals disagree on whether 0 is inside (the seeds' t, the t over seeds and text, the bootstrap),
+    and which one the verdict quotes; None where they agree."""
+    intervals = {"the seeds' t interval": st["ci95"], "the t interval over seeds and text": text["ci95_t"],
+                 "the bootstrap": text["ci95"]}
+    excludes = {name: ci[1] < 0 or ci[0] > 0 for name, ci in intervals.items()
+                if not any(x is None or math.isnan(x) for x in ci)}
+    if len(set(excludes.values())) < 2:
+        return None
+    why = []
+    if "the bootstrap" in excludes and text["n"] < BOOTSTRAP_CALIBRATED_SEEDS:
+        why.append(f"the bootstrap draws only from the {text['n']} seeds seen and is too narrow below "
+                   f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds")
+    if "the seeds' t interval" in excludes and excludes["the seeds' t interval"] != excludes.get(
+            "the t interval over seeds and text", excludes["the seeds' t interval"]):
+        why.append("the t interval over seeds and text counts the text's variance (which sequences were evaluated) "
+                   "beside the seeds'")
+    inside = [name for name, out in excludes.items() if not out]
+    return (f"{' and '.join(n for n, out in excludes.items() if out)} exclude{'s' * (len(excludes) - len(inside) == 1)}"
+            f" 0, {' and '.join(inside)} do{'es' * (len(inside) == 1)} not: {'; '.join(why) or 'they are estimated apart'}; "
+            f"the verdict quotes {verdict(st | dict(text=text))[2]}")
+
+
 def text_lines(others, paired):
     """The report's table of each arm's mean delta over seeds and validation text together, beside the seeds-only
     t interval, with each source's share of the variance; why it is unavailable where it is."""
@@ -556,6 +579,8 @@ def text_lines(others, paired):
         if text.get("identical"):
             notes.append(f"- {md(arm)}: every seed and sequence has the same delta: no variance, so the intervals "
                          f"over seeds and text are undefined (not zero wide) and no source has a share")
+        if reason := disagreement(st, text):
+            notes.append(f"- {md(arm)}: {reason}")
         if text["sequences"] < FEW_SEQUENCES:
             notes.append(f"- {md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
                          f"{FEW_SEQUENCES}): the text's share is estimated from little text; raise eval_tokens")
@@ -931,6 +956,134 @@ def comparison_lines(reference, comparison, earlier, effect):
     return lines
 
 
+# -----------------------------------------------------------------------------
+# the report's opening: what was compared (settings, size, data, code) and one verdict per pair
+
+RATE_KEYS = ("learning_rate", "min_lr", "muon_learning_rate")
+
+
+def recorded_cell(results, arm):
+    """An arm's first counted result, the one its opening describes (its seeds share settings: mixed_versions says
+    where they do not), or None."""
+    return next((r for (a, _), r in sorted(results.items()) if a == arm), None)
+
+
+def cell_settings(result, config):
+    """A cell's model and rates as recorded: its record's model (every GPTConfig key) and learning rates, else its
+    arm's own settings over the grid's (config.json), else what its pairing record holds; {} when none is."""
+    record = result.get("config") if isinstance(result.get("config"), dict) else {}
+    if isinstance(record.get("model"), dict):
+        return record["model"] | {k: record[k] for k in RATE_KEYS if k in record}
+    pairing = result.get("pairing") or {}
+    own = (config.get("arms") or {}).get(result["arm"]) if isinstance(config.get("arms"), dict) else None
+    return ({k: v for k, v in config.items() if k != "arms"} | own if isinstance(own, dict) else
+            (pairing.get("settings") or {}) | (pairing.get("arm_settings") or {}))
+
+
+def differing_settings(results, config, arm, reference):
+    """'key value (reference's)' for each recorded setting where an arm's cell differs from its reference's."""
+    mine, theirs = (recorded_cell(results, a) for a in (arm, reference))
+    if mine is None or theirs is None:
+        return "not recorded (no counted cell)"
+    a, b = cell_settings(mine, config), cell_settings(theirs, config)
+    keys = [k for k in dict.fromkeys([*a, *b]) if k not in GRID_ONLY_KEYS and a.get(k) != b.get(k)]
+    return ", ".join(f"{k} {described(a.get(k))} ({described(b.get(k))})" for k in keys) or "none recorded"
+
+
+def size_cells(result, config):
+    """[parameters, non-embedding parameters, active FLOPs per token] of a cell, as recorded: training FLOPs per
+    token as model.flops_per_token counts them (6 x active parameters + 12 x n_layer x n_embd x block_size for
+    attention), computed here from the recorded counts and shape; 'not recorded' where they are not."""
+    if result is None:
+        return ["-"] * 3
+    settings = cell_settings(result, config)
+    counts = [result.get(k) for k in ("params", "non_embedding_params", "active_params")]
+    dense = settings.get("n_experts", 1) == 1
+    active = counts[2] if is_seed(counts[2]) else counts[0] if dense and is_seed(counts[0]) else None
+    shape = [settings.get(k) for k in ("n_layer", "n_embd", "block_size")]
+    flops = "not recorded (no active_params)" if active is None else "not recorded (no n_layer, n_embd, block_size)" \
+        if not all(map(is_seed, shape)) else f"{6 * active + 12 * shape[0] * shape[1] * shape[2]:,}"
+    return [f"{c:,}" if is_seed(c) else "not recorded" for c in counts[:2]] + [flops]
+
+
+def recorded_values(results, read):
+    """The distinct values read(result) gives over the counted cells (None where a cell records none), in order."""
+    return list(dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values()))
+
+
+def data_lines(results, config):
+    """The data the cells were trained and evaluated on, as their records say: corpus, tokens trained, the
+    validation text; and the code commit."""
+    record = lambda r: r.get("config") if isinstance(r.get("config"), dict) else config
+    field = lambda key: lambda r: record(r).get(key)
+    said = lambda values: "; ".join("not recorded" if v == "null" else md(json.loads(v)) if v.startswith('"')
+                                    else md(v) for v in values)
+    corpus = said(recorded_values(results, field("data_dir")))
+    shards = ", ".join(md(str(json.loads(v))[:12]) for v in recorded_values(results, field("train_data_sha256"))
+                       if v != "null")
+    tokenizer = said(recorded_values(results, field("tokenizer")))
+    tokens = ", ".join(f"{json.loads(v):,}" if v != "null" else "not recorded"
+                       for v in recorded_values(results, lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None))
+    evaluated = recorded_values(results, lambda r: [(r.get("pairing") or {}).get("eval_tokens"),
+                                                    len(r["val_sequence_losses"]) if isinstance(
+                                                        r.get("val_sequence_losses"), list) else None,
+                                                    (r.get("pairing") or {}).get("val_hash")])
+    validation = "; ".join(
+        f"{'not recorded' if n is None else f'{n:,} tokens'} of the validation shard evaluated"
+        + (f", {m} sequences" if m else "") + (f", val_hash {str(h)[:12]}" if h else "")
+        for n, m, h in map(json.loads, evaluated))
+    documents = recorded_values(results, lambda r: record(r).get("validation"))  # the documents, where recorded
+    if documents != ["null"]:
+        validation += "; documents: " + said(documents)
+    commits = recorded_values(results, lambda r: [((r.get("code") or record(r).get("code") or {}).get(k))
+                                                  for k in ("git_commit", "git_dirty")])
+    code = "; ".join("not recorded" if not c else f"git commit {c[:12]}" + (", plus uncommitted edits" if dirty else "")
+                     for c, dirty in map(json.loads, commits))
+    return [f"Data: corpus {corpus}" + (f" (train shards sha256 {shards}...)" if shards else "")
+            + f", tokenizer {tokenizer}; tokens trained per cell: {tokens}; validation text: {validation}.", "",
+            f"Code: {code}" + (" (cells of several versions: see Mixed versions)" if len(commits) > 1 else "") + ".", ""]
+
+
+def verdict_lines(comparisons, references):
+    """One line per pair: ahead, behind or not detectable at this size, on the one interval quoted (quoted_interval),
+    with the mean delta, the seeds in favour and the smallest delta the grid detects."""
+    lines = []
+    for reference in references:
+        for arm, st in comparisons[reference]["paired"].items():
+            word, ci, what = verdict(st)
+            detects = st["power"]["detectable_effect"]
+            lines.append(f"- {md(arm)} against {md(reference)}: **{word}**: "
+                         + (f"mean delta {fmt(st['mean'])} nats, 95% CI {interval(ci)} ({what}), " if ci else
+                            f"{what}, " if st["n"] == 0 else f"mean delta {fmt(st['mean'])} nats ({what}), ")
+                         + f"{st['wins']}/{st['n']} seeds in favour"
+                         + (f"; this grid detects {detects:.4f} nats (power {POWER:g})" if detects else ""))
+    return lines
+
+
+def opening_lines(arms, references, results, comparisons, config):
+    """What the report compared, first: a grid without a baseline arm says so; each arm's settings that differ from
+    its reference, its size and FLOPs; the data and the code; one verdict per pair."""
+    lines = []
+    if not any(arm in BASELINES for arm in arms):
+        lines += [f"**No baseline arm**: none of the arms is a baseline scheme ({', '.join(BASELINES)}); every delta "
+                  f"below is against {', '.join(map(md, references))}, not against a baseline.", ""]
+    lines += ["| arm | settings that differ from its reference (the reference's) | parameters | non-embedding | "
+              "active FLOPs per token (training) |", "|---|---|---|---|---|"]
+    for arm in arms:
+        reference = references[0] if arm != references[0] else None
+        lines.append(table_row(arm, "(the reference)" if reference is None else
+                               md(differing_settings(results, config, arm, reference)),
+                               *size_cells(recorded_cell(results, arm), config)))
+    lines += ["", *data_lines(results, config)] if results else [""]
+    if verdicts := verdict_lines(comparisons, references):
+        lines += [f"Verdicts (ahead: the 95% interval of the mean delta below 0; behind: above; else not detectable "
+                  f"at this size). One interval is quoted: the t interval over seeds and text (the seeds' t interval "
+                  f"where the cells record no per-sequence losses); the two-way bootstrap only from "
+                  f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds, where it is calibrated (below, it draws from too few seeds "
+                  f"and its interval is too narrow):", "", *verdicts, ""]
+    return lines
+
+
 def intro_lines(out_dir, references):
     return [f"# Paired report: {md(out_dir)}", "",
             f"Reference arm{'s' if len(references) > 1 else ''}: {', '.join(map(md, references))}. "
@@ -990,7 +1143,8 @@ def main(argv):
         if os.path.isdir(path := os.path.join(args.out_dir, name)):
             raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
     diverged = diverged_cells(arms, seeds, results)
-    lines = intro_lines(args.out_dir, references)
+    lines = intro_lines(args.out_dir, references) + opening_lines(arms, references, results, comparisons,
+                                                                   grid_record(args.out_dir))
     model, differ = shared_model(results) if results else ({}, [])
     if results:
         lines += [md(model_line(model, differ)), ""]

@@ -193,3 +193,40 @@ def test_variance_components_by_simulation():
     estimated = [paired_stats.text_uncertainty(g, resamples=1)["variance"] for g in grids]
     for k in true:
         assert np.mean([e[k] for e in estimated]) == pytest.approx(true[k], rel=0.1)
+
+
+def coverage(n, reps, rng, m=63):
+    """How often the two-way bootstrap's and the t interval over seeds and text cover a true mean delta of 0, over
+    reps simulated grids of n seeds whose variance is mostly the seeds' (as measured on the grids here)."""
+    hits = np.zeros(2)
+    for _ in range(reps):
+        d = rng.normal(0, 0.02, n)[:, None] + rng.normal(0, 0.004, m)[None, :] + rng.normal(0, 0.01, (n, m))
+        tu = paired_stats.text_uncertainty(d, resamples=1000)
+        hits += [tu["ci95"][0] <= 0 <= tu["ci95"][1], tu["ci95_t"][0] <= 0 <= tu["ci95_t"][1]]
+    return hits / reps
+
+
+def test_the_bootstrap_is_quoted_only_where_it_is_calibrated():
+    # issue #50: at 3 seeds the bootstrap covers about 3 times in 4 (it draws from the 3 seeds seen), the t interval
+    # about 95%; from BOOTSTRAP_CALIBRATED_SEEDS the bootstrap covers about 95% too
+    rng = np.random.default_rng(1)
+    bootstrap, t = coverage(3, 200, rng)
+    assert bootstrap < 0.85 and t > 0.9, (bootstrap, t)
+    bootstrap, t = coverage(paired_stats.BOOTSTRAP_CALIBRATED_SEEDS, 200, rng)
+    assert bootstrap > 0.9 and t > 0.9, (bootstrap, t)
+
+
+def test_the_verdict_reads_the_one_interval_quoted():
+    st = dict(paired_stats.paired_statistics([-0.03, -0.02, -0.04]), text=dict(n=3, ci95_t=[-0.05, -0.01],
+                                                                               ci95=[-0.04, -0.02]))
+    assert paired_stats.verdict(st) == ("ahead", [-0.05, -0.01], "t over seeds and text")
+    st["text"]["ci95_t"] = [-0.05, 0.01]  # the bootstrap still excludes 0, but is not calibrated at 3 seeds
+    assert paired_stats.verdict(st)[0] == "not detectable at this size"
+    many = dict(paired_stats.paired_statistics([0.02] * 19 + [0.03]), text=dict(n=20, ci95_t=[-0.01, 0.05],
+                                                                                ci95=[0.01, 0.04]))
+    assert paired_stats.verdict(many) == ("behind", [0.01, 0.04], "two-way bootstrap over seeds and text, calibrated "
+                                                                  "from 20 seeds")
+    assert paired_stats.verdict(dict(paired_stats.paired_statistics([0.1]), text={})) == \
+        ("not detectable at this size", None, "1 paired seed: no interval")
+    assert paired_stats.verdict(dict(paired_stats.paired_statistics([-0.1, -0.2]), text=dict(unavailable="x")))[2] == \
+        "t over seeds", "no per-sequence losses: the seeds' t interval"

@@ -106,6 +106,84 @@ def test_report_pairs_and_leaves_out_changed_init_and_data(tmp_path, no_matplotl
     assert paired["arms"]["parent"]["deltas"] == pytest.approx([0.03, 0.04])
 
 
+def recorded(arm, seed, residual, **model):
+    """What train.py records beside a result: the cell's record (its model, rates, data and code) and its counts."""
+    shape = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, n_experts=1, residual=residual) | model
+    code = dict(fingerprint="c0de" * 16, git_commit="ab12cd34ef56" + "0" * 28, git_dirty=False)
+    return dict(config=dict(arm=arm, seed=seed, model=shape, learning_rate=1e-3, min_lr=1e-4, data_dir="data/tiny",
+                            train_data_sha256="5ha" * 20, tokenizer="gpt2", code=code),
+                params=26784 + 320 * (residual != "standard"), non_embedding_params=25056,
+                active_params=26784 + 320 * (residual != "standard"))
+
+
+def test_the_report_opens_with_what_it_compared_and_a_verdict_per_pair(tmp_path, no_matplotlib):
+    # issue #50: settings that differ from the reference, sizes and FLOPs, data, code, and one verdict per pair
+    losses = {("standard", s): 3.0 + s / 10 for s in range(4)} | {("attnres", s): 2.95 + s / 10 - s / 100 for s in
+                                                                  range(4)} | {("dar", s): 3.0 + s / 10 + (-0.01) ** s
+                                                                               for s in range(4)}
+    out = make_grid(tmp_path, losses, arms=("standard", "attnres", "dar"))
+    for (arm, seed) in losses:
+        edit(out, arm, seed, lambda r: r.update(recorded(arm, seed, arm, **(dict(attnres_block_size=2) if arm ==
+                                                                             "attnres" else {}))))
+    paired, text = run(out)
+    opening = text[:text.index("Final validation loss")]
+    assert "No baseline arm" not in opening, "standard is a baseline"
+    assert "| standard | (the reference) | 26,784 | 25,056 | 172,992 |" in opening, \
+        "6 x 26,784 active + 12 x 2 x 32 x 16 for attention: model.flops_per_token's count"
+    assert '| attnres | residual "attnres" ("standard"), attnres_block_size 2 (null) | 27,104 | 25,056 | 174,912 |' \
+        in opening, "Block AttnRes's own block size named beside its scheme"
+    assert ("Data: corpus data/tiny (train shards sha256 5ha5ha5ha5ha...), tokenizer gpt2; tokens trained per cell: "
+            "2,000; validation text: 992 tokens of the validation shard evaluated") in opening
+    assert "Code: git commit ab12cd34ef56." in opening
+    assert "- attnres against standard: **ahead**: mean delta -0.0650 nats, 95% CI [" in opening
+    assert "(t over seeds), 4/4 seeds in favour" in opening, "no per-sequence losses: the seeds' t interval"
+    assert "- dar against standard: **not detectable at this size**: mean delta" in opening
+    assert paired["arms"]["attnres"]["ci95"][1] < 0, "ahead: the quoted interval below 0"
+    (tmp_path / "b").mkdir()
+    losses = {(arm, s): loss + 0.2 * (arm == "attnres") for (arm, s), loss in losses.items()}
+    _, text = run(make_grid(tmp_path / "b", losses, arms=("standard", "attnres", "dar")))
+    assert "- attnres against standard: **behind**: mean delta +0.1350 nats" in text
+
+
+def test_a_grid_without_a_baseline_arm_says_so_at_the_top(tmp_path, no_matplotlib):
+    _, text = run(make_grid(tmp_path, LOSSES))
+    assert text.index("**No baseline arm**: none of the arms is a baseline scheme (standard, scaled_residual); every "
+                      "delta below is against parent, not against a baseline.") < text.index("Final validation loss")
+    assert "| rd | none recorded | 1,000 | 500 | not recorded (no n\\_layer, n\\_embd, block\\_size) |" in text \
+        or "| rd | none recorded | 1,000 | 500 | not recorded (no n_layer, n_embd, block_size) |" in text, \
+        "an older cell without its shape: what is missing is said"
+
+
+def test_one_interval_is_quoted_and_the_bootstrap_only_where_calibrated(tmp_path, no_matplotlib):
+    seeds = range(paired_stats.BOOTSTRAP_CALIBRATED_SEEDS)
+    rng = np.random.default_rng(3)
+    losses = {(arm, s): 3.0 + rng.normal(0, 0.05) - 0.02 * (arm == "rd") for arm in ("parent", "rd") for s in seeds}
+    out = make_grid(tmp_path, losses)
+    with_sequences(out, ("parent", "rd"), seeds, 40, rng)
+    paired, text = run(out)
+    ci = paired["arms"]["rd"]["text"]["ci95"]
+    assert f"95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}] (two-way bootstrap over seeds and text, calibrated from 20 seeds)" \
+        in text, "from 20 seeds the bootstrap is the interval quoted"
+    (tmp_path / "s").mkdir()
+    small = make_grid(tmp_path / "s", {k: v for k, v in losses.items() if k[1] < 3})
+    with_sequences(small, ("parent", "rd"), range(3), 40, rng)
+    paired, text = run(small)
+    ci = paired["arms"]["rd"]["text"]["ci95_t"]
+    assert f"95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}] (t over seeds and text)" in text, "below 20 seeds: the t interval"
+
+
+def test_intervals_that_disagree_on_zero_say_why():
+    st = dict(n=3, identical=False, ci95=[-0.05, 0.01], mean=-0.02)
+    text = dict(n=3, ci95_t=[-0.04, 0.005], ci95=[-0.03, -0.01])
+    why = report.disagreement(st, text)
+    assert why == ("the bootstrap excludes 0, the seeds' t interval and the t interval over seeds and text do not: "
+                   "the bootstrap draws only from the 3 seeds seen and is too narrow below 20 seeds; the verdict "
+                   "quotes t over seeds and text"), why
+    assert report.disagreement(st, dict(text, ci95=[-0.03, 0.001])) is None, "all three include 0: they agree"
+    why = report.disagreement(dict(st, ci95=[-0.05, -0.01]), dict(text, ci95=[-0.03, 0.001]))
+    assert "counts the text's variance" in why and why.startswith("the seeds' t interval excludes 0"), why
+
+
 def test_differing_settings_are_named_and_an_arms_own_settings_are_not(tmp_path, no_matplotlib):
     losses = {(arm, s): 3.0 for arm in ("parent", "rd") for s in range(5)}
     out = make_grid(tmp_path, losses)
