@@ -54,6 +54,15 @@ def choice_path(out_dir):
     """The tuned protocol's choice: out_dir/tune/choice.json."""
     return os.path.join(out_dir, TUNE_DIR, "choice.json")
 
+
+def report_inputs(out_dir, cells):
+    """The files report.py reads for these (arm, seed) cells that exist: each cell's result.json and downstream.json,
+    the grid's config.json and the tuning's choice.json. A report older than any of them is out of date (a tuning
+    rerun with another rate list changes choice.json, a downstream.py run a downstream.json)."""
+    paths = [os.path.join(cell_dir(out_dir, arm, seed), name) for arm, seed in cells
+             for name in ("result.json", "downstream.json")]
+    return [p for p in paths + [os.path.join(out_dir, "config.json"), choice_path(out_dir)] if os.path.exists(p)]
+
 # -----------------------------------------------------------------------------
 # strict readers: a run goes on from these files only as train.py wrote them, else one line
 
@@ -206,6 +215,18 @@ def result_problem(result):
     return problem
 
 
+def cell_result(cell_dir):
+    """(a cell's result.json, None), (None, why it cannot be used: not a file, not JSON, a field of the wrong type),
+    or (None, None) where the cell has none yet: for a reader that lists cells (the report, launch.py --status) and
+    must never stop at one."""
+    path = os.path.join(cell_dir, "result.json")
+    if not os.path.lexists(path):
+        return None, None
+    result, why = json_object(path)
+    why = why or result_problem(result)
+    return (None, why) if why else (result, None)
+
+
 def subfolders(path):
     """(sorted names of the folders in path, None), or ([], why it cannot be listed)."""
     try:
@@ -277,8 +298,7 @@ def load_grid(out_dir):
                 arm_notes.append(f"folder {where}/: no result.json or log.jsonl (not started)")
                 continue
             if os.path.lexists(result_path):
-                result, why = json_object(result_path)
-                why = why or result_problem(result)
+                result, why = cell_result(os.path.join(arm_dir, cell))
                 if why:
                     unusable[arm, seed] = "unreadable result.json"
                     arm_notes.append(f"{where}/result.json: unreadable ({why})")
@@ -580,7 +600,8 @@ def read_tuning(out_dir):
 
 
 def tuning_results(out_dir, record):
-    """{(tuning arm, seed): result.json} of the tuning cells of a checked choice.json (each readable: tuning_problem)."""
+    """{(tuning arm, seed): result.json} of the tuning cells of a checked choice.json (each readable:
+    tuning_problem)."""
     tune_dir = os.path.join(out_dir, TUNE_DIR)
     names = [tuning_arm(arm, row["learning_rate"]) for arm, rows in record["table"].items() for row in rows.values()]
     return {(name, seed): json_object(os.path.join(cell_dir(tune_dir, name, seed), "result.json"))[0]

@@ -24,7 +24,8 @@ import torch
 from common import ConfigError, cannot_write, temporary_name, write_json
 from configurator import coerce
 from data.shards import TOKENIZERS
-# a cell's files are read in grid_files.py; describe_done is imported for cells.py, which calls it records.describe_done
+# a cell's files are read in grid_files.py; train.py, cells.py, launch.py, progress.py and analyze.py still
+# call these records.<name> (describe_done for cells.py only) until they read through grid_files
 from grid_files import (RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result,  # noqa: F401
                         describe_done, read_record)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners

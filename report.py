@@ -109,7 +109,8 @@ def pairing_difference(p, q):
     ps, qs = p.get("settings", {}), q.get("settings", {})
     own = {"settings", "arm_settings", "scheme_code"}  # an arm's own settings and scheme code may differ
     keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - own)]
-    keys += [(f"settings.{k}", as_compared(k, ps[k]), as_compared(k, qs[k])) for k in sorted(set(ps) & set(qs))]  # one-sided: an arm's own
+    # the settings both record (one that only one of them records is that arm's own)
+    keys += [(f"settings.{k}", as_compared(k, ps[k]), as_compared(k, qs[k])) for k in sorted(set(ps) & set(qs))]
     for key, x, y in keys:
         if x != y:
             return "{} ({} vs {})".format(key, *shorten(x, y))
@@ -300,7 +301,7 @@ def delta_curve(logs, arm, reference, seeds):
     with np.errstate(over="ignore", invalid="ignore"):  # a diverging arm's losses past 1e308: inf, null in paired.json
         mean = d.mean(0) if n else np.full(len(common), np.nan)
         half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
-        half = np.where((d == d[:1]).all(0), np.nan, half)  # every seed the same delta: no interval, not a zero-wide one
+        half = np.where((d == d[:1]).all(0), np.nan, half)  # every seed the same delta: no interval, not zero wide
         return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
 
 
@@ -547,8 +548,9 @@ def disagreement(st, text):
         why.append("the t interval over seeds and text counts the text's variance (which sequences were evaluated) "
                    "beside the seeds'")
     inside = [name for name, out in excludes.items() if not out]
-    return (f"{' and '.join(n for n, out in excludes.items() if out)} exclude{'s' * (len(excludes) - len(inside) == 1)}"
-            f" 0, {' and '.join(inside)} do{'es' * (len(inside) == 1)} not: {'; '.join(why) or 'they are estimated apart'}; "
+    outside = [name for name, out in excludes.items() if out]
+    return (f"{' and '.join(outside)} exclude{'s' * (len(outside) == 1)} 0, {' and '.join(inside)} "
+            f"do{'es' * (len(inside) == 1)} not: {'; '.join(why) or 'they are estimated apart'}; "
             f"the verdict quotes {verdict(st | dict(text=text))[2]}")
 
 
@@ -1022,8 +1024,8 @@ def data_lines(results, config):
     shards = ", ".join(md(str(json.loads(v))[:12]) for v in recorded_values(results, field("train_data_sha256"))
                        if v != "null")
     tokenizer = said(recorded_values(results, field("tokenizer")))
-    tokens = ", ".join(f"{json.loads(v):,}" if v != "null" else "not recorded"
-                       for v in recorded_values(results, lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None))
+    trained = recorded_values(results, lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
+    tokens = ", ".join(f"{json.loads(v):,}" if v != "null" else "not recorded" for v in trained)
     evaluated = recorded_values(results, lambda r: [(r.get("pairing") or {}).get("eval_tokens"),
                                                     len(r["val_sequence_losses"]) if isinstance(
                                                         r.get("val_sequence_losses"), list) else None,

@@ -23,6 +23,7 @@ import sys
 import records
 from common import ConfigError, write_json
 from grid_files import TUNE_DIR, rate_name, recorded_choice, stable_choice, tuning_arm, tuning_row
+
 TUNED_KEYS = ("learning_rate", "min_lr")  # what tuning sets in each arm
 
 

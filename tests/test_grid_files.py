@@ -29,6 +29,19 @@ def test_the_paths_of_a_grid():
         "a cell folder is seed<k> with k as written by train.py (no leading zero)"
 
 
+def test_the_files_a_report_reads_include_the_tuning_choice(tmp_path):
+    out = tmp_path / "grid"
+    (out / "std" / "seed0").mkdir(parents=True)
+    (out / "std" / "seed0" / "result.json").write_text("{}")
+    assert grid_files.report_inputs(str(out), [("std", 0), ("std", 1)]) == [str(out / "std" / "seed0" / "result.json")]
+    (out / "tune").mkdir()
+    for name in ("config.json", "tune/choice.json", "std/seed0/downstream.json"):
+        (out / name).write_text("{}")
+    assert sorted(grid_files.report_inputs(str(out), [("std", 0)])) == sorted(
+        str(out / name) for name in ("std/seed0/result.json", "std/seed0/downstream.json", "config.json",
+                                     "tune/choice.json")), "a changed choice or downstream result dates the report"
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"arm": "std", "se', "is unreadable or damaged"),  # truncated
     ("[1, 2]", "holds list, not a train.py record"),  # the wrong shape
@@ -77,6 +90,18 @@ def test_the_lenient_readers_say_why_and_never_raise(tmp_path):
     assert records == [{"step": 0, "val_loss": 5.0, "tokens": 0}], "the usable lines are kept"
     assert why == "skipped line 2 (val_loss is \"x\", not a number), line 3 (not JSON)"
     assert grid_files.result_problem(dict(RESULT, wall_time_s="12")) == 'wall_time_s is "12", not a finite number'
+
+
+def test_a_cells_result_read_leniently_is_a_reason_never_a_traceback(tmp_path):
+    cell = tmp_path / "std" / "seed0"
+    cell.mkdir(parents=True)
+    assert grid_files.cell_result(str(cell)) == (None, None), "no result yet: nothing to say"
+    for text, why in (('{"arm": "std", "se', "not JSON"), (json.dumps(dict(RESULT, wall_time_s="12")),
+                                                           'wall_time_s is "12", not a finite number')):
+        (cell / "result.json").write_text(text)
+        assert grid_files.cell_result(str(cell)) == (None, why)
+    (cell / "result.json").write_text(json.dumps(RESULT))
+    assert grid_files.cell_result(str(cell)) == (RESULT, None)
 
 
 def test_load_grid_reads_arms_and_seeds_from_the_record_and_the_folders(tmp_path):
