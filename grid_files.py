@@ -10,9 +10,11 @@ copied grid where only numpy and scipy are installed). train.py writes:
     out_dir/report.md, paired.json, *.png    report.py's
 
 Two kinds of reader side by side: strict ones, for a run that goes on from a file (a problem is one
-line naming the remedy: read_record, check_result, check_owner, the tuning cells), and lenient ones,
-for the report (a problem is a note, never a crash: json_object, read_log, load_grid, load_downstream,
-read_tuning). records.py, tune.py and report.py read a grid's files only through here.
+line naming the remedy: read_record, check_result, check_owner, the tuning cells, recorded_choice),
+and lenient ones, for the report and for tools that list cells (a problem is a note, never a crash:
+json_object, cell_result, read_log, load_grid, load_downstream, read_tuning, read_paired). What a
+report reads (report_inputs) tells whether it is out of date. records.py, tune.py and report.py
+read a grid's files only through here.
 """
 
 import json
