@@ -21,9 +21,13 @@ import urllib.parse
 import numpy as np
 import torch
 
-from common import ConfigError, cannot_write, read_json, temporary_name, write_json
+from common import ConfigError, cannot_write, temporary_name, write_json
 from configurator import coerce
 from data.shards import TOKENIZERS
+# a cell's files are read in grid_files.py; train.py, cells.py, launch.py, progress.py and analyze.py still
+# call these records.<name> (describe_done for cells.py only) until they read through grid_files
+from grid_files import (RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result,  # noqa: F401
+                        describe_done, read_record)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,12 +53,6 @@ NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "
 # and messages: code_record). The report, the config checks here, downloads, the log (progress.py) and these
 # records are not in it.
 CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py")
-RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or delete the cell's folder to retrain it"
-
-
-def cell_dir(out_dir, arm, seed):
-    """A cell's folder: out_dir/<arm>/seed<k>."""
-    return os.path.join(out_dir, arm, f"seed{seed}")
 
 
 # -----------------------------------------------------------------------------
@@ -456,7 +454,7 @@ def differences(old, new):
     (when code_changes finds a definition the run computes with changed)."""
     skip = NOT_RESULT_KEYS + ("model", "code", "changes", "machine")  # machine: provenance (cells.open_cell)
     diff = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
-            if k not in skip and old.get(k) != new.get(k)}
+            if k not in skip and as_compared(k, old.get(k)) != as_compared(k, new.get(k))}
     old_arms, new_arms = old.get("arms"), new.get("arms")
     if isinstance(old_arms, dict) and isinstance(new_arms, dict):
         for arm in set(old_arms) & set(new_arms):
@@ -476,24 +474,6 @@ def described_changes(old, new, schemes):
 
 # -----------------------------------------------------------------------------
 # the rerun check: one for every record a run goes on from
-
-def read_record(path, remedy):
-    """A JSON object written by train.py; anything else is one line with the remedy."""
-    try:
-        record = read_json(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is unreadable or damaged ({e}); {remedy}") from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{path} holds {type(record).__name__}, not a train.py record; {remedy}")
-    return record
-
-
-def check_owner(path, record, arm, seed):
-    """A cell's record (config.json, result.json, a checkpoint's) must be that cell's: a copied file is not a new seed."""
-    if (record.get("arm"), record.get("seed")) != (arm, seed):
-        raise ConfigError(f"{path} is the record of arm {record.get('arm')!r} seed {record.get('seed')!r} (a copied "
-                          f"file or folder?); delete {os.path.dirname(path)} to train this cell")
-
 
 def check_rerun(path, old, new, allow):
     """
@@ -635,23 +615,6 @@ def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, se
                   pairing=pairing, code=code, config=record)
     write_json(path, result)
     return result
-
-
-def check_result(r, path):
-    """A result.json as train.py writes it, or one line."""
-    ok = (r.get("status") in ("finished", "diverged") and isinstance(r.get("seed"), int)
-          and (isinstance(r.get("val_loss"), (int, float)) and not isinstance(r.get("val_loss"), bool)
-               if r["status"] == "finished" else isinstance(r.get("diverged_at"), int)))
-    if not ok:
-        raise ConfigError(f"{path} is not a result train.py wrote (status, seed, val_loss or diverged_at missing or "
-                          f"of the wrong type); {RESULT_REMEDY}")
-    return r
-
-
-def describe_done(path, change):
-    r = check_result(read_record(path, RESULT_REMEDY), path)
-    return ((f"diverged at step {r['diverged_at']}" if r["status"] == "diverged" else f"val_loss {r['val_loss']:.4f}")
-            + (f" (recorded with other settings: {', '.join(change)}; not retrained)" if change else ""))
 
 
 # -----------------------------------------------------------------------------

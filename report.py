@@ -61,241 +61,13 @@ import unicodedata
 import numpy as np
 from scipy import stats
 
-import tune
-from common import DataError, Parser, UserError, read_json, remove_stale_temporaries, run, write_atomic, write_text
-from model import MOE_OPTIONS
-from paired_stats import (ALPHA, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, paired_statistics, perplexity_change,
-                          power_analysis, text_uncertainty)
+from common import DataError, Parser, remove_stale_temporaries, run, write_atomic, write_text
+from grid_files import (TUNE_DIR, as_compared, close, described, grid_record, is_finite, is_seed, load_downstream,
+                        load_grid, read_paired, read_tuning, tuning_results)
+from paired_stats import (ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER,
+                          paired_statistics, perplexity_change, power_analysis, text_uncertainty, verdict)
 
 MISSING = object()  # a pairing key one cell does not record
-CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
-
-
-# -----------------------------------------------------------------------------
-# reading a grid: its cells' results and logs, each checked (a problem is a note, never a crash)
-
-def is_number(x):
-    """A real number that fits a float (JSON true/false load as bools, which Python would count as 1 and 0;
-    a JSON integer of 400 digits loads as an int that no float arithmetic takes)."""
-    return isinstance(x, float) or isinstance(x, int) and not isinstance(x, bool) and abs(x) <= sys.float_info.max
-
-
-def is_seed(x):
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def is_folder_name(name):
-    """A name that joins onto out_dir as one folder inside it (config.json's arms are not trusted)."""
-    return name not in ("", ".", "..") and "/" not in name and "\0" not in name
-
-
-def described(value):
-    """A JSON value as a short string for an error line."""
-    text = json.dumps(value)
-    return text if len(text) <= 20 else text[:16] + "..."
-
-
-def file_problem(path):
-    """Why path cannot be read as a file (a folder, a device, a dangling link), or None."""
-    if os.path.isdir(path):
-        return "a folder, not a file"
-    return None if os.path.isfile(path) else "not a regular file"
-
-
-def json_object(path):
-    """(the file's dict, None), or (None, why it cannot be used: not a file, unreadable, not JSON, not a dict)."""
-    if problem := file_problem(path):
-        return None, problem
-    try:
-        obj = read_json(path, strict=False)  # older versions wrote NaN for a diverged loss: read as diverged
-    except OSError as e:
-        return None, (e.strerror or str(e)).lower()
-    except ValueError:  # half-written, not UTF-8, NaN, or nested past Python's stack
-        return None, "not JSON"
-    return (obj, None) if isinstance(obj, dict) else (None, f"{described(obj)}, not a JSON object")
-
-
-def wrong_type(record, checks, prefix="", optional=True):
-    """The first 'key is value, not kind' among checks = (key, test, kind) of a dict; an absent or null key is
-    allowed when optional."""
-    for key, ok, kind in checks:
-        if (record.get(key) is not None or not optional and key in record) and not ok(record[key]):
-            return f"{prefix}{key} is {described(record[key])}, not {kind}"
-    return None
-
-
-def is_weights(w):
-    return isinstance(w, list) and len(w) > 0 and all(map(is_number, w))
-
-
-def log_problem(record):
-    """Why a log.jsonl record cannot be used (a field report.py reads has the wrong type), or None."""
-    if not isinstance(record, dict):
-        return "not a JSON object"
-    problem = wrong_type(record, (("tokens", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
-                                  ("val_loss", is_number, "a number"), ("routing", lambda r: isinstance(r, dict), "a dict")))
-    routing = record.get("routing") or {}
-    problem = problem or wrong_type(routing, [(k, lambda t: isinstance(t, dict), "a dict") for k in ("weights", "qk_v_jsd")],
-                                    "routing.")
-    if problem:
-        return problem
-    weights, jsd = routing.get("weights") or {}, routing.get("qk_v_jsd") or {}
-    return wrong_type(weights, [(k, is_weights, "a list of numbers") for k in weights], "routing.weights.", False) or \
-        wrong_type(jsd, [(k, is_number, "a number") for k in jsd], "routing.qk_v_jsd.", False)
-
-
-def read_log(path):
-    """(records of a log.jsonl, why it or some of its lines cannot be used (a torn last line, a field of the
-    wrong type), or None)"""
-    if problem := file_problem(path):
-        return [], f"unreadable ({problem})"
-    records, bad = [], []
-    try:
-        with open(path, errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError):
-                    bad.append(f"line {number} (not JSON)")
-                    continue
-                if problem := log_problem(record):
-                    bad.append(f"line {number} ({problem})")
-                else:
-                    records.append(record)
-    except OSError as e:
-        return [], f"unreadable ({(e.strerror or str(e)).lower()})"
-    if not bad:
-        return records, None
-    return records, "skipped " + ", ".join(bad[:3]) + (f" and {len(bad) - 3} more lines" if len(bad) > 3 else "")
-
-
-def result_problem(result):
-    """Why a result.json's fields cannot be used (a wrong type, no arm or seed), or None."""
-    for key in ("arm", "seed"):
-        if result.get(key) is None:
-            return f"no {key} recorded"
-    problem = wrong_type(result, (("arm", lambda a: isinstance(a, str), "a string"), ("seed", is_seed, "a seed"),
-                                  ("val_loss", is_number, "a number"),
-                                  ("wall_time_s", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
-                                  ("pairing", lambda v: isinstance(v, dict), "a dict")))
-    for key in ("settings", "arm_settings"):
-        if problem is None and not isinstance((result.get("pairing") or {}).get(key, {}), dict):
-            return f"pairing.{key} is not a dict"
-    return problem
-
-
-def subfolders(path):
-    """(sorted names of the folders in path, None), or ([], why it cannot be listed)."""
-    try:
-        names = os.listdir(path)
-    except OSError as e:
-        return [], (e.strerror or str(e)).lower()
-    return sorted(n for n in names if os.path.isdir(os.path.join(path, n))), None
-
-
-def is_tuning_grid(out_dir, folder):
-    """Whether a folder of out_dir is the tuned protocol's tuning grid (train.py's tune_learning_rates): tune/,
-    holding arms rather than seed<k> cells. Its choice is the report's tuning section, not an arm."""
-    return folder == tune.TUNE_DIR and not any(CELL_NAME.fullmatch(c) for c in subfolders(os.path.join(out_dir, folder))[0])
-
-
-def training_of(result):
-    """(init_hash, data_hash) of a result: two cells of one arm that share both are one training, or None."""
-    pairing = result.get("pairing") or {}
-    hashes = pairing.get("init_hash"), pairing.get("data_hash")
-    return hashes if all(isinstance(h, str) and h for h in hashes) else None
-
-
-def load_grid(out_dir):
-    """(arms, seeds, {(arm, seed): usable result}, {(arm, seed): why a cell's result.json is not used},
-    {(arm, seed): log records}, notes on what was skipped).
-
-    A cell's arm and seed are what its result.json records: a folder holding another cell's record (a copy
-    or a link) is never counted, nor are two cells of one arm with the same init and data hashes. An arm is
-    a folder listed in config.json or holding a cell of its own; a seed is one of those cells' or listed."""
-    notes, config = [], {}
-    if os.path.lexists(os.path.join(out_dir, "config.json")):
-        config, why = json_object(os.path.join(out_dir, "config.json"))
-        if why:
-            notes.append(f"config.json: unreadable ({why}); arms and seeds taken from the folders")
-            config = {}
-    arms = config.get("arms", {})
-    if not isinstance(arms, dict):
-        notes.append(f"config.json: arms is {described(arms)}, not a dict of arm settings; arms taken from the folders")
-        arms = {}
-    if bad := [json.dumps(a) for a in arms if not is_folder_name(a)]:
-        notes.append(f"config.json: arms {', '.join(bad)} ignored (not folder names)")
-    arms = [a for a in arms if is_folder_name(a)]
-    listed = config.get("seeds", [])
-    listed = listed if isinstance(listed, list) else [listed]
-    seeds = {s for s in listed if is_seed(s)}
-    if bad := [json.dumps(s) for s in listed if not is_seed(s)]:
-        notes.append(f"config.json: seeds {', '.join(bad)} ignored (not non-negative integers)")
-    folders, why = subfolders(out_dir)
-    if why:
-        raise DataError(f"cannot list {out_dir} ({why}); check its permissions")
-    results, unusable, logs, copies = {}, {}, {}, []
-    real = {os.path.realpath(os.path.join(out_dir, f)): f for f in folders if not os.path.islink(os.path.join(out_dir, f))}
-    for arm in arms + [f for f in folders if f not in arms and not is_tuning_grid(out_dir, f)]:
-        arm_dir = os.path.join(out_dir, arm)
-        if os.path.islink(arm_dir) and os.path.realpath(arm_dir) in real:  # one arm under two names
-            notes.append(f"folder {arm}/: a link to {real[os.path.realpath(arm_dir)]}/, not counted; delete the link")
-            continue
-        cells, unlisted = subfolders(arm_dir) if os.path.isdir(arm_dir) else ([], None)
-        if unlisted:
-            notes.append(f"folder {arm}/: unreadable ({unlisted})")
-        own, arm_notes = False, []
-        for cell in cells:
-            if not CELL_NAME.fullmatch(cell):
-                arm_notes.append(f"folder {arm}/{cell}/: not a seed<k> cell")
-                continue
-            seed, where = int(cell[4:]), f"{arm}/{cell}"
-            result_path, log_path = (os.path.join(arm_dir, cell, name) for name in ("result.json", "log.jsonl"))
-            if not os.path.lexists(result_path) and not os.path.lexists(log_path):
-                arm_notes.append(f"folder {where}/: no result.json or log.jsonl (not started)")
-                continue
-            if os.path.lexists(result_path):
-                result, why = json_object(result_path)
-                why = why or result_problem(result)
-                if why:
-                    unusable[arm, seed] = "unreadable result.json"
-                    arm_notes.append(f"{where}/result.json: unreadable ({why})")
-                elif (result["arm"], result["seed"]) != (arm, seed):
-                    copies.append((where, result["arm"], result["seed"]))
-                    continue  # another cell's record: not a seed of this arm, its log not read
-                else:
-                    results[arm, seed] = result
-            own = True
-            seeds.add(seed)
-            if os.path.lexists(log_path):
-                logs[arm, seed], why = read_log(log_path)
-                if why:
-                    arm_notes.append(f"{where}/log.jsonl: {why}")
-        if own and arm not in arms:
-            arms.append(arm)
-        if arm in arms:
-            notes += arm_notes
-        elif not unlisted:
-            notes.append(f"folder {arm}/: not an arm (no seed<k> cell of its own with a result.json or log.jsonl)")
-    for where, arm, seed in copies:
-        named = f"{arm}/seed{seed}"
-        fix = f"a copy of {named}/: delete it" if (arm, seed) in results else f"rename it to {named}/ or delete it"
-        notes.append(f"folder {where}/: its result.json is {named}'s, not counted; {fix}")
-    for arm in arms:  # a copy whose recorded seed was edited to match its folder: one training, never two seeds
-        by_training = {}
-        for (a, seed), result in results.items():
-            if a == arm and training_of(result):
-                by_training.setdefault(training_of(result), []).append(seed)
-        for same in (s for s in by_training.values() if len(s) > 1):
-            cells = [f"{arm}/seed{s}" for s in same]
-            for seed in same:
-                del results[arm, seed]
-                unusable[arm, seed] = "same training as " + ", ".join(c for c in cells if c != f"{arm}/seed{seed}")
-            notes.append(f"{', '.join(cells)}: one training (the same init_hash and data_hash), none counted; "
-                         f"delete the copies, keeping the cell trained with that seed")
-    return arms, sorted(seeds), results, unusable, logs, notes
 
 
 # -----------------------------------------------------------------------------
@@ -337,7 +109,8 @@ def pairing_difference(p, q):
     ps, qs = p.get("settings", {}), q.get("settings", {})
     own = {"settings", "arm_settings", "scheme_code"}  # an arm's own settings and scheme code may differ
     keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - own)]
-    keys += [(f"settings.{k}", ps[k], qs[k]) for k in sorted(set(ps) & set(qs))]  # one-sided: an arm's own
+    # the settings both record (one that only one of them records is that arm's own)
+    keys += [(f"settings.{k}", as_compared(k, ps[k]), as_compared(k, qs[k])) for k in sorted(set(ps) & set(qs))]
     for key, x, y in keys:
         if x != y:
             return "{} ({} vs {})".format(key, *shorten(x, y))
@@ -363,7 +136,7 @@ def mixed_versions(results, arms, seeds):
     def values(pairing):
         v = {k: pairing.get(k) for k in ("code", "scheme_code", "eval_tokens", "val_hash", "init_from", "changes")}
         for group in ("settings", "arm_settings"):  # the arm's own settings (its learning rate) may not differ either
-            v |= {f"{group}.{k}": x for k, x in (pairing.get(group) or {}).items()}
+            v |= {f"{group}.{k}": as_compared(k, x) for k, x in (pairing.get(group) or {}).items()}
         return v
     per_seed = {s: {arm: values(results[arm, s]["pairing"]) for arm in arms} for s in seeds}
     notes = []
@@ -380,83 +153,6 @@ def mixed_versions(results, arms, seeds):
 
 # -----------------------------------------------------------------------------
 # downstream: the cells' CORE results (downstream.json), checked, paired and tabled
-
-def is_finite(x):
-    return is_number(x) and math.isfinite(x)
-
-
-def missing_or_wrong(record, checks, prefix=""):
-    """The first key of checks = (key, test, kind) that a dict lacks or holds of the wrong kind, as a line, or None."""
-    missing = [key for key, _, _ in checks if key not in record]
-    return f"no {prefix}{missing[0]}" if missing else wrong_type(record, checks, prefix, optional=False)
-
-
-def close(x, y):  # two computations of one number in double precision
-    return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
-
-
-TASK_CHECKS = (("icl_task_type", lambda t: isinstance(t, str), "a string"),
-               ("items", lambda i: is_seed(i) and i > 0, "a positive integer"),
-               ("correct", is_seed, "a non-negative integer"), ("accuracy", is_finite, "a finite number"),
-               ("random_baseline", lambda b: is_finite(b) and 0 <= b < 1, "a fraction in [0, 1)"),
-               ("centered", is_finite, "a finite number"))
-DOWNSTREAM_CHECKS = (("bundle_sha256", lambda h: isinstance(h, str) and h != "", "a hash"),
-                     ("max_per_task", lambda m: m is None or is_seed(m) and m > 0, "null or a positive integer"),
-                     ("step", is_seed, "a step"), ("core", is_finite, "a finite number"),
-                     ("tasks", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of tasks"))
-
-
-def task_problem(task, prefix):
-    """Why one task's result in a downstream.json cannot be used (a field missing or of the wrong type, numbers that
-    do not follow from each other), or None."""
-    if not isinstance(task, dict):
-        return f"{prefix[:-1]} is {described(task)}, not a dict"
-    if problem := missing_or_wrong(task, TASK_CHECKS, prefix):
-        return problem
-    items, correct, accuracy, baseline = (task[k] for k in ("items", "correct", "accuracy", "random_baseline"))
-    if correct > items:
-        return f"{prefix}correct is {correct}, more than its {items} items"
-    if not close(accuracy, correct / items):
-        return f"{prefix}accuracy is {accuracy!r}, not correct / items ({correct / items!r})"
-    if not close(task["centered"], (accuracy - baseline) / (1 - baseline)):
-        return f"{prefix}centered is {task['centered']!r}, not (accuracy - random_baseline) / (1 - random_baseline)"
-    if "bits_per_byte" in task and not (is_finite(task["bits_per_byte"]) and task["bits_per_byte"] >= 0):
-        return f"{prefix}bits_per_byte is {described(task['bits_per_byte'])}, not a finite number >= 0"
-    return None
-
-
-def downstream_problem(record):
-    """Why a downstream.json cannot be used (a field missing or of the wrong type, numbers that do not follow from
-    each other), or None."""
-    problem = missing_or_wrong(record, DOWNSTREAM_CHECKS) or next(
-        (p for label, task in record["tasks"].items() if (p := task_problem(task, f"tasks.{label}."))), None)
-    if problem:
-        return problem
-    centered = [task["centered"] for task in record["tasks"].values()]
-    if not close(record["core"], math.fsum(centered) / len(centered)):
-        return f"core is {record['core']!r}, not the mean of its tasks' centered accuracies"
-    bits = [task.get("bits_per_byte") for task in record["tasks"].values()]  # none in a file of an earlier version
-    if ("bits_per_byte" in record or any(b is not None for b in bits)) and (
-            None in bits or not close(record.get("bits_per_byte"), math.fsum(bits) / len(bits))):
-        return f"bits_per_byte is {described(record.get('bits_per_byte'))}, not the mean of every task's bits_per_byte"
-    return None
-
-
-def load_downstream(out_dir, results):
-    """({(arm, seed): downstream.json}, {(arm, seed): why it is not used}, notes) of the cells counted in results."""
-    records, problems, notes = {}, {}, []
-    for arm, seed in results:
-        path = os.path.join(out_dir, arm, f"seed{seed}", "downstream.json")
-        if not os.path.lexists(path):
-            continue
-        record, why = json_object(path)
-        if why := why or downstream_problem(record):
-            problems[arm, seed] = "unreadable downstream.json"
-            notes.append(f"{arm}/seed{seed}/downstream.json: unreadable ({why})")
-        else:
-            records[arm, seed] = record
-    return records, problems, notes
-
 
 def evaluation(record):
     """What a downstream result was measured on: two results pair only when this agrees key by key."""
@@ -596,7 +292,8 @@ def loss_curves(logs, arm, seeds):
 
 
 def delta_curve(logs, arm, reference, seeds):
-    """NLL(arm) - NLL(reference) at the evaluations every seed has: tokens, mean and 95% t-interval over seeds."""
+    """NLL(arm) - NLL(reference) at the evaluations every seed has: tokens, mean and 95% t-interval over seeds (NaN
+    where fewer than 2 seeds or every seed has the same delta: undefined)."""
     (tokens, values), (ref_tokens, ref_values) = loss_curves(logs, arm, seeds), loss_curves(logs, reference, seeds)
     common = np.intersect1d(tokens, ref_tokens)
     d = values[:, np.isin(tokens, common)] - ref_values[:, np.isin(ref_tokens, common)]
@@ -604,6 +301,7 @@ def delta_curve(logs, arm, reference, seeds):
     with np.errstate(over="ignore", invalid="ignore"):  # a diverging arm's losses past 1e308: inf, null in paired.json
         mean = d.mean(0) if n else np.full(len(common), np.nan)
         half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
+        half = np.where((d == d[:1]).all(0), np.nan, half)  # every seed the same delta: no interval, not zero wide
         return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
 
 
@@ -611,9 +309,10 @@ def delta_curve(logs, arm, reference, seeds):
 # text: numbers, text from files as inert markdown or plot text, file names
 
 def fmt(x, spec="+.4f"):
-    """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits)."""
+    """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits); a
+    number that is not defined (None, NaN: no seed, one seed) is the word, never nan."""
     if x is None or isinstance(x, float) and math.isnan(x):
-        return "nan"
+        return "undefined"
     return format(x, spec[:-1] + "e" if spec.endswith("f") and abs(x) >= 1e6 else spec)
 
 
@@ -772,19 +471,32 @@ def strict(x):
     return x
 
 
+def interval(ci):
+    """A 95% interval as a table cell: [low, high], or undefined where either end is (no seeds to draw it from)."""
+    return "undefined" if any(x is None or math.isnan(x) for x in ci) else f"[{fmt(ci[0])}, {fmt(ci[1])}]"
+
+
 def statistics_cells(st):
-    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells; identical
-    deltas have no t interval or p ("undefined", said under the table: identical_lines)."""
-    interval = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
-    return [str(st["n"]), f"{st['wins']}/{st['n']}", fmt(st["mean"]), fmt(st["std"], ".4f"), interval,
-            "undefined" if st["identical"] else fmt(st["p_ttest"], ".3g"), fmt(st["p_sign"], ".3g")]
+    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells; what is not
+    defined (no seed, one seed, identical deltas) is "undefined", said why under the table (identical_lines)."""
+    t_test = st["n"] > 1 and not st["identical"]
+    return [str(st["n"]), f"{st['wins']}/{st['n']}", fmt(st["mean"]), fmt(st["std"], ".4f"),
+            interval(st["ci95"]) if t_test else "undefined", fmt(st["p_ttest"], ".3g") if t_test else "undefined",
+            fmt(st["p_sign"], ".3g")]
 
 
 def identical_lines(statistics):
-    """A line per comparison ({name: paired_statistics}) whose seeds all have the same delta."""
-    lines = [f"- {md(name)}: every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are "
-             f"undefined (s.d. 0), not p = 0; the sign test still counts"
-             for name, st in statistics.items() if st["identical"]]
+    """A line per comparison ({name: paired_statistics}) whose statistics are not all defined, saying why: no paired
+    seed, one, or every seed the same delta."""
+    def why(st):
+        if st["n"] == 0:
+            return "no paired seed: its mean, s.d., interval and p-values are undefined (see the seeds left out)"
+        if st["n"] == 1:
+            return ("1 paired seed: no s.d., so the t-test's p and interval are undefined; a sign test of one seed "
+                    "cannot go below p = 1")
+        return (f"every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are undefined "
+                f"(s.d. 0), not p = 0; the sign test still counts") if st["identical"] else None
+    lines = [f"- {md(name)}: {reason}" for name, st in statistics.items() if (reason := why(st))]
     return lines + [""] if lines else []
 
 
@@ -818,6 +530,30 @@ def text_comparison(results, reference, arm, seeds):
     return text_uncertainty(np.stack(rows))
 
 
+def disagreement(st, text):
+    """Why an arm's intervals disagree on whether 0 is inside (the seeds' t, the t over seeds and text, the bootstrap),
+    and which one the verdict quotes; None where they agree."""
+    intervals = {"the seeds' t interval": st["ci95"], "the t interval over seeds and text": text["ci95_t"],
+                 "the bootstrap": text["ci95"]}
+    excludes = {name: ci[1] < 0 or ci[0] > 0 for name, ci in intervals.items()
+                if not any(x is None or math.isnan(x) for x in ci)}
+    if len(set(excludes.values())) < 2:
+        return None
+    why = []
+    if "the bootstrap" in excludes and text["n"] < BOOTSTRAP_CALIBRATED_SEEDS:
+        why.append(f"the bootstrap draws only from the {text['n']} seeds seen and is too narrow below "
+                   f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds")
+    if "the seeds' t interval" in excludes and excludes["the seeds' t interval"] != excludes.get(
+            "the t interval over seeds and text", excludes["the seeds' t interval"]):
+        why.append("the t interval over seeds and text counts the text's variance (which sequences were evaluated) "
+                   "beside the seeds'")
+    inside = [name for name, out in excludes.items() if not out]
+    outside = [name for name, out in excludes.items() if out]
+    return (f"{' and '.join(outside)} exclude{'s' * (len(outside) == 1)} 0, {' and '.join(inside)} "
+            f"do{'es' * (len(inside) == 1)} not: {'; '.join(why) or 'they are estimated apart'}; "
+            f"the verdict quotes {verdict(st | dict(text=text))[2]}")
+
+
 def text_lines(others, paired):
     """The report's table of each arm's mean delta over seeds and validation text together, beside the seeds-only
     t interval, with each source's share of the variance; why it is unavailable where it is."""
@@ -832,16 +568,21 @@ def text_lines(others, paired):
     notes = []
     for arm in others:
         st, text = paired[arm], paired[arm]["text"]
-        seeds_only = "undefined" if st["identical"] else f"[{fmt(st['ci95'][0])}, {fmt(st['ci95'][1])}]"
+        seeds_only = "undefined" if st["identical"] else interval(st["ci95"])
         if "unavailable" in text:
             lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", *["-"] * 4))
             notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
             continue
         share = text["share"]
+        shares = ["-"] * 3 if text.get("identical") else \
+            [fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text")]
         lines.append(table_row(arm, str(text["n"]), str(text["sequences"]), fmt(text["mean"]), seeds_only,
-                               f"[{fmt(text['ci95_t'][0])}, {fmt(text['ci95_t'][1])}]",
-                               f"[{fmt(text['ci95'][0])}, {fmt(text['ci95'][1])}]",
-                               *(fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text"))))
+                               interval(text["ci95_t"]), interval(text["ci95"]), *shares))
+        if text.get("identical"):
+            notes.append(f"- {md(arm)}: every seed and sequence has the same delta: no variance, so the intervals "
+                         f"over seeds and text are undefined (not zero wide) and no source has a share")
+        if reason := disagreement(st, text):
+            notes.append(f"- {md(arm)}: {reason}")
         if text["sequences"] < FEW_SEQUENCES:
             notes.append(f"- {md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
                          f"{FEW_SEQUENCES}): the text's share is estimated from little text; raise eval_tokens")
@@ -886,84 +627,6 @@ def arm_learning_rates(results, arm):
     return sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
 
 
-TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 1 and all(map(is_seed, s))
-                  and len(set(s)) == len(s), "a list of 2 or more distinct seeds"),  # fewer: no s.d.
-                 ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
-                 ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
-                 ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
-                 ("learning_rates", lambda r: isinstance(r, list) and len(r) > 0
-                  and all(is_finite(x) and x > 0 for x in r), "a list of positive numbers"),
-                 ("min_lr_ratio", lambda r: is_finite(r) and 0 <= r <= 1, "a fraction in [0, 1]"),
-                 ("tuning_text", lambda t: isinstance(t, dict) and all(is_seed(t.get(k)) for k in ("first_token", "tokens")),
-                  "a dict of first_token and tokens"),
-                 ("test_tokens", lambda n: is_seed(n) and n > 0, "a positive integer"),
-                 ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
-                 ("choice", lambda c: isinstance(c, dict), "a dict of arms"),
-                 ("reason", lambda c: isinstance(c, dict), "a dict of arms"))
-
-
-def first_difference(row, held):
-    """The first key where a choice.json row differs from the one its tuning cells give, with both values."""
-    key = next(k for k in [*held, *row] if row.get(k) != held.get(k))
-    if isinstance(row.get(key), dict) and isinstance(held.get(key), dict):  # per seed: name the seed
-        seed = next(s for s in [*held[key], *row[key]] if row[key].get(s) != held[key].get(s))
-        return f"{key}.{seed}", row[key].get(seed), held[key].get(seed)
-    return key, row.get(key), held.get(key)
-
-
-def tuning_problem(record, out_dir):
-    """Why a tune/choice.json cannot be used, or None: a field missing or of the wrong type, a choice made on the
-    reported validation text or on compared seeds, a row that is not what its tuning cells in out_dir/tune hold
-    (an edited loss), or a choice or reason that is not tune.stable_choice's from those rows."""
-    if "tuning_text" not in record:
-        return ("no tuning_text: a choice.json made before the tuning split, whose rates were chosen on the reported "
-                "validation text itself; tune again in a new out_dir")
-    if problem := missing_or_wrong(record, TUNING_CHECKS):
-        return problem
-    if record["tuning_text"]["first_token"] < record["test_tokens"]:
-        return (f"tuning_text begins at token {record['tuning_text']['first_token']}, inside the reported validation "
-                f"text (its first {record['test_tokens']} tokens)")
-    if shared := sorted(set(record["tune_seeds"]) & set(record["seeds"])):
-        return f"tune_seeds and seeds share {', '.join(map(str, shared))}: rates chosen on compared seeds"
-    tune_dir = os.path.join(out_dir, tune.TUNE_DIR)
-    for arm, rows in record["table"].items():
-        if not isinstance(rows, dict):
-            return f"table.{arm} is {described(rows)}, not a dict of rates"
-        if sorted(rows) != sorted(names := [tune.rate_name(r) for r in record["learning_rates"]]):
-            return f"table.{arm} holds rates {', '.join(sorted(rows)) or 'none'}, not learning_rates {', '.join(names)}"
-        for rate, name in zip(record["learning_rates"], names):
-            if not isinstance(rows[name], dict):
-                return f"table.{arm}.{name} is {described(rows[name])}, not a dict"
-            try:
-                held = tune.tuning_row(tune_dir, arm, float(rate), record["tune_seeds"], record["tune_iters"])
-            except UserError as e:
-                return f"table.{arm}.{name} cannot be checked against its tuning cells: {e}"
-            if rows[name] != held:
-                key, written, found = first_difference(rows[name], held)
-                return (f"table.{arm}.{name}.{key} is {described(written)}, but its tuning cells in {tune.TUNE_DIR}/ give "
-                        f"{described(found)} (an edited or copied choice.json)")
-        rate, reason = tune.stable_choice(list(rows.values()))
-        if rate is None:
-            return f"table.{arm}: {reason}, so nothing was chosen"
-        if record["choice"].get(arm) != rate:
-            return f"choice.{arm} is {described(record['choice'].get(arm))}, not the tuning rule's {rate:g} ({reason})"
-        if record["reason"].get(arm) != reason:
-            return f"reason.{arm} is {described(record['reason'].get(arm))}, not the tuning rule's: {reason}"
-    if extra := sorted(set(record["choice"]) - set(record["table"])):
-        return f"choice.{extra[0]} has no row in table"
-    return None
-
-
-def read_tuning(out_dir):
-    """(out_dir/tune/choice.json, None), (None, why it cannot be used), or (None, None) where there is none."""
-    path = os.path.join(out_dir, tune.TUNE_DIR, "choice.json")
-    if not os.path.lexists(path):
-        return None, None
-    record, why = json_object(path)
-    why = why or tuning_problem(record, out_dir)
-    return (None, why) if why else (record, None)
-
-
 def grid_cost(results):
     """Cells, steps and wall time (s) of results {(arm, seed): result.json}; a time unrecorded counts 0."""
     return dict(cells=len(results), steps=sum(r["steps"] for r in results.values() if is_seed(r.get("steps"))),
@@ -971,14 +634,8 @@ def grid_cost(results):
 
 
 def tuning_cost(out_dir, record):
-    """grid_cost of the tuning cells of a checked choice.json (each has a readable result: tuning_problem)."""
-    results = {}
-    for arm, rows in record["table"].items():
-        for row in rows.values():
-            name = tune.tuning_arm(arm, row["learning_rate"])
-            for seed in record["tune_seeds"]:
-                results[name, seed] = json_object(os.path.join(out_dir, tune.TUNE_DIR, name, f"seed{seed}", "result.json"))[0]
-    return grid_cost(results)
+    """grid_cost of the tuning cells of a checked choice.json."""
+    return grid_cost(tuning_results(out_dir, record))
 
 
 def tuning_lines(record, arms, results, cost):
@@ -1051,7 +708,6 @@ def tuning_summary(record, why, notes, cost, results):
 # what the cells share: the model, the machines; another grid beside this one (--beside)
 
 SIZE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-MOE_KEYS = ("n_experts",) + MOE_OPTIONS
 
 
 def shared_model(results):
@@ -1060,7 +716,8 @@ def shared_model(results):
     settings = [s for r in results.values() if (s := (r.get("pairing") or {}).get("settings"))]  # an old cell may have none
     if not settings:
         return {}, []
-    keys = [k for k in SIZE_KEYS + MOE_KEYS if any(k in s for s in settings)]
+    moe = sorted({k for s in settings for k in s if k.startswith("moe_")})  # model.py's MoE options, as recorded
+    keys = [k for k in (*SIZE_KEYS, "n_experts", *moe) if any(k in s for s in settings)]
     alike = {k: settings[0].get(k) for k in keys if all(s.get(k) == settings[0].get(k) for s in settings)}
     return alike, [k for k in keys if k not in alike]
 
@@ -1125,7 +782,7 @@ def beside(out_dir, other, comparisons):
     """Each comparison of this grid beside the same comparison in another grid (its paired.json, from its own
     report), with the grid settings the two differ in (config.json): the same grid on two corpora differs in the
     data alone (data_dir, train_data_sha256, tokenizer)."""
-    theirs, why = json_object(os.path.join(other, "paired.json"))
+    theirs, why = read_paired(other)
     if why:
         raise DataError(f"--beside={other}: its paired.json cannot be read ({why}); run python report.py {other} first")
     by_reference = theirs.get("by_reference") or {theirs.get("reference"): dict(arms=theirs.get("arms") or {})}
@@ -1133,15 +790,33 @@ def beside(out_dir, other, comparisons):
                                                      for c in by_reference.values()):
         raise DataError(f"--beside={other}: its paired.json's by_reference is not a report's (comparisons by "
                         f"reference, each with its arms); run python report.py {other} again")
-    configs = [json_object(os.path.join(d, "config.json"))[0] or {} for d in (out_dir, other)]
-    differ = sorted(k for k in set(configs[0]) | set(configs[1])
-                    if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k))
+    configs = [grid_record(d) for d in (out_dir, other)]
+    unrecorded = [d for d, c in zip((out_dir, other), configs) if not c]
+    differ = [] if unrecorded else sorted(k for k in set(configs[0]) | set(configs[1])
+                                          if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k))
     rows = []
     for reference, comparison in comparisons.items():
         there = (by_reference.get(reference) or {}).get("arms") or {}
         rows += [dict(arm=arm, reference=reference, here=here, there=there[arm] if isinstance(there.get(arm), dict) else None)
                  for arm, here in comparison["paired"].items()]
-    return dict(out_dir=other, differ=differ, rows=rows)
+    arms = dict.fromkeys(a for row in rows for a in (row["reference"], row["arm"]))
+    return dict(out_dir=other, differ=differ, rows=rows, unrecorded=unrecorded,
+                arm_differ={} if unrecorded else arm_differences(configs, arms))
+
+
+def arm_differences(configs, arms):
+    """{arm: ["key (here vs there)", ...]} for the arms whose own settings (each over its grid's) differ between two
+    grids' config.json: one arm name for two methods (Block AttnRes here, Full AttnRes there) compares nothing alike."""
+    differ = {}
+    for arm in arms:
+        own = [c["arms"].get(arm) if isinstance(c.get("arms"), dict) else None for c in configs]
+        if not all(isinstance(o, dict) for o in own):
+            differ[arm] = ["not recorded in both grids' config.json"]
+            continue
+        values = [{k: o.get(k, c.get(k)) for k in sorted(set(own[0]) | set(own[1]))} for o, c in zip(own, configs)]
+        if keys := [k for k in values[0] if values[0][k] != values[1][k]]:
+            differ[arm] = ["{} ({} vs {})".format(k, *shorten(values[0][k], values[1][k])) for k in keys]
+    return differ
 
 
 def beside_lines(side):
@@ -1150,12 +825,20 @@ def beside_lines(side):
         if st is None:
             return ["-"] * 4
         text = st.get("text") or {}
-        interval = "unavailable" if "ci95_t" not in text else f"[{fmt(text['ci95_t'][0])}, {fmt(text['ci95_t'][1])}]"
-        return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), interval]
-    differ = ", ".join(side["differ"]) or "nothing"
+        ci = "unavailable" if "ci95_t" not in text else interval(text["ci95_t"])
+        return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), ci]
+    if side["unrecorded"]:
+        settings = (f"The grids' settings cannot be compared: {md(' and '.join(side['unrecorded']))} holds no readable "
+                    f"config.json.")
+    else:
+        arms = "; ".join(f"{arm}: {', '.join(keys)}" for arm, keys in side["arm_differ"].items())
+        grid = f"differ in: {md(', '.join(side['differ']))}" if side["differ"] else "are alike"
+        settings = (f"The grids' settings {grid}" +
+                    (f"; **arms of one name with other settings** (their rows compare different methods or rates): "
+                     f"{md(arms)}." if arms else "; every compared arm's own settings are alike."))
     lines = [f"## Beside {md(side['out_dir'])}", "",
              f"Each comparison here and the same one there (from its paired.json): mean delta, wins, p (t-test) and the "
-             f"95% interval over seeds and text (t). The grids' settings differ in: {md(differ)}.", "",
+             f"95% interval over seeds and text (t). {settings}", "",
              "| arm | reference | here: mean delta | wins | p | CI, seeds and text | there: mean delta | wins | p | "
              "CI, seeds and text |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [table_row(row["arm"], md(row["reference"]), *cells(row["here"]), *cells(row["there"])) for row in side["rows"]]
@@ -1258,7 +941,8 @@ def comparison_lines(reference, comparison, earlier, effect):
         st = paired[arm]
         percent = 100 * st["ppl_change"]
         table.append(table_row(arm, *statistics_cells(st),
-                               "off scale" if math.isinf(percent) else fmt(percent, "+.2f") + "%"))
+                               "off scale" if math.isinf(percent) else "undefined" if math.isnan(percent)
+                               else fmt(percent, "+.2f") + "%"))
         lines.append(f"Per-seed deltas, {md(arm)}: "
                      + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(st["seeds"], st["deltas"])) or "none"))
     lines += ["", *table, "", *identical_lines({arm: paired[arm] for arm in others})]
@@ -1271,6 +955,134 @@ def comparison_lines(reference, comparison, earlier, effect):
                   "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
                   "the grid in a new out_dir:", "",
                   *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]), ""]
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# the report's opening: what was compared (settings, size, data, code) and one verdict per pair
+
+RATE_KEYS = ("learning_rate", "min_lr", "muon_learning_rate")
+
+
+def recorded_cell(results, arm):
+    """An arm's first counted result, the one its opening describes (its seeds share settings: mixed_versions says
+    where they do not), or None."""
+    return next((r for (a, _), r in sorted(results.items()) if a == arm), None)
+
+
+def cell_settings(result, config):
+    """A cell's model and rates as recorded: its record's model (every GPTConfig key) and learning rates, else its
+    arm's own settings over the grid's (config.json), else what its pairing record holds; {} when none is."""
+    record = result.get("config") if isinstance(result.get("config"), dict) else {}
+    if isinstance(record.get("model"), dict):
+        return record["model"] | {k: record[k] for k in RATE_KEYS if k in record}
+    pairing = result.get("pairing") or {}
+    own = (config.get("arms") or {}).get(result["arm"]) if isinstance(config.get("arms"), dict) else None
+    return ({k: v for k, v in config.items() if k != "arms"} | own if isinstance(own, dict) else
+            (pairing.get("settings") or {}) | (pairing.get("arm_settings") or {}))
+
+
+def differing_settings(results, config, arm, reference):
+    """'key value (reference's)' for each recorded setting where an arm's cell differs from its reference's."""
+    mine, theirs = (recorded_cell(results, a) for a in (arm, reference))
+    if mine is None or theirs is None:
+        return "not recorded (no counted cell)"
+    a, b = cell_settings(mine, config), cell_settings(theirs, config)
+    keys = [k for k in dict.fromkeys([*a, *b]) if k not in GRID_ONLY_KEYS and a.get(k) != b.get(k)]
+    return ", ".join(f"{k} {described(a.get(k))} ({described(b.get(k))})" for k in keys) or "none recorded"
+
+
+def size_cells(result, config):
+    """[parameters, non-embedding parameters, active FLOPs per token] of a cell, as recorded: training FLOPs per
+    token as model.flops_per_token counts them (6 x active parameters + 12 x n_layer x n_embd x block_size for
+    attention), computed here from the recorded counts and shape; 'not recorded' where they are not."""
+    if result is None:
+        return ["-"] * 3
+    settings = cell_settings(result, config)
+    counts = [result.get(k) for k in ("params", "non_embedding_params", "active_params")]
+    dense = settings.get("n_experts", 1) == 1
+    active = counts[2] if is_seed(counts[2]) else counts[0] if dense and is_seed(counts[0]) else None
+    shape = [settings.get(k) for k in ("n_layer", "n_embd", "block_size")]
+    flops = "not recorded (no active_params)" if active is None else "not recorded (no n_layer, n_embd, block_size)" \
+        if not all(map(is_seed, shape)) else f"{6 * active + 12 * shape[0] * shape[1] * shape[2]:,}"
+    return [f"{c:,}" if is_seed(c) else "not recorded" for c in counts[:2]] + [flops]
+
+
+def recorded_values(results, read):
+    """The distinct values read(result) gives over the counted cells (None where a cell records none), in order."""
+    return list(dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values()))
+
+
+def data_lines(results, config):
+    """The data the cells were trained and evaluated on, as their records say: corpus, tokens trained, the
+    validation text; and the code commit."""
+    record = lambda r: r.get("config") if isinstance(r.get("config"), dict) else config
+    field = lambda key: lambda r: record(r).get(key)
+    said = lambda values: "; ".join("not recorded" if v == "null" else md(json.loads(v)) if v.startswith('"')
+                                    else md(v) for v in values)
+    corpus = said(recorded_values(results, field("data_dir")))
+    shards = ", ".join(md(str(json.loads(v))[:12]) for v in recorded_values(results, field("train_data_sha256"))
+                       if v != "null")
+    tokenizer = said(recorded_values(results, field("tokenizer")))
+    trained = recorded_values(results, lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
+    tokens = ", ".join(f"{json.loads(v):,}" if v != "null" else "not recorded" for v in trained)
+    evaluated = recorded_values(results, lambda r: [(r.get("pairing") or {}).get("eval_tokens"),
+                                                    len(r["val_sequence_losses"]) if isinstance(
+                                                        r.get("val_sequence_losses"), list) else None,
+                                                    (r.get("pairing") or {}).get("val_hash")])
+    validation = "; ".join(
+        f"{'not recorded' if n is None else f'{n:,} tokens'} of the validation shard evaluated"
+        + (f", {m} sequences" if m else "") + (f", val_hash {str(h)[:12]}" if h else "")
+        for n, m, h in map(json.loads, evaluated))
+    documents = recorded_values(results, lambda r: record(r).get("validation"))  # the documents, where recorded
+    if documents != ["null"]:
+        validation += "; documents: " + said(documents)
+    commits = recorded_values(results, lambda r: [((r.get("code") or record(r).get("code") or {}).get(k))
+                                                  for k in ("git_commit", "git_dirty")])
+    code = "; ".join("not recorded" if not c else f"git commit {c[:12]}" + (", plus uncommitted edits" if dirty else "")
+                     for c, dirty in map(json.loads, commits))
+    return [f"Data: corpus {corpus}" + (f" (train shards sha256 {shards}...)" if shards else "")
+            + f", tokenizer {tokenizer}; tokens trained per cell: {tokens}; validation text: {validation}.", "",
+            f"Code: {code}" + (" (cells of several versions: see Mixed versions)" if len(commits) > 1 else "") + ".", ""]
+
+
+def verdict_lines(comparisons, references):
+    """One line per pair: ahead, behind or not detectable at this size, on the one interval quoted (quoted_interval),
+    with the mean delta, the seeds in favour and the smallest delta the grid detects."""
+    lines = []
+    for reference in references:
+        for arm, st in comparisons[reference]["paired"].items():
+            word, ci, what = verdict(st)
+            detects = st["power"]["detectable_effect"]
+            lines.append(f"- {md(arm)} against {md(reference)}: **{word}**: "
+                         + (f"mean delta {fmt(st['mean'])} nats, 95% CI {interval(ci)} ({what}), " if ci else
+                            f"{what}, " if st["n"] == 0 else f"mean delta {fmt(st['mean'])} nats ({what}), ")
+                         + f"{st['wins']}/{st['n']} seeds in favour"
+                         + (f"; this grid detects {detects:.4f} nats (power {POWER:g})" if detects else ""))
+    return lines
+
+
+def opening_lines(arms, references, results, comparisons, config):
+    """What the report compared, first: a grid without a baseline arm says so; each arm's settings that differ from
+    its reference, its size and FLOPs; the data and the code; one verdict per pair."""
+    lines = []
+    if not any(arm in BASELINES for arm in arms):
+        lines += [f"**No baseline arm**: none of the arms is a baseline scheme ({', '.join(BASELINES)}); every delta "
+                  f"below is against {', '.join(map(md, references))}, not against a baseline.", ""]
+    lines += ["| arm | settings that differ from its reference (the reference's) | parameters | non-embedding | "
+              "active FLOPs per token (training) |", "|---|---|---|---|---|"]
+    for arm in arms:
+        reference = references[0] if arm != references[0] else None
+        lines.append(table_row(arm, "(the reference)" if reference is None else
+                               md(differing_settings(results, config, arm, reference)),
+                               *size_cells(recorded_cell(results, arm), config)))
+    lines += ["", *data_lines(results, config)] if results else [""]
+    if verdicts := verdict_lines(comparisons, references):
+        lines += [f"Verdicts (ahead: the 95% interval of the mean delta below 0; behind: above; else not detectable "
+                  f"at this size). One interval is quoted: the t interval over seeds and text (the seeds' t interval "
+                  f"where the cells record no per-sequence losses); the two-way bootstrap only from "
+                  f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds, where it is calibrated (below, it draws from too few seeds "
+                  f"and its interval is too narrow):", "", *verdicts, ""]
     return lines
 
 
@@ -1333,7 +1145,8 @@ def main(argv):
         if os.path.isdir(path := os.path.join(args.out_dir, name)):
             raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
     diverged = diverged_cells(arms, seeds, results)
-    lines = intro_lines(args.out_dir, references)
+    lines = intro_lines(args.out_dir, references) + opening_lines(arms, references, results, comparisons,
+                                                                   grid_record(args.out_dir))
     model, differ = shared_model(results) if results else ({}, [])
     if results:
         lines += [md(model_line(model, differ)), ""]
@@ -1343,7 +1156,7 @@ def main(argv):
         section, tuning_notes = tuning_lines(tuning, arms, results, cost)
         lines += section
     elif tuning_why:
-        lines += ["## Learning-rate tuning", "", f"{tune.TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
+        lines += ["## Learning-rate tuning", "", f"{TUNE_DIR}/choice.json: unreadable ({md(tuning_why)}); the arms' "
                   f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.", ""]
     lines += final_loss_lines(arms, seeds, results)
     ran_on = machines(arms, seeds, results)

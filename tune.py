@@ -17,15 +17,13 @@ empty tune_learning_rates is the frozen protocol (one setting for every arm), th
 """
 
 import json
-import math
 import os
-import statistics
 import sys
 
 import records
 from common import ConfigError, write_json
+from grid_files import TUNE_DIR, rate_name, recorded_choice, stable_choice, tuning_arm, tuning_row
 
-TUNE_DIR = "tune"  # the tuning grid's folder inside out_dir (so no arm may be named so)
 TUNED_KEYS = ("learning_rate", "min_lr")  # what tuning sets in each arm
 
 
@@ -33,17 +31,6 @@ def iters(cfg):
     """The tuning cells' steps: tune_iters, or by default a quarter of max_iters (rounded up). Each tuning cell
     runs the whole schedule in them (warmup, decay to min_lr at its end), as a run of that length would."""
     return cfg["tune_iters"] or -(-cfg["max_iters"] // 4)
-
-
-def rate_name(rate):
-    """A rate as it appears in a tuning arm's name and in choice.json: 6 significant digits, no '+' (not in
-    an arm name)."""
-    return f"{rate:g}".replace("+", "")
-
-
-def tuning_arm(arm, rate):
-    """The tuning grid's arm for an arm at a rate: <arm>-lr<rate> (a rate name holds no 'l', so it splits back)."""
-    return f"{arm}-lr{rate_name(rate)}"
 
 
 def min_lr_at(cfg, rate):
@@ -112,97 +99,12 @@ def tuning_text(cfg, val):
     return val[n:2 * n]
 
 
-def initial_loss(cell_dir):
-    """A tuning cell's validation loss at step 0, before any training: the first record of its log.jsonl (a
-    resumed log is cut back to its checkpoint, never before it)."""
-    path = os.path.join(cell_dir, "log.jsonl")
-    try:
-        with open(path) as f:
-            first = json.loads(f.readline())
-    except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{path} is unreadable or damaged ({e}); delete {cell_dir} to retrain it") from None
-    loss = first.get("val_loss") if isinstance(first, dict) and first.get("step") == 0 else None
-    if type(loss) not in (int, float) or not math.isfinite(loss):
-        raise ConfigError(f"{path} does not start with the step-0 validation loss a tuning rate is judged against; "
-                          f"delete {cell_dir} to retrain it")
-    return loss
-
-
-def tuning_loss(tune_dir, name, seed, rate, budget):
-    """A tuning cell's (final validation loss, its step-0 loss), or (None, None) when it diverged; one line when
-    it has no result or one of other settings (a copy, a rate or budget not this tuning's)."""
-    path = os.path.join(records.cell_dir(tune_dir, name, seed), "result.json")
-    if not os.path.exists(path):
-        raise ConfigError(f"tuning cell {name}/seed{seed} has no result ({path} missing); run the same command "
-                          f"to train it")
-    result = records.check_result(records.read_record(path, records.RESULT_REMEDY), path)
-    records.check_owner(path, result, name, seed)
-    pairing = result.get("pairing") if isinstance(result.get("pairing"), dict) else {}
-    own = pairing.get("arm_settings") if isinstance(pairing.get("arm_settings"), dict) else {}  # damaged: not this tuning's
-    if own.get("learning_rate") != rate or result["status"] == "finished" and result.get("steps") != budget:
-        raise ConfigError(f"{path} is not of this tuning (learning_rate {own.get('learning_rate')!r}, "
-                          f"{result.get('steps')!r} steps; this tuning: {rate:g}, {budget} steps); delete "
-                          f"{os.path.dirname(path)} to retrain it")
-    if result["status"] != "finished":
-        return None, None
-    return result["val_loss"], initial_loss(os.path.dirname(path))
-
-
-def tuning_row(tune_dir, arm, rate, seeds, budget):
-    """One arm at one rate over the tuning seeds: each seed's final and step-0 validation loss, their mean and
-    sample s.d., and the problem that keeps the rate from being chosen (a seed that diverged, or ended at or above
-    its step-0 loss: it exploded or learned nothing), else None."""
-    name = tuning_arm(arm, rate)
-    ends = {str(s): tuning_loss(tune_dir, name, s, rate, budget) for s in seeds}
-    losses, starts = {s: end for s, (end, _) in ends.items()}, {s: start for s, (_, start) in ends.items()}
-    problem = next((f"seed {s} diverged" if end is None else f"seed {s} ended at {end:.4g}, not below its step-0 "
-                    f"loss {starts[s]:.4g}" for s, end in losses.items()
-                    if end is None or not end < starts[s]), None)  # not end < start: a NaN loss too
-    mean = sd = None
-    if problem is None:
-        mean, sd = math.fsum(losses.values()) / len(losses), statistics.stdev(losses.values())
-    return dict(learning_rate=rate, val_loss=losses, initial_loss=starts, mean=mean, sd=sd, problem=problem)
-
-
-def beats(row, safer):
-    """Why row's (larger) rate is better than safer's beyond the tuning seeds' noise, or None where it is not: it
-    must be better on every tuning seed (the seeds pair: same init, same batches), and its mean lower by more
-    than the s.d. of its own seeds' losses (a gain inside that spread is what another draw of seeds undoes; a
-    rate where one seed stalls has a wide spread)."""
-    if any(not row["val_loss"][s] < loss for s, loss in safer["val_loss"].items()):
-        return None
-    gain = safer["mean"] - row["mean"]
-    return f"{gain:.4f} below {rate_name(safer['learning_rate'])} on every seed, beyond its seeds' s.d. " \
-           f"{row['sd']:.4f}" if gain > row["sd"] else None
-
-
-def stable_choice(rows):
-    """(rate, reason) for one arm from its tuning rows: among the rates where every seed finished below its step-0
-    loss, the smallest that no larger rate beats; (None, reason) where no rate did. The lowest mean is never
-    beaten (a larger rate's gain over it is not positive), so the choice is it or a smaller, safer rate."""
-    usable = sorted((row for row in rows if row["problem"] is None), key=lambda row: row["learning_rate"])
-    if not usable:
-        return None, "no rate finished on every tuning seed (" + "; ".join(
-            f"{rate_name(row['learning_rate'])}: {row['problem']}" for row in rows) + ")"
-    chosen = next(row for i, row in enumerate(usable) if not any(beats(r, row) for r in usable[i + 1:]))
-    best = min(usable, key=lambda row: (row["mean"], row["learning_rate"]))
-    below = [row for row in usable if row["learning_rate"] < chosen["learning_rate"]]
-    if chosen is best:
-        won = beats(best, below[-1]) if below else None
-        return best["learning_rate"], "the lowest mean" + (f", {won}" if won else "")
-    worse = [s for s, loss in chosen["val_loss"].items() if not best["val_loss"][s] < loss]
-    how = f"worse on seed {', '.join(worse)}" if worse else \
-        f"{chosen['mean'] - best['mean']:.4f} lower, within its seeds' s.d. {best['sd']:.4f}"
-    return chosen["learning_rate"], f"the safer rate: {rate_name(best['learning_rate'])} has the lowest mean but is " \
-                                    f"not better beyond the seeds' noise ({how})"
-
-
 def choose(cfg, tune_dir, master=True):
     """{arm: learning rate}: per arm, stable_choice over the tuning seeds' final validation losses (on tuning_text).
     The master process prints each arm's choice and reason and writes tune_dir/choice.json: every arm's
     per-seed losses, mean and s.d. per rate, the choice and its reason, and the text it was made on."""
     check(cfg)
-    rates, seeds, budget = [float(r) for r in cfg["tune_learning_rates"]], cfg["tune_seeds"], iters(cfg)
+    rates, seeds, budget = sorted(float(r) for r in cfg["tune_learning_rates"]), cfg["tune_seeds"], iters(cfg)
     table = {arm: {rate_name(rate): tuning_row(tune_dir, arm, rate, seeds, budget) for rate in rates}
              for arm in cfg["arms"]}
     choice, reason = {}, {}
@@ -212,13 +114,33 @@ def choose(cfg, tune_dir, master=True):
             raise ConfigError(f"arm {arm!r}: {reason[arm]}; add smaller rates to tune_learning_rates")
     if master:
         n = cfg["eval_tokens"]
-        write_json(os.path.join(tune_dir, "choice.json"), dict(
+        record = dict(
             tune_seeds=list(seeds), tune_iters=budget, max_iters=cfg["max_iters"], seeds=list(cfg["seeds"]),
             learning_rates=rates, min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"),
-            tuning_text=dict(first_token=n, tokens=n), test_tokens=n, table=table, choice=choice, reason=reason))
+            tuning_text=dict(first_token=n, tokens=n), test_tokens=n, table=table, choice=choice, reason=reason)
+        check_recorded(os.path.join(tune_dir, "choice.json"), recorded_choice(tune_dir), record)
+        write_json(os.path.join(tune_dir, "choice.json"), record)
         for arm in choice:
             print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({reason[arm]})")
     return choice
+
+
+CHOICE_SETTINGS = ("tune_seeds", "tune_iters", "max_iters", "seeds", "learning_rates", "min_lr_ratio", "tuning_text",
+                   "test_tokens")  # what a choice.json was made under; the rest follows from its tuning cells
+
+
+def check_recorded(path, recorded, record):
+    """A choice.json written before is replaced only by what it would be anyway, or by another tuning's (its
+    settings changed, --allow_changes: said in one line); one of the same tuning that differs was edited or copied,
+    and is refused rather than silently rewritten."""
+    if recorded is None or recorded == json.loads(json.dumps(record)):
+        return
+    if changed := [k for k in CHOICE_SETTINGS if recorded.get(k) != record[k]]:
+        print(f"note: {path} rewritten: this tuning's {', '.join(changed)} differ from the recorded one's")
+        return
+    differ = [k for k in sorted(set(recorded) | set(record)) if recorded.get(k) != json.loads(json.dumps(record.get(k)))]
+    raise ConfigError(f"{path} differs from the choice its tuning cells give (in {', '.join(differ)}): edited by "
+                      f"hand or copied from another tuning; delete it and rerun the same command to write it again")
 
 
 def tuned_arms(cfg, choice):

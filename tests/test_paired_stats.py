@@ -167,7 +167,18 @@ def test_variance_shares_in_closed_form():
     # the same seeds with no text effect: the seeds-only t interval of the per-seed deltas
     seeds_only = paired_stats.text_uncertainty(np.repeat(seed[:, None], 5, axis=1), resamples=100)
     assert seeds_only["ci95_t"] == pytest.approx(paired_stats.paired_statistics(seed)["ci95"], rel=1e-12)
-    assert paired_stats.text_uncertainty(np.zeros((2, 3)), resamples=10)["ci95"] == [0.0, 0.0]
+
+
+
+@pytest.mark.parametrize("value", [0.0, -0.03])
+def test_identical_sequence_deltas_draw_no_zero_width_interval(value):
+    # issue #52: every seed and sequence the same delta gave "[+0.0000, +0.0000]" over seeds and text: no variance
+    # is no interval, not certainty
+    tu = paired_stats.text_uncertainty(np.full((3, 4), value), resamples=10)
+    assert tu["identical"] and tu["mean"] == pytest.approx(value)
+    assert all(math.isnan(x) for x in tu["ci95"] + tu["ci95_t"]), f"an interval of zero width was drawn: {tu}"
+    varied = paired_stats.text_uncertainty(np.array([[0.0, 0.0], [0.0, 0.1]]), resamples=10)
+    assert not varied["identical"] and varied["ci95_t"][0] < varied["ci95_t"][1], "one delta apart is variance"
 
 
 def test_variance_components_by_simulation():
@@ -182,3 +193,40 @@ def test_variance_components_by_simulation():
     estimated = [paired_stats.text_uncertainty(g, resamples=1)["variance"] for g in grids]
     for k in true:
         assert np.mean([e[k] for e in estimated]) == pytest.approx(true[k], rel=0.1)
+
+
+def coverage(n, reps, rng, m=63):
+    """How often the two-way bootstrap's and the t interval over seeds and text cover a true mean delta of 0, over
+    reps simulated grids of n seeds whose variance is mostly the seeds' (as measured on the grids here)."""
+    hits = np.zeros(2)
+    for _ in range(reps):
+        d = rng.normal(0, 0.02, n)[:, None] + rng.normal(0, 0.004, m)[None, :] + rng.normal(0, 0.01, (n, m))
+        tu = paired_stats.text_uncertainty(d, resamples=1000)
+        hits += [tu["ci95"][0] <= 0 <= tu["ci95"][1], tu["ci95_t"][0] <= 0 <= tu["ci95_t"][1]]
+    return hits / reps
+
+
+def test_the_bootstrap_is_quoted_only_where_it_is_calibrated():
+    # issue #50: at 3 seeds the bootstrap covers about 3 times in 4 (it draws from the 3 seeds seen), the t interval
+    # about 95%; from BOOTSTRAP_CALIBRATED_SEEDS the bootstrap covers about 95% too
+    rng = np.random.default_rng(1)
+    bootstrap, t = coverage(3, 200, rng)
+    assert bootstrap < 0.85 and t > 0.9, (bootstrap, t)
+    bootstrap, t = coverage(paired_stats.BOOTSTRAP_CALIBRATED_SEEDS, 200, rng)
+    assert bootstrap > 0.9 and t > 0.9, (bootstrap, t)
+
+
+def test_the_verdict_reads_the_one_interval_quoted():
+    st = dict(paired_stats.paired_statistics([-0.03, -0.02, -0.04]), text=dict(n=3, ci95_t=[-0.05, -0.01],
+                                                                               ci95=[-0.04, -0.02]))
+    assert paired_stats.verdict(st) == ("ahead", [-0.05, -0.01], "t over seeds and text")
+    st["text"]["ci95_t"] = [-0.05, 0.01]  # the bootstrap still excludes 0, but is not calibrated at 3 seeds
+    assert paired_stats.verdict(st)[0] == "not detectable at this size"
+    many = dict(paired_stats.paired_statistics([0.02] * 19 + [0.03]), text=dict(n=20, ci95_t=[-0.01, 0.05],
+                                                                                ci95=[0.01, 0.04]))
+    assert paired_stats.verdict(many) == ("behind", [0.01, 0.04], "two-way bootstrap over seeds and text, calibrated "
+                                                                  "from 20 seeds")
+    assert paired_stats.verdict(dict(paired_stats.paired_statistics([0.1]), text={})) == \
+        ("not detectable at this size", None, "1 paired seed: no interval")
+    assert paired_stats.verdict(dict(paired_stats.paired_statistics([-0.1, -0.2]), text=dict(unavailable="x")))[2] == \
+        "t over seeds", "no per-sequence losses: the seeds' t interval"

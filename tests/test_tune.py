@@ -9,6 +9,7 @@ $ OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_tune.py -q -p no:cache
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+import grid_files
 import records
 import report
 import train
@@ -131,7 +133,7 @@ def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller
     printed = capsys.readouterr().out
     assert "tuned: standard at learning_rate 0.003 (the safer rate: 0.01 has the lowest mean" in printed
     assert "tuned: attnres at learning_rate 0.001 (the lowest mean)" in printed
-    assert report.tuning_problem(record, os.path.dirname(tune_dir)) is None  # what tune writes, the report reads
+    assert grid_files.tuning_problem(record, os.path.dirname(tune_dir)) is None  # what tune writes, the report reads
     before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
     assert tune.choose(cfg, tune_dir) == choice  # rerun: the same choice, the same file
     assert open(os.path.join(tune_dir, "choice.json"), "rb").read() == before
@@ -173,6 +175,72 @@ def rows(*losses, initial=5.8):
 def test_a_larger_rate_wins_only_beyond_the_seeds_noise(losses, chosen, reason):
     rate, why = tune.stable_choice(rows(*losses))
     assert rate == chosen and reason in why, why
+
+
+def test_a_larger_rate_that_beats_a_worse_middle_one_is_chosen_non_monotone():
+    # non-monotone: 3e-3 is worse than 1e-3 on every seed, 1e-2 beats both by far more than its s.d.; a rule that
+    # compares each rate with the next larger one only would keep 1e-3
+    rate, why = tune.stable_choice(rows((2.5, 2.6), (2.55, 2.65), (2.0, 2.1)))
+    assert rate == 1e-2, f"the largest rate beats every smaller one and must be chosen ({why})"
+    assert why == "the lowest mean, 0.5500 below 0.003 on every seed, beyond its seeds' s.d. 0.0707"
+    # the lowest mean does not beat the next smaller rate, a larger one does: the reason names that one
+    rate, why = tune.stable_choice(rows((2.5, 2.6), (2.2, 2.65), (2.4, 2.5)))
+    assert rate == 3e-3 and why == "the lowest mean, and 0.01 beats 0.001 (0.1000 below 0.001 on every seed, beyond " \
+                                   "its seeds' s.d. 0.0707)", why
+
+
+def test_every_choice_and_its_reason_agree_with_the_rule_non_monotone():
+    # random losses, most of them not ordered like the rates: the choice is never beaten by a larger rate, every
+    # smaller usable rate is, and a reason saying "within its seeds' s.d." quotes a gain within it
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        made = rows(*(tuple(np.round(rng.uniform(2.0, 2.6) + rng.normal(0, 0.05, 3), 3)) for _ in range(4)))
+        rate, why = tune.stable_choice(made)
+        chosen = next(r for r in made if r["learning_rate"] == rate)
+        assert not any(grid_files.beats(r, chosen) for r in made if r["learning_rate"] > rate), why
+        for smaller in (r for r in made if r["learning_rate"] < rate):
+            assert any(grid_files.beats(r, smaller) for r in made if r["learning_rate"] > smaller["learning_rate"]), \
+                f"{smaller['learning_rate']} is smaller than the choice yet beaten by no larger rate ({why})"
+        if match := re.search(r"\(([0-9.]+) lower, within its seeds' s.d. ([0-9.]+)\)", why):
+            assert float(match[1]) <= float(match[2]), why
+
+
+def test_a_hand_edited_choice_is_refused_not_rewritten(tmp_path, capsys):
+    cfg, tune_dir = config(tmp_path, **ARMS3), tuned(tmp_path)
+    tune.choose(cfg, tune_dir)
+    path = os.path.join(tune_dir, "choice.json")
+    record = read_json(path)
+    record["choice"]["dar"] = 0.01
+    with open(path, "w") as f:
+        json.dump(record, f)
+    edited = open(path, "rb").read()
+    with pytest.raises(ConfigError, match=r"choice.json differs from the choice its tuning cells give \(in choice\): "
+                                          r"edited by hand or copied from another tuning; delete it and rerun") as e:
+        tune.choose(cfg, tune_dir)
+    assert "\n" not in str(e.value) and open(path, "rb").read() == edited, "the edited file is left as it was"
+    os.remove(path)
+    tune.choose(cfg, tune_dir)
+    record = read_json(path)
+    capsys.readouterr()
+    # another tuning's record (a rate dropped, --allow_changes): rewritten, and said
+    with open(path, "w") as f:
+        json.dump(dict(record, learning_rates=[1e-3, 3e-3]), f)
+    tune.choose(cfg, tune_dir)
+    assert read_json(path) == record
+    assert "choice.json rewritten: this tuning's learning_rates differ from the recorded one's" in capsys.readouterr().out
+
+
+def test_the_same_rates_in_another_order_are_the_same_tuning(tmp_path):
+    cfg = config(tmp_path, **ARMS3)
+    shuffled = dict(cfg, tune_learning_rates=[1e-2, 1e-3, 3e-3])
+    assert records.differences(cfg, shuffled) == {}, "the order of the rates tried is no other setting"
+    assert "tune_learning_rates" in records.differences(cfg, dict(cfg, tune_learning_rates=[1e-3, 3e-3])), \
+        "another set of rates still is"
+    tune_dir = tuned(tmp_path)
+    tune.choose(cfg, tune_dir)
+    before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
+    assert tune.choose(shuffled, tune_dir) == tune.choose(cfg, tune_dir)
+    assert open(os.path.join(tune_dir, "choice.json"), "rb").read() == before, "the same choice.json, rates sorted"
 
 
 def test_every_rate_exploded_is_one_line_never_a_choice(tmp_path):

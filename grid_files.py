@@ -1,0 +1,629 @@
+"""
+What a grid's folder holds and how it is read, in one place and without torch (report.py runs on a
+copied grid where only numpy and scipy are installed). train.py writes:
+
+    out_dir/config.json                      the grid's record (records.GridRecord)
+    out_dir/<arm>/seed<k>/                   a cell (cell_dir): config.json, log.jsonl, ckpt.pt, result.json,
+                                             downstream.json (downstream.py), its lock while a worker holds it
+    out_dir/tune/<arm>-lr<rate>/seed<k>/     the tuned protocol's tuning cells (tuning_arm), and
+    out_dir/tune/choice.json                 the choice tune.py made from them (stable_choice)
+    out_dir/report.md, paired.json, *.png    report.py's
+
+Two kinds of reader side by side: strict ones, for a run that goes on from a file (a problem is one
+line naming the remedy: read_record, check_result, check_owner, the tuning cells, recorded_choice),
+and lenient ones, for the report and for tools that list cells (a problem is a note, never a crash:
+json_object, cell_result, read_log, load_grid, load_downstream, read_tuning, read_paired). What a
+report reads (report_inputs) tells whether it is out of date. records.py, tune.py and report.py
+read a grid's files only through here.
+"""
+
+import json
+import math
+import os
+import re
+import statistics
+import sys
+
+from common import ConfigError, DataError, UserError, read_json
+
+TUNE_DIR = "tune"  # the tuning grid's folder inside out_dir (so no arm may be named so)
+CELL_NAME = re.compile(r"seed(0|[1-9][0-9]*)")
+RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or delete the cell's folder to retrain it"
+
+
+def cell_dir(out_dir, arm, seed):
+    """A cell's folder: out_dir/<arm>/seed<k>."""
+    return os.path.join(out_dir, arm, f"seed{seed}")
+
+
+# settings recorded as lists whose order changes nothing: the rates a tuning tries train the same cells and give the
+# same choice in any order
+UNORDERED_KEYS = ("tune_learning_rates",)
+
+
+def as_compared(key, value):
+    """A recorded setting as two records compare it (the rerun check, the report's pairing): sorted where its order
+    changes nothing (UNORDERED_KEYS)."""
+    if key in UNORDERED_KEYS and isinstance(value, list):
+        try:
+            return sorted(value)
+        except TypeError:  # not numbers: compared as given (the config checks refuse it anyway)
+            return value
+    return value
+
+
+def choice_path(out_dir):
+    """The tuned protocol's choice: out_dir/tune/choice.json."""
+    return os.path.join(out_dir, TUNE_DIR, "choice.json")
+
+
+def report_inputs(out_dir, cells):
+    """The files report.py reads for these (arm, seed) cells that exist: each cell's result.json and downstream.json,
+    the grid's config.json and the tuning's choice.json. A report older than any of them is out of date (a tuning
+    rerun with another rate list changes choice.json, a downstream.py run a downstream.json)."""
+    paths = [os.path.join(cell_dir(out_dir, arm, seed), name) for arm, seed in cells
+             for name in ("result.json", "downstream.json")]
+    return [p for p in paths + [os.path.join(out_dir, "config.json"), choice_path(out_dir)] if os.path.exists(p)]
+
+# -----------------------------------------------------------------------------
+# strict readers: a run goes on from these files only as train.py wrote them, else one line
+
+def read_record(path, remedy):
+    """A JSON object written by train.py; anything else is one line with the remedy."""
+    try:
+        record = read_json(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable or damaged ({e}); {remedy}") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path} holds {type(record).__name__}, not a train.py record; {remedy}")
+    return record
+
+
+def check_owner(path, record, arm, seed):
+    """A cell's record (config.json, result.json, a checkpoint's) must be that cell's: a copied file is not a new seed."""
+    if (record.get("arm"), record.get("seed")) != (arm, seed):
+        raise ConfigError(f"{path} is the record of arm {record.get('arm')!r} seed {record.get('seed')!r} (a copied "
+                          f"file or folder?); delete {os.path.dirname(path)} to train this cell")
+
+
+def check_result(r, path):
+    """A result.json as train.py writes it, or one line."""
+    ok = (r.get("status") in ("finished", "diverged") and isinstance(r.get("seed"), int)
+          and (isinstance(r.get("val_loss"), (int, float)) and not isinstance(r.get("val_loss"), bool)
+               if r["status"] == "finished" else isinstance(r.get("diverged_at"), int)))
+    if not ok:
+        raise ConfigError(f"{path} is not a result train.py wrote (status, seed, val_loss or diverged_at missing or "
+                          f"of the wrong type); {RESULT_REMEDY}")
+    return r
+
+
+def describe_done(path, change):
+    r = check_result(read_record(path, RESULT_REMEDY), path)
+    return ((f"diverged at step {r['diverged_at']}" if r["status"] == "diverged" else f"val_loss {r['val_loss']:.4f}")
+            + (f" (recorded with other settings: {', '.join(change)}; not retrained)" if change else ""))
+
+# -----------------------------------------------------------------------------
+# lenient readers (report.py): each cell's result and log checked, a problem a note, never a crash
+
+def is_number(x):
+    """A real number that fits a float (JSON true/false load as bools, which Python would count as 1 and 0;
+    a JSON integer of 400 digits loads as an int that no float arithmetic takes)."""
+    return isinstance(x, float) or isinstance(x, int) and not isinstance(x, bool) and abs(x) <= sys.float_info.max
+
+
+def is_seed(x):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def is_folder_name(name):
+    """A name that joins onto out_dir as one folder inside it (config.json's arms are not trusted)."""
+    return name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def described(value):
+    """A JSON value as a short string for an error line."""
+    text = json.dumps(value)
+    return text if len(text) <= 20 else text[:16] + "..."
+
+
+def file_problem(path):
+    """Why path cannot be read as a file (a folder, a device, a dangling link), or None."""
+    if os.path.isdir(path):
+        return "a folder, not a file"
+    return None if os.path.isfile(path) else "not a regular file"
+
+
+def json_object(path):
+    """(the file's dict, None), or (None, why it cannot be used: not a file, unreadable, not JSON, not a dict)."""
+    if problem := file_problem(path):
+        return None, problem
+    try:
+        obj = read_json(path, strict=False)  # older versions wrote NaN for a diverged loss: read as diverged
+    except OSError as e:
+        return None, (e.strerror or str(e)).lower()
+    except ValueError:  # half-written, not UTF-8, NaN, or nested past Python's stack
+        return None, "not JSON"
+    return (obj, None) if isinstance(obj, dict) else (None, f"{described(obj)}, not a JSON object")
+
+
+def wrong_type(record, checks, prefix="", optional=True):
+    """The first 'key is value, not kind' among checks = (key, test, kind) of a dict; an absent or null key is
+    allowed when optional."""
+    for key, ok, kind in checks:
+        if (record.get(key) is not None or not optional and key in record) and not ok(record[key]):
+            return f"{prefix}{key} is {described(record[key])}, not {kind}"
+    return None
+
+
+def is_weights(w):
+    return isinstance(w, list) and len(w) > 0 and all(map(is_number, w))
+
+
+def log_problem(record):
+    """Why a log.jsonl record cannot be used (a field report.py reads has the wrong type), or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    problem = wrong_type(record, (("tokens", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+                                  ("val_loss", is_number, "a number"), ("routing", lambda r: isinstance(r, dict), "a dict")))
+    routing = record.get("routing") or {}
+    problem = problem or wrong_type(routing, [(k, lambda t: isinstance(t, dict), "a dict") for k in ("weights", "qk_v_jsd")],
+                                    "routing.")
+    if problem:
+        return problem
+    weights, jsd = routing.get("weights") or {}, routing.get("qk_v_jsd") or {}
+    return wrong_type(weights, [(k, is_weights, "a list of numbers") for k in weights], "routing.weights.", False) or \
+        wrong_type(jsd, [(k, is_number, "a number") for k in jsd], "routing.qk_v_jsd.", False)
+
+
+def read_log(path):
+    """(records of a log.jsonl, why it or some of its lines cannot be used (a torn last line, a field of the
+    wrong type), or None)"""
+    if problem := file_problem(path):
+        return [], f"unreadable ({problem})"
+    records, bad = [], []
+    try:
+        with open(path, errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    bad.append(f"line {number} (not JSON)")
+                    continue
+                if problem := log_problem(record):
+                    bad.append(f"line {number} ({problem})")
+                else:
+                    records.append(record)
+    except OSError as e:
+        return [], f"unreadable ({(e.strerror or str(e)).lower()})"
+    if not bad:
+        return records, None
+    return records, "skipped " + ", ".join(bad[:3]) + (f" and {len(bad) - 3} more lines" if len(bad) > 3 else "")
+
+
+def result_problem(result):
+    """Why a result.json's fields cannot be used (a wrong type, no arm or seed), or None."""
+    for key in ("arm", "seed"):
+        if result.get(key) is None:
+            return f"no {key} recorded"
+    problem = wrong_type(result, (("arm", lambda a: isinstance(a, str), "a string"), ("seed", is_seed, "a seed"),
+                                  ("val_loss", is_number, "a number"),
+                                  ("wall_time_s", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+                                  ("pairing", lambda v: isinstance(v, dict), "a dict")))
+    for key in ("settings", "arm_settings"):
+        if problem is None and not isinstance((result.get("pairing") or {}).get(key, {}), dict):
+            return f"pairing.{key} is not a dict"
+    return problem
+
+
+def cell_result(cell_dir):
+    """(a cell's result.json, None), (None, why it cannot be used: not a file, not JSON, a field of the wrong type),
+    or (None, None) where the cell has none yet: for a reader that lists cells (the report, launch.py --status) and
+    must never stop at one."""
+    path = os.path.join(cell_dir, "result.json")
+    if not os.path.lexists(path):
+        return None, None
+    result, why = json_object(path)
+    why = why or result_problem(result)
+    return (None, why) if why else (result, None)
+
+
+def subfolders(path):
+    """(sorted names of the folders in path, None), or ([], why it cannot be listed)."""
+    try:
+        names = os.listdir(path)
+    except OSError as e:
+        return [], (e.strerror or str(e)).lower()
+    return sorted(n for n in names if os.path.isdir(os.path.join(path, n))), None
+
+
+def is_tuning_grid(out_dir, folder):
+    """Whether a folder of out_dir is the tuned protocol's tuning grid (train.py's tune_learning_rates): tune/,
+    holding arms rather than seed<k> cells. Its choice is the report's tuning section, not an arm."""
+    return folder == TUNE_DIR and not any(CELL_NAME.fullmatch(c) for c in subfolders(os.path.join(out_dir, folder))[0])
+
+
+def training_of(result):
+    """(init_hash, data_hash) of a result: two cells of one arm that share both are one training, or None."""
+    pairing = result.get("pairing") or {}
+    hashes = pairing.get("init_hash"), pairing.get("data_hash")
+    return hashes if all(isinstance(h, str) and h for h in hashes) else None
+
+
+def load_grid(out_dir):
+    """(arms, seeds, {(arm, seed): usable result}, {(arm, seed): why a cell's result.json is not used},
+    {(arm, seed): log records}, notes on what was skipped).
+
+    A cell's arm and seed are what its result.json records: a folder holding another cell's record (a copy
+    or a link) is never counted, nor are two cells of one arm with the same init and data hashes. An arm is
+    a folder listed in config.json or holding a cell of its own; a seed is one of those cells' or listed."""
+    notes, config = [], {}
+    if os.path.lexists(os.path.join(out_dir, "config.json")):
+        config, why = json_object(os.path.join(out_dir, "config.json"))
+        if why:
+            notes.append(f"config.json: unreadable ({why}); arms and seeds taken from the folders")
+            config = {}
+    arms = config.get("arms", {})
+    if not isinstance(arms, dict):
+        notes.append(f"config.json: arms is {described(arms)}, not a dict of arm settings; arms taken from the folders")
+        arms = {}
+    if bad := [json.dumps(a) for a in arms if not is_folder_name(a)]:
+        notes.append(f"config.json: arms {', '.join(bad)} ignored (not folder names)")
+    arms = [a for a in arms if is_folder_name(a)]
+    listed = config.get("seeds", [])
+    listed = listed if isinstance(listed, list) else [listed]
+    seeds = {s for s in listed if is_seed(s)}
+    if bad := [json.dumps(s) for s in listed if not is_seed(s)]:
+        notes.append(f"config.json: seeds {', '.join(bad)} ignored (not non-negative integers)")
+    folders, why = subfolders(out_dir)
+    if why:
+        raise DataError(f"cannot list {out_dir} ({why}); check its permissions")
+    results, unusable, logs, copies = {}, {}, {}, []
+    real = {os.path.realpath(os.path.join(out_dir, f)): f for f in folders if not os.path.islink(os.path.join(out_dir, f))}
+    for arm in arms + [f for f in folders if f not in arms and not is_tuning_grid(out_dir, f)]:
+        arm_dir = os.path.join(out_dir, arm)
+        if os.path.islink(arm_dir) and os.path.realpath(arm_dir) in real:  # one arm under two names
+            notes.append(f"folder {arm}/: a link to {real[os.path.realpath(arm_dir)]}/, not counted; delete the link")
+            continue
+        cells, unlisted = subfolders(arm_dir) if os.path.isdir(arm_dir) else ([], None)
+        if unlisted:
+            notes.append(f"folder {arm}/: unreadable ({unlisted})")
+        own, arm_notes = False, []
+        for cell in cells:
+            if not CELL_NAME.fullmatch(cell):
+                arm_notes.append(f"folder {arm}/{cell}/: not a seed<k> cell")
+                continue
+            seed, where = int(cell[4:]), f"{arm}/{cell}"
+            result_path, log_path = (os.path.join(arm_dir, cell, name) for name in ("result.json", "log.jsonl"))
+            if not os.path.lexists(result_path) and not os.path.lexists(log_path):
+                arm_notes.append(f"folder {where}/: no result.json or log.jsonl (not started)")
+                continue
+            if os.path.lexists(result_path):
+                result, why = cell_result(os.path.join(arm_dir, cell))
+                if why:
+                    unusable[arm, seed] = "unreadable result.json"
+                    arm_notes.append(f"{where}/result.json: unreadable ({why})")
+                elif (result["arm"], result["seed"]) != (arm, seed):
+                    copies.append((where, result["arm"], result["seed"]))
+                    continue  # another cell's record: not a seed of this arm, its log not read
+                else:
+                    results[arm, seed] = result
+            own = True
+            seeds.add(seed)
+            if os.path.lexists(log_path):
+                logs[arm, seed], why = read_log(log_path)
+                if why:
+                    arm_notes.append(f"{where}/log.jsonl: {why}")
+        if own and arm not in arms:
+            arms.append(arm)
+        if arm in arms:
+            notes += arm_notes
+        elif not unlisted:
+            notes.append(f"folder {arm}/: not an arm (no seed<k> cell of its own with a result.json or log.jsonl)")
+    for where, arm, seed in copies:
+        named = f"{arm}/seed{seed}"
+        fix = f"a copy of {named}/: delete it" if (arm, seed) in results else f"rename it to {named}/ or delete it"
+        notes.append(f"folder {where}/: its result.json is {named}'s, not counted; {fix}")
+    for arm in arms:  # a copy whose recorded seed was edited to match its folder: one training, never two seeds
+        by_training = {}
+        for (a, seed), result in results.items():
+            if a == arm and training_of(result):
+                by_training.setdefault(training_of(result), []).append(seed)
+        for same in (s for s in by_training.values() if len(s) > 1):
+            cells = [f"{arm}/seed{s}" for s in same]
+            for seed in same:
+                del results[arm, seed]
+                unusable[arm, seed] = "same training as " + ", ".join(c for c in cells if c != f"{arm}/seed{seed}")
+            notes.append(f"{', '.join(cells)}: one training (the same init_hash and data_hash), none counted; "
+                         f"delete the copies, keeping the cell trained with that seed")
+    return arms, sorted(seeds), results, unusable, logs, notes
+
+
+def is_finite(x):
+    return is_number(x) and math.isfinite(x)
+
+
+def missing_or_wrong(record, checks, prefix=""):
+    """The first key of checks = (key, test, kind) that a dict lacks or holds of the wrong kind, as a line, or None."""
+    missing = [key for key, _, _ in checks if key not in record]
+    return f"no {prefix}{missing[0]}" if missing else wrong_type(record, checks, prefix, optional=False)
+
+
+def close(x, y):  # two computations of one number in double precision
+    return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
+
+
+TASK_CHECKS = (("icl_task_type", lambda t: isinstance(t, str), "a string"),
+               ("items", lambda i: is_seed(i) and i > 0, "a positive integer"),
+               ("correct", is_seed, "a non-negative integer"), ("accuracy", is_finite, "a finite number"),
+               ("random_baseline", lambda b: is_finite(b) and 0 <= b < 1, "a fraction in [0, 1)"),
+               ("centered", is_finite, "a finite number"))
+DOWNSTREAM_CHECKS = (("bundle_sha256", lambda h: isinstance(h, str) and h != "", "a hash"),
+                     ("max_per_task", lambda m: m is None or is_seed(m) and m > 0, "null or a positive integer"),
+                     ("step", is_seed, "a step"), ("core", is_finite, "a finite number"),
+                     ("tasks", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of tasks"))
+
+
+def task_problem(task, prefix):
+    """Why one task's result in a downstream.json cannot be used (a field missing or of the wrong type, numbers that
+    do not follow from each other), or None."""
+    if not isinstance(task, dict):
+        return f"{prefix[:-1]} is {described(task)}, not a dict"
+    if problem := missing_or_wrong(task, TASK_CHECKS, prefix):
+        return problem
+    items, correct, accuracy, baseline = (task[k] for k in ("items", "correct", "accuracy", "random_baseline"))
+    if correct > items:
+        return f"{prefix}correct is {correct}, more than its {items} items"
+    if not close(accuracy, correct / items):
+        return f"{prefix}accuracy is {accuracy!r}, not correct / items ({correct / items!r})"
+    if not close(task["centered"], (accuracy - baseline) / (1 - baseline)):
+        return f"{prefix}centered is {task['centered']!r}, not (accuracy - random_baseline) / (1 - random_baseline)"
+    if "bits_per_byte" in task and not (is_finite(task["bits_per_byte"]) and task["bits_per_byte"] >= 0):
+        return f"{prefix}bits_per_byte is {described(task['bits_per_byte'])}, not a finite number >= 0"
+    return None
+
+
+def downstream_problem(record):
+    """Why a downstream.json cannot be used (a field missing or of the wrong type, numbers that do not follow from
+    each other), or None."""
+    problem = missing_or_wrong(record, DOWNSTREAM_CHECKS) or next(
+        (p for label, task in record["tasks"].items() if (p := task_problem(task, f"tasks.{label}."))), None)
+    if problem:
+        return problem
+    centered = [task["centered"] for task in record["tasks"].values()]
+    if not close(record["core"], math.fsum(centered) / len(centered)):
+        return f"core is {record['core']!r}, not the mean of its tasks' centered accuracies"
+    bits = [task.get("bits_per_byte") for task in record["tasks"].values()]  # none in a file of an earlier version
+    if ("bits_per_byte" in record or any(b is not None for b in bits)) and (
+            None in bits or not close(record.get("bits_per_byte"), math.fsum(bits) / len(bits))):
+        return f"bits_per_byte is {described(record.get('bits_per_byte'))}, not the mean of every task's bits_per_byte"
+    return None
+
+
+def load_downstream(out_dir, results):
+    """({(arm, seed): downstream.json}, {(arm, seed): why it is not used}, notes) of the cells counted in results."""
+    records, problems, notes = {}, {}, []
+    for arm, seed in results:
+        path = os.path.join(out_dir, arm, f"seed{seed}", "downstream.json")
+        if not os.path.lexists(path):
+            continue
+        record, why = json_object(path)
+        if why := why or downstream_problem(record):
+            problems[arm, seed] = "unreadable downstream.json"
+            notes.append(f"{arm}/seed{seed}/downstream.json: unreadable ({why})")
+        else:
+            records[arm, seed] = record
+    return records, problems, notes
+
+# -----------------------------------------------------------------------------
+# the tuning grid (tune/): its cells' losses, the choice tune.py's rule gives, choice.json
+
+def rate_name(rate):
+    """A rate as it appears in a tuning arm's name and in choice.json: 6 significant digits, no '+' (not in
+    an arm name)."""
+    return f"{rate:g}".replace("+", "")
+
+
+def tuning_arm(arm, rate):
+    """The tuning grid's arm for an arm at a rate: <arm>-lr<rate> (a rate name holds no 'l', so it splits back)."""
+    return f"{arm}-lr{rate_name(rate)}"
+
+
+def initial_loss(cell_dir):
+    """A tuning cell's validation loss at step 0, before any training: the first record of its log.jsonl (a
+    resumed log is cut back to its checkpoint, never before it)."""
+    path = os.path.join(cell_dir, "log.jsonl")
+    try:
+        with open(path) as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path} is unreadable or damaged ({e}); delete {cell_dir} to retrain it") from None
+    loss = first.get("val_loss") if isinstance(first, dict) and first.get("step") == 0 else None
+    if type(loss) not in (int, float) or not math.isfinite(loss):
+        raise ConfigError(f"{path} does not start with the step-0 validation loss a tuning rate is judged against; "
+                          f"delete {cell_dir} to retrain it")
+    return loss
+
+
+def tuning_loss(tune_dir, name, seed, rate, budget):
+    """A tuning cell's (final validation loss, its step-0 loss), or (None, None) when it diverged; one line when
+    it has no result or one of other settings (a copy, a rate or budget not this tuning's)."""
+    path = os.path.join(cell_dir(tune_dir, name, seed), "result.json")
+    if not os.path.exists(path):
+        raise ConfigError(f"tuning cell {name}/seed{seed} has no result ({path} missing); run the same command "
+                          f"to train it")
+    result = check_result(read_record(path, RESULT_REMEDY), path)
+    check_owner(path, result, name, seed)
+    pairing = result.get("pairing") if isinstance(result.get("pairing"), dict) else {}
+    own = pairing.get("arm_settings") if isinstance(pairing.get("arm_settings"), dict) else {}  # damaged: not this tuning's
+    if own.get("learning_rate") != rate or result["status"] == "finished" and result.get("steps") != budget:
+        raise ConfigError(f"{path} is not of this tuning (learning_rate {own.get('learning_rate')!r}, "
+                          f"{result.get('steps')!r} steps; this tuning: {rate:g}, {budget} steps); delete "
+                          f"{os.path.dirname(path)} to retrain it")
+    if result["status"] != "finished":
+        return None, None
+    return result["val_loss"], initial_loss(os.path.dirname(path))
+
+
+def tuning_row(tune_dir, arm, rate, seeds, budget):
+    """One arm at one rate over the tuning seeds: each seed's final and step-0 validation loss, their mean and
+    sample s.d., and the problem that keeps the rate from being chosen (a seed that diverged, or ended at or above
+    its step-0 loss: it exploded or learned nothing), else None."""
+    name = tuning_arm(arm, rate)
+    ends = {str(s): tuning_loss(tune_dir, name, s, rate, budget) for s in seeds}
+    losses, starts = {s: end for s, (end, _) in ends.items()}, {s: start for s, (_, start) in ends.items()}
+    problem = next((f"seed {s} diverged" if end is None else f"seed {s} ended at {end:.4g}, not below its step-0 "
+                    f"loss {starts[s]:.4g}" for s, end in losses.items()
+                    if end is None or not end < starts[s]), None)  # not end < start: a NaN loss too
+    mean = sd = None
+    if problem is None:
+        mean, sd = math.fsum(losses.values()) / len(losses), statistics.stdev(losses.values())
+    return dict(learning_rate=rate, val_loss=losses, initial_loss=starts, mean=mean, sd=sd, problem=problem)
+
+
+def beats(row, safer):
+    """Why row's (larger) rate is better than safer's beyond the tuning seeds' noise, or None where it is not: it
+    must be better on every tuning seed (the seeds pair: same init, same batches), and its mean lower by more
+    than the s.d. of its own seeds' losses (a gain inside that spread is what another draw of seeds undoes; a
+    rate where one seed stalls has a wide spread)."""
+    if any(not row["val_loss"][s] < loss for s, loss in safer["val_loss"].items()):
+        return None
+    gain = safer["mean"] - row["mean"]
+    return f"{gain:.4f} below {rate_name(safer['learning_rate'])} on every seed, beyond its seeds' s.d. " \
+           f"{row['sd']:.4f}" if gain > row["sd"] else None
+
+
+def stable_choice(rows):
+    """(rate, reason) for one arm from its tuning rows: among the rates where every seed finished below its step-0
+    loss, the smallest that no larger rate beats (every larger one, not only the next: rates need not be ordered like
+    their losses); (None, reason) where no rate did. The lowest mean is never beaten (a larger rate's gain over it
+    is not positive), so the choice is it or a smaller, safer rate. The reason says why: the lowest mean and which
+    rate beats the next smaller one, or why the lowest mean does not beat the safer rate."""
+    usable = sorted((row for row in rows if row["problem"] is None), key=lambda row: row["learning_rate"])
+    if not usable:
+        return None, "no rate finished on every tuning seed (" + "; ".join(
+            f"{rate_name(row['learning_rate'])}: {row['problem']}" for row in rows) + ")"
+    chosen = next(row for i, row in enumerate(usable) if not any(beats(r, row) for r in usable[i + 1:]))
+    best = min(usable, key=lambda row: (row["mean"], row["learning_rate"]))
+    below = [row for row in usable if row["learning_rate"] < chosen["learning_rate"]]
+    if chosen is best:
+        if not below:
+            return best["learning_rate"], "the lowest mean"
+        safer = below[-1]  # the next smaller rate, beaten by the chosen one or by a rate above it
+        winner = next(r for r in usable if r["learning_rate"] > safer["learning_rate"] and beats(r, safer))
+        won = beats(winner, safer)
+        return best["learning_rate"], "the lowest mean, " + (won if winner is best else
+                                                             f"and {rate_name(winner['learning_rate'])} beats "
+                                                             f"{rate_name(safer['learning_rate'])} ({won})")
+    worse = [s for s, loss in chosen["val_loss"].items() if not best["val_loss"][s] < loss]
+    how = f"worse on seed {', '.join(worse)}" if worse else \
+        f"{chosen['mean'] - best['mean']:.4f} lower, within its seeds' s.d. {best['sd']:.4f}"
+    return chosen["learning_rate"], f"the safer rate: {rate_name(best['learning_rate'])} has the lowest mean but is " \
+                                    f"not better beyond the seeds' noise ({how})"
+
+
+TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 1 and all(map(is_seed, s))
+                  and len(set(s)) == len(s), "a list of 2 or more distinct seeds"),  # fewer: no s.d.
+                 ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
+                 ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
+                 ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
+                 ("learning_rates", lambda r: isinstance(r, list) and len(r) > 0
+                  and all(is_finite(x) and x > 0 for x in r), "a list of positive numbers"),
+                 ("min_lr_ratio", lambda r: is_finite(r) and 0 <= r <= 1, "a fraction in [0, 1]"),
+                 ("tuning_text", lambda t: isinstance(t, dict) and all(is_seed(t.get(k)) for k in ("first_token", "tokens")),
+                  "a dict of first_token and tokens"),
+                 ("test_tokens", lambda n: is_seed(n) and n > 0, "a positive integer"),
+                 ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
+                 ("choice", lambda c: isinstance(c, dict), "a dict of arms"),
+                 ("reason", lambda c: isinstance(c, dict), "a dict of arms"))
+
+
+def first_difference(row, held):
+    """The first key where a choice.json row differs from the one its tuning cells give, with both values."""
+    key = next(k for k in [*held, *row] if row.get(k) != held.get(k))
+    if isinstance(row.get(key), dict) and isinstance(held.get(key), dict):  # per seed: name the seed
+        seed = next(s for s in [*held[key], *row[key]] if row[key].get(s) != held[key].get(s))
+        return f"{key}.{seed}", row[key].get(seed), held[key].get(seed)
+    return key, row.get(key), held.get(key)
+
+
+def tuning_problem(record, out_dir):
+    """Why a tune/choice.json cannot be used, or None: a field missing or of the wrong type, a choice made on the
+    reported validation text or on compared seeds, a row that is not what its tuning cells in out_dir/tune hold
+    (an edited loss), or a choice or reason that is not stable_choice's from those rows."""
+    if "tuning_text" not in record:
+        return ("no tuning_text: a choice.json made before the tuning split, whose rates were chosen on the reported "
+                "validation text itself; tune again in a new out_dir")
+    if problem := missing_or_wrong(record, TUNING_CHECKS):
+        return problem
+    if record["tuning_text"]["first_token"] < record["test_tokens"]:
+        return (f"tuning_text begins at token {record['tuning_text']['first_token']}, inside the reported validation "
+                f"text (its first {record['test_tokens']} tokens)")
+    if shared := sorted(set(record["tune_seeds"]) & set(record["seeds"])):
+        return f"tune_seeds and seeds share {', '.join(map(str, shared))}: rates chosen on compared seeds"
+    tune_dir = os.path.join(out_dir, TUNE_DIR)
+    for arm, rows in record["table"].items():
+        if not isinstance(rows, dict):
+            return f"table.{arm} is {described(rows)}, not a dict of rates"
+        if sorted(rows) != sorted(names := [rate_name(r) for r in record["learning_rates"]]):
+            return f"table.{arm} holds rates {', '.join(sorted(rows)) or 'none'}, not learning_rates {', '.join(names)}"
+        for rate, name in zip(record["learning_rates"], names):
+            if not isinstance(rows[name], dict):
+                return f"table.{arm}.{name} is {described(rows[name])}, not a dict"
+            try:
+                held = tuning_row(tune_dir, arm, float(rate), record["tune_seeds"], record["tune_iters"])
+            except UserError as e:
+                return f"table.{arm}.{name} cannot be checked against its tuning cells: {e}"
+            if rows[name] != held:
+                key, written, found = first_difference(rows[name], held)
+                return (f"table.{arm}.{name}.{key} is {described(written)}, but its tuning cells in {TUNE_DIR}/ give "
+                        f"{described(found)} (an edited or copied choice.json)")
+        rate, reason = stable_choice(list(rows.values()))
+        if rate is None:
+            return f"table.{arm}: {reason}, so nothing was chosen"
+        if record["choice"].get(arm) != rate:
+            return f"choice.{arm} is {described(record['choice'].get(arm))}, not the tuning rule's {rate:g} ({reason})"
+        if record["reason"].get(arm) != reason:
+            return f"reason.{arm} is {described(record['reason'].get(arm))}, not the tuning rule's: {reason}"
+    if extra := sorted(set(record["choice"]) - set(record["table"])):
+        return f"choice.{extra[0]} has no row in table"
+    return None
+
+
+def read_tuning(out_dir):
+    """(out_dir/tune/choice.json, None), (None, why it cannot be used), or (None, None) where there is none."""
+    path = choice_path(out_dir)
+    if not os.path.lexists(path):
+        return None, None
+    record, why = json_object(path)
+    why = why or tuning_problem(record, out_dir)
+    return (None, why) if why else (record, None)
+
+
+def tuning_results(out_dir, record):
+    """{(tuning arm, seed): result.json} of the tuning cells of a checked choice.json (each readable:
+    tuning_problem)."""
+    tune_dir = os.path.join(out_dir, TUNE_DIR)
+    names = [tuning_arm(arm, row["learning_rate"]) for arm, rows in record["table"].items() for row in rows.values()]
+    return {(name, seed): json_object(os.path.join(cell_dir(tune_dir, name, seed), "result.json"))[0]
+            for name in names for seed in record["tune_seeds"]}
+
+
+def recorded_choice(tune_dir):
+    """The choice.json a tuning wrote before into tune_dir (strict: a damaged one is one line), or None."""
+    path = os.path.join(tune_dir, "choice.json")
+    return read_record(path, "delete it to write the choice again") if os.path.lexists(path) else None
+
+
+# -----------------------------------------------------------------------------
+# another grid's files, for --beside: its record and its report's numbers
+
+def grid_record(out_dir):
+    """A grid's config.json as a dict, {} where it is missing or unreadable (the report then names what it lacks)."""
+    return json_object(os.path.join(out_dir, "config.json"))[0] or {}
+
+
+def read_paired(out_dir):
+    """(a grid's paired.json, None) or (None, why it cannot be read)."""
+    return json_object(os.path.join(out_dir, "paired.json"))
