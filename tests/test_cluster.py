@@ -52,10 +52,16 @@ def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tm
         assert not all(job.done() for job in jobs)
         time.sleep(0.05)
     with open(f"/proc/{warned._process.pid}/task/{warned._process.pid}/children") as f:
-        os.kill(int(f.read().split()[0]), signal.SIGUSR2)  # the worker's process, as SLURM signals it
+        worker = int(f.read().split()[0])  # the worker's process
+    with open(f"/proc/{worker}/task/{worker}/children") as f:
+        run = int(f.read().split()[0])  # its train.py
+    # SLURM signals every process of the job: train.py too, first here, which must leave the warning to the worker
+    os.kill(run, signal.SIGUSR2)
+    os.kill(worker, signal.SIGUSR2)
     assert [job.result() for job in jobs] == [None] * 3  # a worker that failed raises here, with its output
     outputs = [job.stdout() for job in jobs]
-    assert "stopped by a signal" in warned.stdout() and "Requeued job" in warned.stdout(), warned.stdout()
+    assert re.search(r"stopped by a signal: \[\w+ seed\d\] checkpointed at step [1-5]", warned.stdout()), warned.stdout()
+    assert "Requeued job" in warned.stdout(), warned.stdout()
     cells = [(arm, seed) for seed in (0, 1, 2) for arm in ("attnres", "rd_attnres")]
     for arm, seed in cells:  # each started by one worker (which says its size then; a resume does not)
         started = rf"\[{arm} seed{seed}\] [\d.]+M non-embedding parameters"
@@ -78,8 +84,7 @@ def test_a_launch_that_cannot_run_is_one_line_before_anything_is_submitted(tmp_p
 def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_path, monkeypatch, capsys):
     # train.py mid-evaluation or mid-compile past the wait: the hook requeues before SLURM's kill at the time
     # limit, which would end the worker unrequeued; the cell resumes from its last checkpoint
-    monkeypatch.setattr(launch, "WARNED_WAIT_S", 0.5)
-    worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path))
+    worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path), 0.5)
     worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                       preexec_fn=launch.leave_stops_to_train, start_new_session=True)  # SIGTERM unheeded
     try:
