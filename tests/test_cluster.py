@@ -386,3 +386,20 @@ def test_a_config_train_py_would_refuse_at_the_workers_world_size_is_refused_bef
         with pytest.raises(ConfigError, match=f"^{why}"):
             launch.main([out, "--arms=attnres", *args])
     assert not (tmp_path / "bin" / "sbatch.calls").exists() and not (tmp_path / "grid_launch").exists()
+
+
+def test_a_failed_worker_is_reported_with_its_log_and_the_exit_is_not_zero_also_from_outside_the_checkout(
+        shards, tmp_path):
+    out = tmp_path / "grid"
+    (out / "attnres").mkdir(parents=True)
+    (out / "attnres" / "seed0").write_text("a file where the cell's folder should be")  # train.py fails there
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), "--cluster=local", "--gpus_per_node=0",
+                           *tiny(shards, out, "--arms=attnres", "--max_iters=2", "--eval_interval=2")],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    logs = tmp_path / "grid_launch"
+    task = launch.read_arrays(str(logs))[-1]["tasks"][0]
+    log = logs / f"{task}_0_log.out"
+    assert proc.returncode == 1 and proc.stderr.startswith("error: the grid did not finish"), proc.stdout + proc.stderr
+    assert f"worker {task}: failed; its output: {log}" in proc.stdout, proc.stdout
+    assert re.search(rf"\n  attnres seed0: .*; its worker {task} failed: {re.escape(str(log))}\n", proc.stdout)
+    assert "cannot create the cell folder" in log.read_text() and "No module named" not in log.read_text()
