@@ -52,10 +52,16 @@ def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tm
         assert not all(job.done() for job in jobs)
         time.sleep(0.05)
     with open(f"/proc/{warned._process.pid}/task/{warned._process.pid}/children") as f:
-        os.kill(int(f.read().split()[0]), signal.SIGUSR2)  # the worker's process, as SLURM signals it
+        worker = int(f.read().split()[0])  # the worker's process
+    with open(f"/proc/{worker}/task/{worker}/children") as f:
+        run = int(f.read().split()[0])  # its train.py
+    # SLURM signals every process of the job: train.py too, first here, which must leave the warning to the worker
+    os.kill(run, signal.SIGUSR2)
+    os.kill(worker, signal.SIGUSR2)
     assert [job.result() for job in jobs] == [None] * 3  # a worker that failed raises here, with its output
     outputs = [job.stdout() for job in jobs]
-    assert "stopped by a signal" in warned.stdout() and "Requeued job" in warned.stdout(), warned.stdout()
+    assert re.search(r"stopped by a signal: \[\w+ seed\d\] checkpointed at step [1-5]", warned.stdout()), warned.stdout()
+    assert "Requeued job" in warned.stdout(), warned.stdout()
     cells = [(arm, seed) for seed in (0, 1, 2) for arm in ("attnres", "rd_attnres")]
     for arm, seed in cells:  # each started by one worker (which says its size then; a resume does not)
         started = rf"\[{arm} seed{seed}\] [\d.]+M non-embedding parameters"
@@ -78,8 +84,7 @@ def test_a_launch_that_cannot_run_is_one_line_before_anything_is_submitted(tmp_p
 def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_path, monkeypatch, capsys):
     # train.py mid-evaluation or mid-compile past the wait: the hook requeues before SLURM's kill at the time
     # limit, which would end the worker unrequeued; the cell resumes from its last checkpoint
-    monkeypatch.setattr(launch, "WARNED_WAIT_S", 0.5)
-    worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path))
+    worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path), 0.5)
     worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                       preexec_fn=launch.leave_stops_to_train, start_new_session=True)  # SIGTERM unheeded
     try:
@@ -306,3 +311,95 @@ def test_the_state_of_a_cell_whose_result_lacks_a_field_is_one_line(tmp_path):
         (tmp_path / "result.json").write_text(json.dumps(broken))
         with pytest.raises(DataError, match=rf"result.json is not a result train.py writes \({why}\); move it aside"):
             launch.cell_state(str(tmp_path), 10)
+
+
+def fake_slurm(tmp_path, monkeypatch, sbatch="echo 'Submitted batch job 7'", sinfo="echo '2|24105|(null)|debug*'"):
+    """sinfo, sbatch and srun as scripts on PATH: a cluster of one 2-CPU node without GPUs, as sinfo says."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sinfo", sinfo), ("sbatch", sbatch), ("srun", "true")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_cpu_workers_ask_for_one_process_s_threads_and_a_request_no_node_meets_is_refused_at_submit(
+        tmp_path, monkeypatch):
+    fake_slurm(tmp_path, monkeypatch)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = f"--out_dir={tmp_path / 'grid'}"
+    cpu, _ = launch.split_args(["--gpus_per_node=0"])
+    assert launch.slurm_parameters(cpu, "grid")["cpus_per_task"] == 1 and "gres" not in launch.slurm_parameters(cpu, "g")
+    assert "export OMP_NUM_THREADS=1" in launch.slurm_parameters(cpu, "grid")["setup"]  # what it asked for
+    gpu, _ = launch.split_args([])
+    assert (launch.slurm_parameters(gpu, "g")["cpus_per_task"], launch.slurm_parameters(gpu, "g")["gres"]) == (64, "gpu:8")
+    for flags, need in ((["--gpus_per_node=0", "--cpus_per_task=8"], "8 CPUs, 0 GPUs"), ([], "64 CPUs, 8 GPUs"),
+                        (["--gpus_per_node=0", "--mem=32G"], "1 CPUs, 0 GPUs, 32G")):
+        with pytest.raises(ConfigError, match=rf"^no node of the default partition has {need} \(sinfo: 2 CPUs, 24105 MB, "
+                                              rf"0 GPUs\): ask for less .* or choose another --partition$"):
+            launch.main([*flags, out, "--arms=attnres"])
+    assert os.listdir(tmp_path) == ["bin"]  # nothing submitted, nothing written
+
+
+def test_a_site_s_resources_pass_through_a_dry_run_submits_nothing_and_sbatch_s_refusal_is_one_line(
+        tmp_path, monkeypatch, capsys):
+    fake_slurm(tmp_path, monkeypatch, sbatch="echo 'sbatch: error: Invalid generic resource (gres) specification' >&2; "
+                                             "exit 1", sinfo="echo '64|512000|gpu:a100:8(S:0-1)|gpu*'")
+    site = tmp_path / "site.py"  # launch.py's keys in a config file of their own, as the paper configs are written
+    site.write_text('account = "myproj"\nqos = "high"\ngres = "gpu:a100:8"\nmem = "400G"\nconstraint = "ib"\n'
+                    'exclusive = True\nsbatch = ["--mail-type=END"]\nworkers = 2\n'
+                    'setup = ["module load cuda/12.1", "source ~/venv/bin/activate"]\n')
+    args = [str(site), f"--out_dir={tmp_path / 'grid'}", "--arms=attnres,standard", "--seeds=0,1"]
+    launch.main([*args, "--dry_run"])
+    script = capsys.readouterr().out
+    for line in ("#SBATCH --account=myproj", "#SBATCH --qos=high", "#SBATCH --gres=gpu:a100:8", "#SBATCH --mem=400G",
+                 "#SBATCH --constraint=ib", "#SBATCH --exclusive", "#SBATCH --mail-type=END", "#SBATCH --array=0-1%2",
+                 "#SBATCH --cpus-per-task=64", "#SBATCH --signal=USR2@300", "\nmodule load cuda/12.1\n",
+                 "\nsource ~/venv/bin/activate\n", "# task 0: attnres seed0, attnres seed1",
+                 "# task 1: standard seed0, standard seed1", "# dry run: nothing submitted"):
+        assert line in script, (line, script)
+    assert sorted(os.listdir(tmp_path)) == ["bin", "site.py"]
+    with pytest.raises(ConfigError, match=r"^sbatch refused the array: sbatch: error: Invalid generic resource \(gres\) "
+                                          r"specification; nothing was submitted$"):
+        launch.main(args)
+    assert "sbatch: error" not in capsys.readouterr().err  # said once, in the error
+    assert not os.path.exists(tmp_path / "grid_launch")  # no stray pickle, no script
+    (tmp_path / "mixed.py").write_text("workers = 3\nmax_iters = 5\n")
+    with pytest.raises(ConfigError, match=r"^a config file sets launch.py's key 'workers' beside train.py's: give"):
+        launch.main([str(tmp_path / "mixed.py"), f"--out_dir={tmp_path / 'grid'}", "--dry_run"])
+    for bad, why in ((["--sbatch=-A x"], r"sbatch option '-A x': give a long option"),
+                     (["--gres=gpu:a100:4"], r"gres='gpu:a100:4' with gpus_per_node=8: give one gpu entry"),
+                     (["--warn_s=7200", "--time_min=60"], r"warn_s=7200: the warning comes")):
+        with pytest.raises(ConfigError, match=rf"^{why}"):
+            launch.main([*bad, *args[1:], "--dry_run"])
+
+
+def test_a_config_train_py_would_refuse_at_the_workers_world_size_is_refused_before_anything_is_queued(
+        tmp_path, monkeypatch):
+    fake_slurm(tmp_path, monkeypatch, sbatch="echo submitted >> $0.calls; echo 'Submitted batch job 7'",
+               sinfo="echo '64|512000|gpu:8|gpu*'")
+    out = f"--out_dir={tmp_path / 'grid'}"
+    for args, why in ((["--max_iters=0"], r"max_iters=0 must be at least 1"),
+                      (["--arms=attnres,standrad"], r"arms has no entry standrad \(did you mean standard\?\)"),
+                      (["--batch_size=4", "--gradient_accumulation_steps=1"], r".*over 8 processes"),  # 8 GPUs
+                      (["--tune_learning_rates=-1e-3"], r".*"), (["--max_iter=10"], r"unknown config key 'max_iter'")):
+        with pytest.raises(ConfigError, match=f"^{why}"):
+            launch.main([out, "--arms=attnres", *args])
+    assert not (tmp_path / "bin" / "sbatch.calls").exists() and not (tmp_path / "grid_launch").exists()
+
+
+def test_a_failed_worker_is_reported_with_its_log_and_the_exit_is_not_zero_also_from_outside_the_checkout(
+        shards, tmp_path):
+    out = tmp_path / "grid"
+    (out / "attnres").mkdir(parents=True)
+    (out / "attnres" / "seed0").write_text("a file where the cell's folder should be")  # train.py fails there
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), "--cluster=local", "--gpus_per_node=0",
+                           *tiny(shards, out, "--arms=attnres", "--max_iters=2", "--eval_interval=2")],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    logs = tmp_path / "grid_launch"
+    task = launch.read_arrays(str(logs))[-1]["tasks"][0]
+    log = logs / f"{task}_0_log.out"
+    assert proc.returncode == 1 and proc.stderr.startswith("error: the grid did not finish"), proc.stdout + proc.stderr
+    assert f"worker {task}: failed; its output: {log}" in proc.stdout, proc.stdout
+    assert re.search(rf"\n  attnres seed0: .*; its worker {task} failed: {re.escape(str(log))}\n", proc.stdout)
+    assert "cannot create the cell folder" in log.read_text() and "No module named" not in log.read_text()
