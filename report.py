@@ -971,15 +971,15 @@ def recorded_cell(results, arm):
 
 
 def cell_settings(result, config):
-    """A cell's model and rates as recorded: its record's model (every GPTConfig key) and learning rates, else its
-    arm's own settings over the grid's (config.json), else what its pairing record holds; {} when none is."""
+    """A cell's model and rates as recorded: its record's model (every GPTConfig key) and learning rates, else what
+    its pairing record holds over its arm's settings and the grid's (config.json); {} when none is."""
     record = result.get("config") if isinstance(result.get("config"), dict) else {}
     if isinstance(record.get("model"), dict):
         return record["model"] | {k: record[k] for k in RATE_KEYS if k in record}
     pairing = result.get("pairing") or {}
     own = (config.get("arms") or {}).get(result["arm"]) if isinstance(config.get("arms"), dict) else None
-    return ({k: v for k, v in config.items() if k != "arms"} | own if isinstance(own, dict) else
-            (pairing.get("settings") or {}) | (pairing.get("arm_settings") or {}))
+    grid = {k: v for k, v in config.items() if k != "arms"} | (own if isinstance(own, dict) else {})
+    return grid | (pairing.get("settings") or {}) | (pairing.get("arm_settings") or {})  # the cell's own last
 
 
 def differing_settings(results, config, arm, reference):
@@ -988,8 +988,10 @@ def differing_settings(results, config, arm, reference):
     if mine is None or theirs is None:
         return "not recorded (no counted cell)"
     a, b = cell_settings(mine, config), cell_settings(theirs, config)
+    if not a or not b:
+        return "not recorded"
     keys = [k for k in dict.fromkeys([*a, *b]) if k not in GRID_ONLY_KEYS and a.get(k) != b.get(k)]
-    return ", ".join(f"{k} {described(a.get(k))} ({described(b.get(k))})" for k in keys) or "none recorded"
+    return ", ".join(f"{k} {described(a.get(k))} ({described(b.get(k))})" for k in keys) or "none"
 
 
 def size_cells(result, config):

@@ -131,14 +131,17 @@ CHOICE_SETTINGS = ("tune_seeds", "tune_iters", "max_iters", "seeds", "learning_r
 
 def check_recorded(path, recorded, record):
     """A choice.json written before is replaced only by what it would be anyway, or by another tuning's (its
-    settings changed, --allow_changes: said in one line); one of the same tuning that differs was edited or copied,
-    and is refused rather than silently rewritten."""
+    settings changed, --allow_changes; or reasons worded by another version: said in one line); one of the same
+    tuning whose table or choice differs was edited or copied, and is refused rather than silently rewritten."""
     if recorded is None or recorded == json.loads(json.dumps(record)):
         return
     if changed := [k for k in CHOICE_SETTINGS if recorded.get(k) != record[k]]:
         print(f"note: {path} rewritten: this tuning's {', '.join(changed)} differ from the recorded one's")
         return
     differ = [k for k in sorted(set(recorded) | set(record)) if recorded.get(k) != json.loads(json.dumps(record.get(k)))]
+    if differ == ["reason"]:  # the same choice from the same losses, said in another version's words
+        print(f"note: {path} rewritten: its reasons in this version's words")
+        return
     raise ConfigError(f"{path} differs from the choice its tuning cells give (in {', '.join(differ)}): edited by "
                       f"hand or copied from another tuning; delete it and rerun the same command to write it again")
 

@@ -260,6 +260,31 @@ MUTANTS = [
     ("modeling_nanodepth.py", "self.max_position_embeddings = self.gpt.get(\"block_size\", GPTConfig.block_size)",
      "self.max_position_embeddings = 1024", "tests/test_export.py",
      "max_position_embeddings fixed at 1024 whatever the cell's block_size (lm-eval reads it)"),
+    # issue #52: the survivors of the report and the tuning, and the cases fixed beside them (#50's verdict)
+    ("grid_files.py", "if not any(beats(r, row) for r in usable[i + 1:]))",
+     "if not any(beats(r, row) for r in usable[i + 1:i + 2]))", "tests/test_tune.py",
+     "a rate compared with the next larger one only (a larger rate that beats a worse middle one never chosen)"),
+    ("grid_files.py",
+     "winner = next(r for r in usable if r[\"learning_rate\"] > safer[\"learning_rate\"] and beats(r, safer))",
+     "winner = best", "tests/test_tune.py", "the reason credits the chosen rate with a win over the next smaller one "
+                                            "that a larger rate made"),
+    ("report.py", "there = (by_reference.get(reference) or {}).get(\"arms\") or {}",
+     "there = (next(iter(by_reference.values())) or {}).get(\"arms\") or {}", "tests/test_report.py",
+     "--beside shows the other grid's first reference's numbers in every reference's rows"),
+    ("report.py", "arm_differ={} if unrecorded else arm_differences(configs, arms))", "arm_differ={})",
+     "tests/test_report.py", "--beside never compares per-arm settings (two methods under one arm name: 'nothing')"),
+    ("tune.py", "check_recorded(os.path.join(tune_dir, \"choice.json\"), recorded_choice(tune_dir), record)", "None",
+     "tests/test_tune.py", "a hand-edited choice.json silently rewritten"),
+    ("grid_files.py", "if key in UNORDERED_KEYS and isinstance(value, list):", "if False:", "tests/test_tune.py",
+     "the same tuning rates in another order refused as other settings"),
+    ("report.py", "        return \"undefined\"\n    return format(", "        return \"nan\"\n    return format(",
+     "tests/test_report.py", "statistics of 0 or 1 paired seeds printed as nan"),
+    ("paired_stats.py", "identical = bool((d == d.flat[0]).all())", "identical = False", "tests/test_paired_stats.py",
+     "identical deltas give a zero-width interval over seeds and text"),
+    ("report.py", "half = np.where((d == d[:1]).all(0), np.nan, half)", "half = half", "tests/test_report.py",
+     "the delta curve draws a zero-width band where every seed has the same delta"),
+    ("paired_stats.py", "text[\"n\"] >= BOOTSTRAP_CALIBRATED_SEEDS:", "text[\"n\"] >= 2:", "tests/test_paired_stats.py",
+     "the bootstrap quoted as the verdict's interval at too few seeds to be calibrated"),
 ]
 
 

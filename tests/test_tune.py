@@ -222,6 +222,11 @@ def test_a_hand_edited_choice_is_refused_not_rewritten(tmp_path, capsys):
     tune.choose(cfg, tune_dir)
     record = read_json(path)
     capsys.readouterr()
+    # reasons worded by another version, the same choice from the same losses: rewritten, and said
+    with open(path, "w") as f:
+        json.dump(dict(record, reason=dict(record["reason"], dar="the safer rate")), f)
+    tune.choose(cfg, tune_dir)
+    assert read_json(path) == record and "rewritten: its reasons in this version's words" in capsys.readouterr().out
     # another tuning's record (a rate dropped, --allow_changes): rewritten, and said
     with open(path, "w") as f:
         json.dump(dict(record, learning_rates=[1e-3, 3e-3]), f)
