@@ -458,21 +458,33 @@ def test_status_lists_the_tuning_cells_first_and_counts_their_hours(tmp_path):
 
 def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state_and_reason(tmp_path, monkeypatch, capsys):
     calls = tmp_path / "squeue.calls"
-    rows = "7_0|RUNNING|None|node3\n7_1|PENDING|BeginTime|\n7_2|PENDING|PartitionConfig|\n7_3|PENDING|JobHeldUser|"
+    rows = "7_0|RUNNING|None|node3\n7_1|PENDING|BeginTime|\n7_2|PENDING|PartitionConfig|\n7_3|PENDING|JobHeldUser|\n" \
+           "9|PENDING|Resources|"
     fake_slurm(tmp_path, monkeypatch)
     (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nprintf '{rows}\\n'\n")
     (tmp_path / "bin" / "squeue").chmod(0o755)
     logs = tmp_path / "grid_launch"
     logs.mkdir()
     (logs / launch.ARRAYS).write_text(json.dumps([dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)],
-                                                       argv=[])]))
+                                                       argv=[]), dict(cluster="slurm", job_id="9", tasks=["9"], argv=[])]))
     (logs / "7_0_0_log.out").write_text("[attnres seed0] step 3/8 | loss 4.0\n")
     launch.main([f"--out_dir={tmp_path / 'grid'}", "--arms=attnres", "--status"])
     out = capsys.readouterr().out
-    assert calls.read_text().splitlines() == ["--noheader --array --jobs=7 --format=%i|%T|%r|%N"]  # one call, all tasks
+    # one call for every task of both arrays (a launch again adds an array)
+    assert calls.read_text().splitlines() == ["--noheader --array --jobs=7,9 --format=%i|%T|%r|%N"]
     for line in ("  task 7_0: RUNNING on node3, last on [attnres seed0]",
                  "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job",
                  "  task 7_2: PENDING (PartitionConfig: no node of the partition fits the request",
                  "  task 7_3: PENDING (JobHeldUser: held: scontrol release JOBID)",
-                 "  task 7_4: not in the queue, ended without a result"):
+                 "  task 7_4: not in the queue, ended without a result", "  task 9: PENDING (Resources: waiting"):
         assert line in out, (line, out)
+
+
+def test_a_submitted_worker_carries_the_project_s_requeue_limit_not_submitit_s_default(tmp_path, monkeypatch):
+    import pickle
+    fake_slurm(tmp_path, monkeypatch, sinfo="echo '64|512000|gpu:8|gpu*'")  # sbatch says: Submitted batch job 7
+    jobs = launch.launch(*launch.split_args(["--workers=2", f"--out_dir={tmp_path / 'grid'}", "--arms=attnres"]))
+    for job in jobs:  # what a requeue reruns: a worker's time limits are counted down from the project's value
+        with open(tmp_path / "grid_launch" / f"{job.job_id}_submitted.pkl", "rb") as f:
+            assert pickle.load(f)._timeout_countdown == launch.MAX_TIME_LIMITS > 3
+    assert [a["tasks"] for a in launch.read_arrays(str(tmp_path / "grid_launch"))] == [["7_0", "7_1"]]
