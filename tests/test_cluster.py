@@ -403,3 +403,88 @@ def test_a_failed_worker_is_reported_with_its_log_and_the_exit_is_not_zero_also_
     assert f"worker {task}: failed; its output: {log}" in proc.stdout, proc.stdout
     assert re.search(rf"\n  attnres seed0: .*; its worker {task} failed: {re.escape(str(log))}\n", proc.stdout)
     assert "cannot create the cell folder" in log.read_text() and "No module named" not in log.read_text()
+
+
+def write_result(cell, wall_time_s, steps=8, **fields):
+    cell.mkdir(parents=True, exist_ok=True)
+    (cell / "result.json").write_text(json.dumps(dict(dict(status="finished", steps=steps, val_loss=2.0, config=dict(
+        world_size=1), wall_time_s=wall_time_s), **fields)))
+
+
+def test_status_reports_an_unreadable_file_in_its_row_another_host_s_lock_and_each_arm_s_own_rate(tmp_path):
+    args = [f"--out_dir={tmp_path}", "--arms=attnres,standard,rd_attnres", "--seeds=0,1,2", "--max_iters=8"]
+    write_result(tmp_path / "attnres" / "seed0", 8.0)  # 1 s a step
+    write_result(tmp_path / "standard" / "seed0", 2.0)  # 4 times faster
+    (tmp_path / "attnres" / "seed1").mkdir()
+    (tmp_path / "attnres" / "seed1" / "result.json").write_text('{"status": "finish')  # torn
+    write_result(tmp_path / "standard" / "seed1", "3.5")  # hand-edited: a string
+    (tmp_path / "rd_attnres" / "seed0").mkdir(parents=True)
+    torch.save({"model": {}}, tmp_path / "rd_attnres" / "seed0" / "ckpt.pt")  # a ckpt.pt train.py did not write
+    held = tmp_path / "rd_attnres" / "seed1"
+    held.mkdir()
+    (held / "lock").write_text("12 another-host")  # cannot be checked from here: shown as its holder's
+    (held / "log.jsonl").write_text(json.dumps(dict(step=5, eta_cell_s=30.0)) + "\n")
+    status = launch.grid_status(launch.train_config(args))
+    rows = dict(((arm, seed), text) for arm, seed, text in status["cells"])
+    assert rows["attnres", 1].startswith(f"unreadable: {tmp_path / 'attnres' / 'seed1' / 'result.json'} cannot be read")
+    assert rows["standard", 1] == (f"unreadable: {tmp_path / 'standard' / 'seed1' / 'result.json'} is not a result "
+                                   f"train.py writes (wall_time_s is '3.5', not a number); move it aside to train the "
+                                   f"cell again")
+    assert rows["rd_attnres", 0] == (f"unreadable: {tmp_path / 'rd_attnres' / 'seed0' / 'ckpt.pt'} is not a checkpoint "
+                                     f"train.py writes (no 'step'); delete it to train the cell from scratch")
+    assert rows["rd_attnres", 1] == "training: another-host pid 12, step 5/8, 0m30s left"
+    # left at each arm's own rate: attnres 1 s a step, standard 0.25, rd_attnres (none finished) every arm's 10/16
+    assert status["left_s"] == pytest.approx(8 * 1.0 * 2 + 8 * 0.25 * 2 + 8 * 10 / 16 * 3)
+    assert status["spent_s"] == pytest.approx(10.0)
+    text = launch.status_text(status, "process-hours")
+    assert text.startswith(f"{tmp_path}: 9 cells: 2 finished, 0 diverged, 1 training, 0 resumable, 3 pending, "
+                           f"3 unreadable\n")
+
+
+def test_status_lists_the_tuning_cells_first_and_counts_their_hours(tmp_path):
+    import tune
+    args = [f"--out_dir={tmp_path}", "--arms=attnres", "--seeds=0", "--tune_learning_rates=1e-3,1e-2",
+            "--tune_seeds=1000,1001", "--tune_iters=4", "--max_iters=8", "--warmup_iters=2"]
+    write_result(tmp_path / "tune" / tune.tuning_arm("attnres", 1e-3) / "seed1000", 360.0, steps=4)
+    status = launch.grid_status(launch.train_config(args))
+    low, high = tune.tuning_arm("attnres", 1e-3), tune.tuning_arm("attnres", 1e-2)
+    assert [(arm, seed) for arm, seed, _ in status["cells"]] == [(low, 1000), (high, 1000), (low, 1001), (high, 1001),
+                                                                  ("attnres", 0)]
+    assert status["spent_s"] == 360.0 and status["kinds"] == ["finished"] + ["pending"] * 4
+    assert status["left_s"] == pytest.approx(90.0 * (3 * 4 + 8))  # at the tuning cell's rate, 90 s a step
+    assert "process-hours: 0.10 spent, 0.50 left at the rate measured on 1 cell(s)" in launch.status_text(
+        status, "process-hours")
+
+
+def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state_and_reason(tmp_path, monkeypatch, capsys):
+    calls = tmp_path / "squeue.calls"
+    rows = "7_0|RUNNING|None|node3\n7_1|PENDING|BeginTime|\n7_2|PENDING|PartitionConfig|\n7_3|PENDING|JobHeldUser|\n" \
+           "9|PENDING|Resources|"
+    fake_slurm(tmp_path, monkeypatch)
+    (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nprintf '{rows}\\n'\n")
+    (tmp_path / "bin" / "squeue").chmod(0o755)
+    logs = tmp_path / "grid_launch"
+    logs.mkdir()
+    (logs / launch.ARRAYS).write_text(json.dumps([dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)],
+                                                       argv=[]), dict(cluster="slurm", job_id="9", tasks=["9"], argv=[])]))
+    (logs / "7_0_0_log.out").write_text("[attnres seed0] step 3/8 | loss 4.0\n")
+    launch.main([f"--out_dir={tmp_path / 'grid'}", "--arms=attnres", "--status"])
+    out = capsys.readouterr().out
+    # one call for every task of both arrays (a launch again adds an array)
+    assert calls.read_text().splitlines() == ["--noheader --array --jobs=7,9 --format=%i|%T|%r|%N"]
+    for line in ("  task 7_0: RUNNING on node3, last on [attnres seed0]",
+                 "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job",
+                 "  task 7_2: PENDING (PartitionConfig: no node of the partition fits the request",
+                 "  task 7_3: PENDING (JobHeldUser: held: scontrol release JOBID)",
+                 "  task 7_4: not in the queue, ended without a result", "  task 9: PENDING (Resources: waiting"):
+        assert line in out, (line, out)
+
+
+def test_a_submitted_worker_carries_the_project_s_requeue_limit_not_submitit_s_default(tmp_path, monkeypatch):
+    import pickle
+    fake_slurm(tmp_path, monkeypatch, sinfo="echo '64|512000|gpu:8|gpu*'")  # sbatch says: Submitted batch job 7
+    jobs = launch.launch(*launch.split_args(["--workers=2", f"--out_dir={tmp_path / 'grid'}", "--arms=attnres"]))
+    for job in jobs:  # what a requeue reruns: a worker's time limits are counted down from the project's value
+        with open(tmp_path / "grid_launch" / f"{job.job_id}_submitted.pkl", "rb") as f:
+            assert pickle.load(f)._timeout_countdown == launch.MAX_TIME_LIMITS > 3
+    assert [a["tasks"] for a in launch.read_arrays(str(tmp_path / "grid_launch"))] == [["7_0", "7_1"]]

@@ -175,3 +175,18 @@ def test_a_worker_whose_train_py_fails_is_reported_with_its_log_not_requeued_als
     text = log.read_text()
     assert "cannot create the cell folder" in text and "No module named" not in text and "Requeued" not in text
     assert launch.queue([job]) == {}  # ended, not requeued
+
+
+def test_cancel_ends_the_grid_s_jobs_after_their_running_cells_checkpoint_and_says_what_is_resumable(
+        shards, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launch, "QUEUE_POLL_S", 0.5)
+    out, logs = tmp_path / "grid", tmp_path / "logs"
+    args = [*CPU, "--workers=2", "--concurrency=1", f"--logs={logs}", *tiny(shards, out, *GRID)]  # one runs, one waits
+    launch.main(args)
+    job = job_of(logs)
+    trainer(out, "standard", 2)
+    launch.main([*args, "--cancel"])
+    said = capsys.readouterr().out
+    assert re.search(rf"cancelled job\(s\) {job}; resumable: standard seed0; to go on: python launch.py ", said), said
+    assert all(state in (*launch.ENDED, "COMPLETING") for state, _, _ in launch.queue([job]).values())  # the waiting task too
+    assert re.search(r"stopped by a signal: \[standard seed0\] checkpointed at step \d+", output(logs, f"{job}_0"))
