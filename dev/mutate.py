@@ -3,7 +3,9 @@ Mutation check: does the suite catch plausible one-line bugs? Each mutant below 
 of a source file's code with a bug; the check copies the repository, applies one mutant at a time
 and runs the test file that should catch it. A mutant is killed when that test file fails; each
 test file must first pass on the unmutated copy. A snippet is matched on code, never comments (the
-file is read with its comments left out), and must occur there exactly once: every snippet is
+file is read with its comments left out), and on tokens, not layout (whitespace and a trailing comma
+before a closing bracket are left out of both, so a snippet survives ruff format), and must occur
+there exactly once: every snippet is
 checked before anything runs, so a stale one stops the check with its number and file. The run
 works on one copy of the checkout taken at its start; set OMP_NUM_THREADS=1 on a shared machine.
 
@@ -327,7 +329,16 @@ def without_comments(source):
         code.append(source[kept_from:start])
         offsets.extend(range(kept_from, start))
         kept_from = end
-    return "".join(code), offsets
+    return layout_free("".join(code), offsets)
+
+
+def layout_free(code, offsets=None):
+    """code without whitespace and without a comma right before a closing bracket, and each kept
+    character's offset: what ruff format may change is left out of the match (of a snippet, too)."""
+    offsets = range(len(code)) if offsets is None else offsets
+    kept = [(c, o) for c, o in zip(code, offsets) if not c.isspace()]
+    kept = [(c, o) for i, (c, o) in enumerate(kept) if not (c == "," and i + 1 < len(kept) and kept[i + 1][0] in ")]}")]
+    return "".join(c for c, _ in kept), [o for _, o in kept]
 
 
 @functools.cache
@@ -349,12 +360,19 @@ def mutated_source(index, root=ROOT):
         source, code, offsets, tree = read_code(os.path.join(root, path))
     except (tokenize.TokenError, SyntaxError) as e:
         return None, f"{where}: {path} is not valid Python ({e})"
+    lead, trail = len(original) - len(original.lstrip()), len(original) - len(original.rstrip())
+    original = layout_free(original)[0]
     count = code.count(original)
     if count != 1:
         return None, (f"{where}: its snippet is in the code {count} times, not once; make it the code as it is "
                       f"now (comments left out), long enough to be unique:\n    {original!r}")
     i = code.index(original)
     start, end = offsets[i], offsets[i + len(original) - 1] + 1
+    # the whitespace a snippet begins or ends with is replaced too (a mutant that drops a line drops its indent)
+    while lead and start and source[start - 1].isspace():
+        start, lead = start - 1, lead - 1
+    while trail and end < len(source) and source[end].isspace():
+        end, trail = end + 1, trail - 1
     changed = source[:start] + mutant + source[end:]
     try:
         if ast.dump(ast.parse(changed)) == tree:
