@@ -53,6 +53,11 @@ NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "
 # and messages: code_record). The report, the config checks here, downloads, the log (progress.py) and these
 # records are not in it.
 CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py")
+# Definitions of CODE_FILES that decide where a run finds its data, when the grid's report is written and how a
+# tool opens a trained cell, never what a cell computes (the data is fingerprinted on its own, data_hash): the code
+# comparisons leave them out, so fixing or moving one locks no grid. Name here only what cannot change a number.
+NOT_COMPUTING = frozenset({"resolve_data_dir", "find_data", "prepare_bundled_or_wait", "write_report", "REPORT_WAIT_S",
+                           "load_cell", "TrainedCell", "open_trained"})
 
 
 # -----------------------------------------------------------------------------
@@ -424,7 +429,7 @@ def code_changes(old, new, schemes):
     registered = {c for r in (old, new) for used in r["schemes"].values() for c in used}
     used = {c for r in (old, new) for s in schemes for c in r["schemes"].get(s, ())}
     before, now = old["definitions"], new["definitions"]
-    return ([name for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)
+    return ([name for name in sorted((set(before) | set(now)) - NOT_COMPUTING) if before.get(name) != now.get(name)
              and (name not in registered or name in used)]
             + [f"RESIDUALS[{s!r}]" for s in sorted(schemes) if old["schemes"].get(s) != new["schemes"].get(s)])
 
@@ -436,7 +441,7 @@ def code_fingerprints(code, scheme):
     registered = {c for used in code["schemes"].values() for c in used}
     digest = lambda names: hashlib.sha256(json.dumps({n: code["definitions"].get(n) for n in sorted(names)})
                                           .encode()).hexdigest()
-    return digest(set(code["definitions"]) - registered), digest(own)
+    return digest(set(code["definitions"]) - registered - NOT_COMPUTING), digest(own)
 
 
 def run_schemes(*records):

@@ -305,6 +305,9 @@ MUTANTS = [
      "--status's time left at every arm's rate, blind to a slower arm's"),
     ("launch.py", "f\"--jobs={','.join(job_ids)}\"", "f\"--jobs={job_ids[0]}\"", "tests/test_cluster.py",
      "squeue asked about the first array only"),
+    # issue #53: a definition that computes nothing (where the data is, when the report is written) locks no grid
+    ("records.py", "sorted((set(before) | set(now)) - NOT_COMPUTING)", "sorted(set(before) | set(now))",
+     "tests/test_records.py", "fixing write_report or moving find_data refuses every rerun of every grid"),
 ]
 
 

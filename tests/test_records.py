@@ -713,3 +713,14 @@ def test_a_grid_made_between_the_look_and_the_write_is_checked_not_overwritten(t
     with pytest.raises(ConfigError, match=r"config.json was made with other settings: learning_rate \(0.003 -> 0.01\)"):
         other.write_once()
     assert (tmp_path / "config.json").read_text() == recorded
+
+
+def test_definitions_that_compute_nothing_lock_no_grid_and_the_rest_do():
+    # where the data is found, when the report is written and how a tool opens a cell change no number: fixing one
+    # (write_report gained a wait, issue #52) must not refuse a rerun; the step's learning rate must
+    now = records.code_record()
+    assert "write_report" in now["definitions"] and "learning_rate_at" in now["definitions"], "names moved: update"
+    for name, locks in (("write_report", False), ("find_data", False), ("learning_rate_at", True)):
+        edited = dict(now, definitions=dict(now["definitions"], **{name: "0" * 16}))
+        assert bool(records.code_changes(now, edited, {"standard"})) == locks, f"editing {name} locks: {not locks}"
+        assert (records.code_fingerprints(now, "standard") != records.code_fingerprints(edited, "standard")) == locks
