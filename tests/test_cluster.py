@@ -329,14 +329,16 @@ def test_cpu_workers_ask_for_one_process_s_threads_and_a_request_no_node_meets_i
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = f"--out_dir={tmp_path / 'grid'}"
     cpu, _ = launch.split_args(["--gpus_per_node=0"])
-    assert launch.slurm_parameters(cpu, "grid")["cpus_per_task"] == 1 and "gres" not in launch.slurm_parameters(cpu, "g")
-    assert "export OMP_NUM_THREADS=1" in launch.slurm_parameters(cpu, "grid")["setup"]  # what it asked for
+    params = launch.slurm_parameters(cpu, "grid")
+    assert params["cpus_per_task"] == 1 and "gres" not in params
+    assert "export OMP_NUM_THREADS=1" in params["setup"]  # what it asked for
     gpu, _ = launch.split_args([])
-    assert (launch.slurm_parameters(gpu, "g")["cpus_per_task"], launch.slurm_parameters(gpu, "g")["gres"]) == (64, "gpu:8")
+    params = launch.slurm_parameters(gpu, "grid")
+    assert (params["cpus_per_task"], params["gres"]) == (64, "gpu:8")
     for flags, need in ((["--gpus_per_node=0", "--cpus_per_task=8"], "8 CPUs, 0 GPUs"), ([], "64 CPUs, 8 GPUs"),
                         (["--gpus_per_node=0", "--mem=32G"], "1 CPUs, 0 GPUs, 32G")):
-        with pytest.raises(ConfigError, match=rf"^no node of the default partition has {need} \(sinfo: 2 CPUs, 24105 MB, "
-                                              rf"0 GPUs\): ask for less .* or choose another --partition$"):
+        with pytest.raises(ConfigError, match=rf"^no node of the default partition has {need} \(sinfo: 2 CPUs, "
+                                              rf"24105 MB, 0 GPUs\): ask for less .* or choose another --partition$"):
             launch.main([*flags, out, "--arms=attnres"])
     assert os.listdir(tmp_path) == ["bin"]  # nothing submitted, nothing written
 
@@ -359,8 +361,8 @@ def test_a_site_s_resources_pass_through_a_dry_run_submits_nothing_and_sbatch_s_
                  "# task 1: standard seed0, standard seed1", "# dry run: nothing submitted"):
         assert line in script, (line, script)
     assert sorted(os.listdir(tmp_path)) == ["bin", "site.py"]
-    with pytest.raises(ConfigError, match=r"^sbatch refused the array: sbatch: error: Invalid generic resource \(gres\) "
-                                          r"specification; nothing was submitted$"):
+    with pytest.raises(ConfigError, match=r"^sbatch refused the array: sbatch: error: Invalid generic resource "
+                                          r"\(gres\) specification; nothing was submitted$"):
         launch.main(args)
     assert "sbatch: error" not in capsys.readouterr().err  # said once, in the error
     assert not os.path.exists(tmp_path / "grid_launch")  # no stray pickle, no script
@@ -456,7 +458,8 @@ def test_status_lists_the_tuning_cells_first_and_counts_their_hours(tmp_path):
         status, "process-hours")
 
 
-def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state_and_reason(tmp_path, monkeypatch, capsys):
+def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state_and_reason(
+        tmp_path, monkeypatch, capsys):
     calls = tmp_path / "squeue.calls"
     rows = "7_0|RUNNING|None|node3\n7_1|PENDING|BeginTime|\n7_2|PENDING|PartitionConfig|\n7_3|PENDING|JobHeldUser|\n" \
            "9|PENDING|Resources|"
@@ -465,15 +468,16 @@ def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state
     (tmp_path / "bin" / "squeue").chmod(0o755)
     logs = tmp_path / "grid_launch"
     logs.mkdir()
-    (logs / launch.ARRAYS).write_text(json.dumps([dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)],
-                                                       argv=[]), dict(cluster="slurm", job_id="9", tasks=["9"], argv=[])]))
+    arrays = [dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)], argv=[]),
+              dict(cluster="slurm", job_id="9", tasks=["9"], argv=[])]
+    (logs / launch.ARRAYS).write_text(json.dumps(arrays))
     (logs / "7_0_0_log.out").write_text("[attnres seed0] step 3/8 | loss 4.0\n")
     launch.main([f"--out_dir={tmp_path / 'grid'}", "--arms=attnres", "--status"])
     out = capsys.readouterr().out
     # one call for every task of both arrays (a launch again adds an array)
     assert calls.read_text().splitlines() == ["--noheader --array --jobs=7,9 --format=%i|%T|%r|%N"]
     for line in ("  task 7_0: RUNNING on node3, last on [attnres seed0]",
-                 "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job",
+                 "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job (AuthInfo's cred_expire",
                  "  task 7_2: PENDING (PartitionConfig: no node of the partition fits the request",
                  "  task 7_3: PENDING (JobHeldUser: held: scontrol release JOBID)",
                  "  task 7_4: not in the queue, ended without a result", "  task 9: PENDING (Resources: waiting"):
