@@ -74,6 +74,7 @@ RDZV_PORT = 29500
 # and exit (a step may be an evaluation or a compile), then requeues anyway, leaving submitit time to: a job
 # killed at its limit unrequeued would end its worker for good
 WARNED_WAIT_SHARE = 0.8
+RESEND_S = 2  # meanwhile the stop is sent again this often (one that reached train.py before its handler is lost)
 # a CPU worker's threads when cpus_per_task is 0 and this environment sets no OMP_NUM_THREADS: one (the Makefile's;
 # a CPU run's thread count is a setting, so every worker must compute with the same)
 CPU_THREADS = 1
@@ -220,13 +221,17 @@ class Worker:
 
     def checkpoint(self):
         import submitit
-        if self.process is not None and self.process.poll() is None:
+        deadline = time.monotonic() + self.wait_s
+        while self.process is not None and self.process.poll() is None and time.monotonic() < deadline:
+            # again every few seconds: train.py still starting (importing torch) ignores one until it handles them
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
-                self.process.wait(timeout=self.wait_s)
-            except subprocess.TimeoutExpired:  # the cell resumes from its last checkpoint (every eval_interval steps)
-                print(f"train.py did not stop within {self.wait_s:g} s of the warning; requeued without its "
-                      f"checkpoint", flush=True)
+                self.process.wait(timeout=max(min(RESEND_S, deadline - time.monotonic()), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None and self.process.poll() is None:  # the cell resumes from its last checkpoint
+            print(f"train.py did not stop within {self.wait_s:g} s of the warning; requeued without its "
+                  f"checkpoint", flush=True)
         return submitit.helpers.DelayedSubmission(Worker(self.train_args, self.nodes, self.gpus_per_node, self.cwd,
                                                          self.wait_s))
 

@@ -98,6 +98,23 @@ def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_
         worker.process.wait()
 
 
+def test_a_warning_that_comes_while_train_py_is_still_starting_is_not_lost(tmp_path):
+    # train.py ignores a stop until it handles them (importing torch takes seconds, on a cluster's shared disk more):
+    # the worker sends it again until the run checkpoints and exits, within the warning's wait
+    starting = "import signal, sys, time; time.sleep(1.5); signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); " \
+               "time.sleep(60)"
+    worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path), 20)
+    worker.process = subprocess.Popen([sys.executable, "-c", starting], preexec_fn=launch.leave_stops_to_train,
+                                      start_new_session=True)
+    try:
+        started = time.time()
+        worker.checkpoint()
+        assert worker.process.poll() == 75 and time.time() - started < 1.5 + 2 * launch.RESEND_S
+    finally:
+        worker.process.kill()
+        worker.process.wait()
+
+
 def test_a_worker_started_while_the_bundled_corpus_is_prepared_waits_for_it(shards, tmp_path, monkeypatch, capsys):
     corpus = str(tmp_path / "shakespeare_bytes")
     monkeypatch.setitem(BUNDLED, corpus, "bytes")  # a bundled corpus of its own, prepared here
@@ -417,6 +434,7 @@ def test_status_reports_an_unreadable_file_in_its_row_another_host_s_lock_and_ea
     args = [f"--out_dir={tmp_path}", "--arms=attnres,standard,rd_attnres", "--seeds=0,1,2", "--max_iters=8"]
     write_result(tmp_path / "attnres" / "seed0", 8.0)  # 1 s a step
     write_result(tmp_path / "standard" / "seed0", 2.0)  # 4 times faster
+    write_result(tmp_path / "standard" / "seed2", 2.0)
     (tmp_path / "attnres" / "seed1").mkdir()
     (tmp_path / "attnres" / "seed1" / "result.json").write_text('{"status": "finish')  # torn
     write_result(tmp_path / "standard" / "seed1", "3.5")  # hand-edited: a string
@@ -435,11 +453,11 @@ def test_status_reports_an_unreadable_file_in_its_row_another_host_s_lock_and_ea
     assert rows["rd_attnres", 0] == (f"unreadable: {tmp_path / 'rd_attnres' / 'seed0' / 'ckpt.pt'} is not a checkpoint "
                                      f"train.py writes (no 'step'); delete it to train the cell from scratch")
     assert rows["rd_attnres", 1] == "training: another-host pid 12, step 5/8, 0m30s left"
-    # left at each arm's own rate: attnres 1 s a step, standard 0.25, rd_attnres (none finished) every arm's 10/16
-    assert status["left_s"] == pytest.approx(8 * 1.0 * 2 + 8 * 0.25 * 2 + 8 * 10 / 16 * 3)
-    assert status["spent_s"] == pytest.approx(10.0)
+    # left at each arm's own rate: attnres 1 s a step, standard 0.25, rd_attnres (none finished) every arm's 12/24
+    assert status["left_s"] == pytest.approx(8 * 1.0 * 2 + 8 * 0.25 * 1 + 8 * 0.5 * 3)
+    assert status["spent_s"] == pytest.approx(12.0)
     text = launch.status_text(status, "process-hours")
-    assert text.startswith(f"{tmp_path}: 9 cells: 2 finished, 0 diverged, 1 training, 0 resumable, 3 pending, "
+    assert text.startswith(f"{tmp_path}: 9 cells: 3 finished, 0 diverged, 1 training, 0 resumable, 2 pending, "
                            f"3 unreadable\n")
 
 
