@@ -74,6 +74,7 @@ RDZV_PORT = 29500
 # and exit (a step may be an evaluation or a compile), then requeues anyway, leaving submitit time to: a job
 # killed at its limit unrequeued would end its worker for good
 WARNED_WAIT_SHARE = 0.8
+RESEND_S = 2  # meanwhile the stop is sent again this often (one that reached train.py before its handler is lost)
 # a CPU worker's threads when cpus_per_task is 0 and this environment sets no OMP_NUM_THREADS: one (the Makefile's;
 # a CPU run's thread count is a setting, so every worker must compute with the same)
 CPU_THREADS = 1
@@ -220,13 +221,17 @@ class Worker:
 
     def checkpoint(self):
         import submitit
-        if self.process is not None and self.process.poll() is None:
+        deadline = time.monotonic() + self.wait_s
+        while self.process is not None and self.process.poll() is None and time.monotonic() < deadline:
+            # again every few seconds: train.py still starting (importing torch) ignores one until it handles them
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
-                self.process.wait(timeout=self.wait_s)
-            except subprocess.TimeoutExpired:  # the cell resumes from its last checkpoint (every eval_interval steps)
-                print(f"train.py did not stop within {self.wait_s:g} s of the warning; requeued without its "
-                      f"checkpoint", flush=True)
+                self.process.wait(timeout=max(min(RESEND_S, deadline - time.monotonic()), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None and self.process.poll() is None:  # the cell resumes from its last checkpoint
+            print(f"train.py did not stop within {self.wait_s:g} s of the warning; requeued without its "
+                  f"checkpoint", flush=True)
         return submitit.helpers.DelayedSubmission(Worker(self.train_args, self.nodes, self.gpus_per_node, self.cwd,
                                                          self.wait_s))
 
@@ -646,7 +651,8 @@ def queue(job_ids):
 
 
 # what a pending task's reason means, beside SLURM's word for it
-REASONS = {"BeginTime": "requeued: SLURM holds a requeued job about 2 minutes before it may start",
+REASONS = {"BeginTime": "requeued: SLURM holds a requeued job (AuthInfo's cred_expire, 120 s by default) before it "
+                        "may start",
            "Resources": "waiting for free nodes", "Priority": "jobs of higher priority first",
            "PartitionConfig": "no node of the partition fits the request: cancel it (--cancel) and ask for less",
            "JobHeldUser": "held: scontrol release JOBID", "JobHeldAdmin": "held by an administrator",
@@ -678,12 +684,17 @@ def queue_text(arrays, folder):
     return "\n".join(["the queue (squeue):", *lines])
 
 
-def wait_for(arrays):
-    """Until no task of these SLURM arrays is left in the queue (one squeue call every QUEUE_POLL_S)."""
-    ids = [a["job_id"] for a in arrays]
+def wait_for(arrays, folder):
+    """Until every task of these SLURM arrays has left the queue (one squeue call every QUEUE_POLL_S) for good:
+    with its result written, or unseen at 3 looks running (a task being requeued may be missing from one look)."""
+    ids, tasks = [a["job_id"] for a in arrays], [t for a in arrays for t in a["tasks"]]
+    unseen = dict.fromkeys(tasks, 0)
     while True:
-        tasks = queue(ids)
-        if tasks is not None and all(state in ENDED for state, _, _ in tasks.values()):
+        queued = queue(ids)
+        for task in tasks if queued is not None else []:
+            ended = task not in queued or queued[task][0] in ENDED
+            unseen[task] = unseen[task] + 1 if ended else 0
+        if all(n >= 3 or (n and os.path.exists(os.path.join(folder, f"{t}_0_result.pkl"))) for t, n in unseen.items()):
             return
         time.sleep(QUEUE_POLL_S)
 
@@ -734,7 +745,7 @@ def main(argv):
         for job in jobs:
             job.wait()
     else:
-        wait_for(read_arrays(folder)[-1:])
+        wait_for(read_arrays(folder)[-1:], folder)
     text, done = outcome_text(train_config(train_args), own, [j.job_id for j in jobs], folder, command)
     print(text)
     if not done:

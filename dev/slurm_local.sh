@@ -40,6 +40,8 @@ ClusterName=nanodepth
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
+# a requeued job waits this long before it may start again (the default 120 s; the tests requeue)
+AuthInfo=cred_expire=10
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=/run/slurmctld-local.pid

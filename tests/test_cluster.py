@@ -98,6 +98,23 @@ def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_
         worker.process.wait()
 
 
+def test_a_warning_that_comes_while_train_py_is_still_starting_is_not_lost(tmp_path):
+    # train.py ignores a stop until it handles them (importing torch takes seconds, on a cluster's shared disk more):
+    # the worker sends it again until the run checkpoints and exits, within the warning's wait
+    starting = "import signal, sys, time; time.sleep(1.5); signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); " \
+               "time.sleep(60)"
+    worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path), 20)
+    worker.process = subprocess.Popen([sys.executable, "-c", starting], preexec_fn=launch.leave_stops_to_train,
+                                      start_new_session=True)
+    try:
+        started = time.time()
+        worker.checkpoint()
+        assert worker.process.poll() == 75 and time.time() - started < 1.5 + 2 * launch.RESEND_S
+    finally:
+        worker.process.kill()
+        worker.process.wait()
+
+
 def test_a_worker_started_while_the_bundled_corpus_is_prepared_waits_for_it(shards, tmp_path, monkeypatch, capsys):
     corpus = str(tmp_path / "shakespeare_bytes")
     monkeypatch.setitem(BUNDLED, corpus, "bytes")  # a bundled corpus of its own, prepared here
@@ -329,14 +346,16 @@ def test_cpu_workers_ask_for_one_process_s_threads_and_a_request_no_node_meets_i
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = f"--out_dir={tmp_path / 'grid'}"
     cpu, _ = launch.split_args(["--gpus_per_node=0"])
-    assert launch.slurm_parameters(cpu, "grid")["cpus_per_task"] == 1 and "gres" not in launch.slurm_parameters(cpu, "g")
-    assert "export OMP_NUM_THREADS=1" in launch.slurm_parameters(cpu, "grid")["setup"]  # what it asked for
+    params = launch.slurm_parameters(cpu, "grid")
+    assert params["cpus_per_task"] == 1 and "gres" not in params
+    assert "export OMP_NUM_THREADS=1" in params["setup"]  # what it asked for
     gpu, _ = launch.split_args([])
-    assert (launch.slurm_parameters(gpu, "g")["cpus_per_task"], launch.slurm_parameters(gpu, "g")["gres"]) == (64, "gpu:8")
+    params = launch.slurm_parameters(gpu, "grid")
+    assert (params["cpus_per_task"], params["gres"]) == (64, "gpu:8")
     for flags, need in ((["--gpus_per_node=0", "--cpus_per_task=8"], "8 CPUs, 0 GPUs"), ([], "64 CPUs, 8 GPUs"),
                         (["--gpus_per_node=0", "--mem=32G"], "1 CPUs, 0 GPUs, 32G")):
-        with pytest.raises(ConfigError, match=rf"^no node of the default partition has {need} \(sinfo: 2 CPUs, 24105 MB, "
-                                              rf"0 GPUs\): ask for less .* or choose another --partition$"):
+        with pytest.raises(ConfigError, match=rf"^no node of the default partition has {need} \(sinfo: 2 CPUs, "
+                                              rf"24105 MB, 0 GPUs\): ask for less .* or choose another --partition$"):
             launch.main([*flags, out, "--arms=attnres"])
     assert os.listdir(tmp_path) == ["bin"]  # nothing submitted, nothing written
 
@@ -359,8 +378,8 @@ def test_a_site_s_resources_pass_through_a_dry_run_submits_nothing_and_sbatch_s_
                  "# task 1: standard seed0, standard seed1", "# dry run: nothing submitted"):
         assert line in script, (line, script)
     assert sorted(os.listdir(tmp_path)) == ["bin", "site.py"]
-    with pytest.raises(ConfigError, match=r"^sbatch refused the array: sbatch: error: Invalid generic resource \(gres\) "
-                                          r"specification; nothing was submitted$"):
+    with pytest.raises(ConfigError, match=r"^sbatch refused the array: sbatch: error: Invalid generic resource "
+                                          r"\(gres\) specification; nothing was submitted$"):
         launch.main(args)
     assert "sbatch: error" not in capsys.readouterr().err  # said once, in the error
     assert not os.path.exists(tmp_path / "grid_launch")  # no stray pickle, no script
@@ -415,6 +434,7 @@ def test_status_reports_an_unreadable_file_in_its_row_another_host_s_lock_and_ea
     args = [f"--out_dir={tmp_path}", "--arms=attnres,standard,rd_attnres", "--seeds=0,1,2", "--max_iters=8"]
     write_result(tmp_path / "attnres" / "seed0", 8.0)  # 1 s a step
     write_result(tmp_path / "standard" / "seed0", 2.0)  # 4 times faster
+    write_result(tmp_path / "standard" / "seed2", 2.0)
     (tmp_path / "attnres" / "seed1").mkdir()
     (tmp_path / "attnres" / "seed1" / "result.json").write_text('{"status": "finish')  # torn
     write_result(tmp_path / "standard" / "seed1", "3.5")  # hand-edited: a string
@@ -433,11 +453,11 @@ def test_status_reports_an_unreadable_file_in_its_row_another_host_s_lock_and_ea
     assert rows["rd_attnres", 0] == (f"unreadable: {tmp_path / 'rd_attnres' / 'seed0' / 'ckpt.pt'} is not a checkpoint "
                                      f"train.py writes (no 'step'); delete it to train the cell from scratch")
     assert rows["rd_attnres", 1] == "training: another-host pid 12, step 5/8, 0m30s left"
-    # left at each arm's own rate: attnres 1 s a step, standard 0.25, rd_attnres (none finished) every arm's 10/16
-    assert status["left_s"] == pytest.approx(8 * 1.0 * 2 + 8 * 0.25 * 2 + 8 * 10 / 16 * 3)
-    assert status["spent_s"] == pytest.approx(10.0)
+    # left at each arm's own rate: attnres 1 s a step, standard 0.25, rd_attnres (none finished) every arm's 12/24
+    assert status["left_s"] == pytest.approx(8 * 1.0 * 2 + 8 * 0.25 * 1 + 8 * 0.5 * 3)
+    assert status["spent_s"] == pytest.approx(12.0)
     text = launch.status_text(status, "process-hours")
-    assert text.startswith(f"{tmp_path}: 9 cells: 2 finished, 0 diverged, 1 training, 0 resumable, 3 pending, "
+    assert text.startswith(f"{tmp_path}: 9 cells: 3 finished, 0 diverged, 1 training, 0 resumable, 2 pending, "
                            f"3 unreadable\n")
 
 
@@ -456,7 +476,8 @@ def test_status_lists_the_tuning_cells_first_and_counts_their_hours(tmp_path):
         status, "process-hours")
 
 
-def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state_and_reason(tmp_path, monkeypatch, capsys):
+def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state_and_reason(
+        tmp_path, monkeypatch, capsys):
     calls = tmp_path / "squeue.calls"
     rows = "7_0|RUNNING|None|node3\n7_1|PENDING|BeginTime|\n7_2|PENDING|PartitionConfig|\n7_3|PENDING|JobHeldUser|\n" \
            "9|PENDING|Resources|"
@@ -465,15 +486,16 @@ def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state
     (tmp_path / "bin" / "squeue").chmod(0o755)
     logs = tmp_path / "grid_launch"
     logs.mkdir()
-    (logs / launch.ARRAYS).write_text(json.dumps([dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)],
-                                                       argv=[]), dict(cluster="slurm", job_id="9", tasks=["9"], argv=[])]))
+    arrays = [dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)], argv=[]),
+              dict(cluster="slurm", job_id="9", tasks=["9"], argv=[])]
+    (logs / launch.ARRAYS).write_text(json.dumps(arrays))
     (logs / "7_0_0_log.out").write_text("[attnres seed0] step 3/8 | loss 4.0\n")
     launch.main([f"--out_dir={tmp_path / 'grid'}", "--arms=attnres", "--status"])
     out = capsys.readouterr().out
     # one call for every task of both arrays (a launch again adds an array)
     assert calls.read_text().splitlines() == ["--noheader --array --jobs=7,9 --format=%i|%T|%r|%N"]
     for line in ("  task 7_0: RUNNING on node3, last on [attnres seed0]",
-                 "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job",
+                 "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job (AuthInfo's cred_expire",
                  "  task 7_2: PENDING (PartitionConfig: no node of the partition fits the request",
                  "  task 7_3: PENDING (JobHeldUser: held: scontrol release JOBID)",
                  "  task 7_4: not in the queue, ended without a result", "  task 9: PENDING (Resources: waiting"):
