@@ -41,8 +41,9 @@ from model import GPTConfig
 
 
 # what analyze.py reads from a cell's config.json (train.py writes them all), and their types
-RECORD_KEYS = dict(model=dict, data_dir=str, dtype=str, eval_tokens=int, eval_batch_size=int, val_hash=str, arm=str,
-                   seed=int)
+RECORD_KEYS = dict(
+    model=dict, data_dir=str, dtype=str, eval_tokens=int, eval_batch_size=int, val_hash=str, arm=str, seed=int
+)
 
 
 def not_a_record(path, why):
@@ -77,16 +78,22 @@ def open_cell(cell_dir):
     except (ValueError, TypeError) as e:
         raise not_a_record(config_path, f"model: {e}") from None
     if not os.path.isfile(ckpt_path):
-        raise ConfigError(f"{ckpt_path} is missing: the cell saves it at its first evaluation after step 0; "
-                          f"train the cell (train.py) first")
+        raise ConfigError(
+            f"{ckpt_path} is missing: the cell saves it at its first evaluation after step 0; "
+            f"train the cell (train.py) first"
+        )
     cell = checkpoint.open_trained(cell_dir, "cpu")
     model = cell.model
     if cell.record["model"] != cfg["model"]:  # the evaluation settings below are config.json's
-        raise ConfigError(f"{ckpt_path} holds another model than {config_path} (a file copied from another cell?); "
-                          f"restore the cell's own files, or rerun train.py for the cell")
+        raise ConfigError(
+            f"{ckpt_path} holds another model than {config_path} (a file copied from another cell?); "
+            f"restore the cell's own files, or rerun train.py for the cell"
+        )
     if not all(v.isfinite().all() for v in model.state_dict().values() if v.is_floating_point()):
-        raise ConfigError(f"{ckpt_path} has non-finite weights (a diverged cell): there is nothing to analyse; "
-                          f"retrain the cell, e.g. with a lower learning_rate")
+        raise ConfigError(
+            f"{ckpt_path} has non-finite weights (a diverged cell): there is nothing to analyse; "
+            f"retrain the cell, e.g. with a lower learning_rate"
+        )
     return cell, cfg
 
 
@@ -120,7 +127,9 @@ def representations(model, val, evaluation, runtime):
     for i in tqdm(range(0, n_seq, B), desc="representations", leave=False):
         x, _ = train.validation_batch(val, range(i, min(i + B, n_seq)), T, runtime.device)
         with runtime.autocast:
-            total = accumulate(total, model.routing_diagnostics(x), len(x) / n_seq)  # every batch: T tokens per sequence
+            total = accumulate(
+                total, model.routing_diagnostics(x), len(x) / n_seq
+            )  # every batch: T tokens per sequence
     return total
 
 
@@ -149,11 +158,14 @@ def dar_summary(a):
     number of sources, out of `sources`."""
     delta = {tuple(r["change"]): r["delta"] for r in a["interventions"]}
     rep = a["representations"]
-    return dict(own_keys=delta.get(("own_keys",)), one_stream=[delta[("one_stream", s)] for s in (0, 1)],
-                block_cosine=rep["block_cosine"]["out"],
-                source_cosine_off_diagonal=[off_diagonal_mean(rep["source_cosine"][f"out.s{s}"]) for s in (0, 1)],
-                effective_sources=[rep["effective_sources"][f"out.s{s}"] for s in (0, 1)],
-                sources=len(rep["weights"]["out.s0"]))
+    return dict(
+        own_keys=delta.get(("own_keys",)),
+        one_stream=[delta[("one_stream", s)] for s in (0, 1)],
+        block_cosine=rep["block_cosine"]["out"],
+        source_cosine_off_diagonal=[off_diagonal_mean(rep["source_cosine"][f"out.s{s}"]) for s in (0, 1)],
+        effective_sources=[rep["effective_sources"][f"out.s{s}"] for s in (0, 1)],
+        sources=len(rep["weights"]["out.s0"]),
+    )
 
 
 def describe(change):
@@ -169,64 +181,134 @@ def matrix_table(name, matrix):
 
 
 def markdown(a):
-    lines = [f"# Analysis of {a['arm']}/seed{a['seed']} (residual={a['residual']}, step {a['step']})", "",
-             f"Validation: the first {a['tokens']:,} tokens of the cell's fixed validation set"
-             + (f" (capped by --max_tokens; the cell evaluates {a['cell_tokens']:,})" if a["capped"] else "")
-             + f"; device {a['device']}. NLL of the unmodified model: {a['base_nll']:.4f} nats/token"
-             + (f" (the cell recorded {a['recorded_val_loss']:.4f})" if a["recorded_val_loss"] is not None else "")
-             + ".", ""]
+    lines = [
+        f"# Analysis of {a['arm']}/seed{a['seed']} (residual={a['residual']}, step {a['step']})",
+        "",
+        f"Validation: the first {a['tokens']:,} tokens of the cell's fixed validation set"
+        + (f" (capped by --max_tokens; the cell evaluates {a['cell_tokens']:,})" if a["capped"] else "")
+        + f"; device {a['device']}. NLL of the unmodified model: {a['base_nll']:.4f} nats/token"
+        + (f" (the cell recorded {a['recorded_val_loss']:.4f})" if a["recorded_val_loss"] is not None else "")
+        + ".",
+        "",
+    ]
     rep = a["representations"] or {}
     if "expert_load" in rep:  # an MoE model, under any scheme: how each layer's router spreads the tokens
-        lines += ["## Experts", "", "Fraction of tokens that reach each expert (k/E each when balanced; they sum to k) "
-                  "and the entropy of the router's normalised scores (log E when uniform).", "",
-                  "| layer | load per expert | router entropy |", "|---|---|---|"]
-        lines += [f"| {name} | {' '.join(f'{v:.2f}' for v in load)} | {rep['router_entropy'][name]:.3f} |"
-                  for name, load in rep["expert_load"].items()] + [""]
+        lines += [
+            "## Experts",
+            "",
+            "Fraction of tokens that reach each expert (k/E each when balanced; they sum to k) "
+            "and the entropy of the router's normalised scores (log E when uniform).",
+            "",
+            "| layer | load per expert | router entropy |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {' '.join(f'{v:.2f}' for v in load)} | {rep['router_entropy'][name]:.3f} |"
+            for name, load in rep["expert_load"].items()
+        ] + [""]
     if not a["interventions"] and not any(v for g, v in rep.items() if g not in ("expert_load", "router_entropy")):
-        return "\n".join(lines + [f"residual={a['residual']!r} lists no interventions and records no routing "
-                                  f"diagnostics: nothing more to show.", ""])
+        return "\n".join(
+            lines
+            + [
+                f"residual={a['residual']!r} lists no interventions and records no routing "
+                f"diagnostics: nothing more to show.",
+                "",
+            ]
+        )
     if a["interventions"]:
-        lines += ["## Interventions", "", "NLL with the change minus NLL without it, on the same tokens "
-                  "(positive: the learned routing that the change removes was helping).", "",
-                  "| change | NLL | delta NLL |", "|---|---|---|"]
+        lines += [
+            "## Interventions",
+            "",
+            "NLL with the change minus NLL without it, on the same tokens "
+            "(positive: the learned routing that the change removes was helping).",
+            "",
+            "| change | NLL | delta NLL |",
+            "|---|---|---|",
+        ]
         lines += [f"| {describe(r['change'])} | {r['nll']:.4f} | {r['delta']:+.3g} |" for r in a["interventions"]]
     if rep["weights"]:
-        lines += ["", "## Depth reads", "", "Effective number of sources: exp(entropy of the read's weights) per token, "
-                  "averaged over tokens (1: one source; S: all S equally).", "",
-                  "| read | sources | effective | mean weights (embedding first) |", "|---|---|---|---|"]
-        lines += [f"| {name} | {len(w)} | {rep['effective_sources'][name]:.2f} | {' '.join(f'{v:.2f}' for v in w)} |"
-                  for name, w in rep["weights"].items()]
-    for group, title in (("dwa", "DenseFormer's depth-weighted averages (per layer, embedding first)"),
-                         ("fusion", "DAR's fusion of the two streams' reads (stream 0, stream 1)")):
+        lines += [
+            "",
+            "## Depth reads",
+            "",
+            "Effective number of sources: exp(entropy of the read's weights) per token, "
+            "averaged over tokens (1: one source; S: all S equally).",
+            "",
+            "| read | sources | effective | mean weights (embedding first) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {len(w)} | {rep['effective_sources'][name]:.2f} | {' '.join(f'{v:.2f}' for v in w)} |"
+            for name, w in rep["weights"].items()
+        ]
+    for group, title in (
+        ("dwa", "DenseFormer's depth-weighted averages (per layer, embedding first)"),
+        ("fusion", "DAR's fusion of the two streams' reads (stream 0, stream 1)"),
+    ):
         if group in rep:
             lines += ["", f"## {title}", "", "| after / read | weights |", "|---|---|"]
             lines += [f"| {name} | {' '.join(f'{v:.2f}' for v in w)} |" for name, w in rep[group].items()]
     if rep["qk_v_jsd"]:
-        lines += ["", "## QK vs V route", "", "Jensen-Shannon divergence (nats) between the two routes' weights, "
-                  "per token, averaged: 0 when the routes agree.", "", "| layer | JSD |", "|---|---|"]
+        lines += [
+            "",
+            "## QK vs V route",
+            "",
+            "Jensen-Shannon divergence (nats) between the two routes' weights, "
+            "per token, averaged: 0 when the routes agree.",
+            "",
+            "| layer | JSD |",
+            "|---|---|",
+        ]
         lines += [f"| {layer} | {v:.4f} |" for layer, v in rep["qk_v_jsd"].items()]
     if "source_cosine" in rep:
-        lines += ["", "## Depth-wise diversity", "", "Cosine similarity of the sources the output read sees "
-                  "(0: the embedding, then one per block or layer), per token, averaged.", ""]
+        lines += [
+            "",
+            "## Depth-wise diversity",
+            "",
+            "Cosine similarity of the sources the output read sees "
+            "(0: the embedding, then one per block or layer), per token, averaged.",
+            "",
+        ]
         for name, m in rep["source_cosine"].items():
             lines += matrix_table(name, m)
     if "dar" in a:
         d = a["dar"]
-        lines += ["", "## DAR", "", "The numbers DAR's claims rest on (docs/analyses.md says how to read them): the "
-                  "interventions' deltas (NLL with the change minus without), the cosine of the two streams' versions "
-                  "of each block (the embedding is shared), and at the output read, where all "
-                  f"{d['sources']} sources exist, each stream's depth-wise diversity.", "",
-                  "| | stream 0 | stream 1 |", "|---|---|---|",
-                  f"| one_stream delta NLL | {d['one_stream'][0]:+.3g} | {d['one_stream'][1]:+.3g} |",
-                  "| mean off-diagonal source cosine at out | " + " | ".join(f"{v:.3f}" for v in d["source_cosine_off_diagonal"]) + " |",
-                  f"| effective sources at out (of {d['sources']}) | " + " | ".join(f"{v:.2f}" for v in d["effective_sources"]) + " |",
-                  "", "own_keys delta NLL: " + ("none (dar_keys='self' reads by its own keys)" if d["own_keys"] is None
-                                               else f"{d['own_keys']:+.3g}") + ".", "",
-                  "| block | " + " | ".join(str(b + 1) for b in range(len(d["block_cosine"]))) + " |",
-                  "|---" * (len(d["block_cosine"]) + 1) + "|",
-                  "| cross-stream cosine | " + " | ".join(f"{v:.6g}" for v in d["block_cosine"]) + " |", ""]
+        lines += [
+            "",
+            "## DAR",
+            "",
+            "The numbers DAR's claims rest on (docs/analyses.md says how to read them): the "
+            "interventions' deltas (NLL with the change minus without), the cosine of the two streams' versions "
+            "of each block (the embedding is shared), and at the output read, where all "
+            f"{d['sources']} sources exist, each stream's depth-wise diversity.",
+            "",
+            "| | stream 0 | stream 1 |",
+            "|---|---|---|",
+            f"| one_stream delta NLL | {d['one_stream'][0]:+.3g} | {d['one_stream'][1]:+.3g} |",
+            "| mean off-diagonal source cosine at out | "
+            + " | ".join(f"{v:.3f}" for v in d["source_cosine_off_diagonal"])
+            + " |",
+            f"| effective sources at out (of {d['sources']}) | "
+            + " | ".join(f"{v:.2f}" for v in d["effective_sources"])
+            + " |",
+            "",
+            "own_keys delta NLL: "
+            + ("none (dar_keys='self' reads by its own keys)" if d["own_keys"] is None else f"{d['own_keys']:+.3g}")
+            + ".",
+            "",
+            "| block | " + " | ".join(str(b + 1) for b in range(len(d["block_cosine"]))) + " |",
+            "|---" * (len(d["block_cosine"]) + 1) + "|",
+            "| cross-stream cosine | " + " | ".join(f"{v:.6g}" for v in d["block_cosine"]) + " |",
+            "",
+        ]
     if "stream_cosine" in rep and "out" in rep["stream_cosine"] and isinstance(rep["stream_cosine"]["out"], list):
-        lines += ["", "## Cross-stream similarity", "", "Cosine similarity of the residual streams before the output.", ""]
+        lines += [
+            "",
+            "## Cross-stream similarity",
+            "",
+            "Cosine similarity of the residual streams before the output.",
+            "",
+        ]
         lines += matrix_table("streams", rep["stream_cosine"]["out"])
     return "\n".join(lines) + "\n"
 
@@ -235,11 +317,14 @@ def plots(a, cell_dir):
     """The deltas as bars and the cosine matrices as heatmaps, when matplotlib is installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    save = lambda fig, name: write_atomic(os.path.join(cell_dir, name), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    save = lambda fig, name: write_atomic(
+        os.path.join(cell_dir, name), lambda tmp: fig.savefig(tmp, format="png", dpi=120)
+    )
     rows = a["interventions"]
     if rows:
         fig, ax = plt.subplots(figsize=(6, 0.25 * len(rows) + 1))
@@ -265,41 +350,63 @@ def plots(a, cell_dir):
 def main(argv):
     parser = Parser("analyze.py", __doc__)
     parser.add_argument("cell", help="a cell folder, OUT_DIR/<arm>/seed<k>")
-    parser.add_argument("--max_tokens", type=int, default=0, help="evaluate at most this many tokens (0: the cell's eval_tokens)")
+    parser.add_argument(
+        "--max_tokens", type=int, default=0, help="evaluate at most this many tokens (0: the cell's eval_tokens)"
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="", help="auto, bfloat16 or float32 (default: the cell's)")
     args = parser.parse_args(argv)
     cell, cfg = open_cell(args.cell)
     model, step = cell.model, cell.step
-    runtime = machine.setup(dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False))  # one process, whole model
+    runtime = machine.setup(
+        dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False)
+    )  # one process, whole model
     data_dir = resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
     val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
     T = model.config.block_size
     if records.validation_hash(val, cfg["eval_tokens"], T) != cfg["val_hash"]:  # a shorter shard differs too
-        raise ConfigError(f"the first eval_tokens={cfg['eval_tokens']:,} tokens of the validation shard in {data_dir} "
-                          f"are not the ones the cell was evaluated on (val_hash differs): restore the cell's data there")
+        raise ConfigError(
+            f"the first eval_tokens={cfg['eval_tokens']:,} tokens of the validation shard in {data_dir} "
+            f"are not the ones the cell was evaluated on (val_hash differs): restore the cell's data there"
+        )
     eval_tokens = min(args.max_tokens or cfg["eval_tokens"], cfg["eval_tokens"])
     if eval_tokens < T + 1:
         raise ConfigError(f"--max_tokens={args.max_tokens} is less than one sequence of block_size+1 = {T + 1} tokens")
     capped = eval_tokens < cfg["eval_tokens"]
     recorded = None if capped else recorded_val_loss(args.cell)  # on other tokens it would not compare
     # every input is checked: now minutes of evaluation, then the writes
-    check_writable(args.cell, "analyze.py writes its results there; make it writable, or copy the cell folder somewhere "
-                              "writable and analyse the copy")
+    check_writable(
+        args.cell,
+        "analyze.py writes its results there; make it writable, or copy the cell folder somewhere "
+        "writable and analyse the copy",
+    )
     code = cell.code  # the analysis is of this code's model: recorded, and said when it is not the cell's
     if cell.code_changes:
-        print(f"note: the code differs from the one {args.cell} was trained with ({cell.changed()}); these numbers "
-              f"are of the current code")
+        print(
+            f"note: the code differs from the one {args.cell} was trained with ({cell.changed()}); these numbers "
+            f"are of the current code"
+        )
     model.to(runtime.device)
     evaluation = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
     base, rows = interventions(model, val, evaluation, runtime)
     tokens = (eval_tokens - 1) // T * T
-    a = dict(cell=os.path.abspath(args.cell), arm=cfg["arm"], seed=cfg["seed"], residual=model.config.residual,
-             step=step, device=runtime.device, tokens=tokens, cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
-             capped=capped, base_nll=base, recorded_val_loss=recorded, code=code,
-             trained_code=cell.trained_code.get("fingerprint"),
-             interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
-             representations=records.rounded(representations(model, val, evaluation, runtime)))
+    a = dict(
+        cell=os.path.abspath(args.cell),
+        arm=cfg["arm"],
+        seed=cfg["seed"],
+        residual=model.config.residual,
+        step=step,
+        device=runtime.device,
+        tokens=tokens,
+        cell_tokens=(cfg["eval_tokens"] - 1) // T * T,
+        capped=capped,
+        base_nll=base,
+        recorded_val_loss=recorded,
+        code=code,
+        trained_code=cell.trained_code.get("fingerprint"),
+        interventions=[dict(change=list(c), nll=nll, delta=nll - base, tokens=tokens) for c, nll in rows],
+        representations=records.rounded(representations(model, val, evaluation, runtime)),
+    )
     if model.config.residual == "dar":
         a["dar"] = dar_summary(a)
     write_json(os.path.join(args.cell, "analysis.json"), a)

@@ -48,10 +48,26 @@ for name in RESIDUALS:
 VARIANTS["moe"] = dict(n_experts=8, moe_top_k=2)  # standard under a sparse MoE MLP at the dense MLP's active FLOPs
 # every train.py key, so every GPTConfig field, is a bench key
 BENCH_DEFAULTS = dict(
-    train.DEFAULTS, n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4, vocab_size=50304, compile=True,
+    train.DEFAULTS,
+    n_layer=12,
+    n_embd=384,
+    n_head=6,
+    block_size=256,
+    batch_size=4,
+    vocab_size=50304,
+    compile=True,
     dtype="bfloat16",
-    mode="model", variants=list(VARIANTS), rounds=5, steps=5, peak_mem=True, out="bench.json", input="",
-    copies=40, one_variant="", compile_only=False)
+    mode="model",
+    variants=list(VARIANTS),
+    rounds=5,
+    steps=5,
+    peak_mem=True,
+    out="bench.json",
+    input="",
+    copies=40,
+    one_variant="",
+    compile_only=False,
+)
 
 
 def variant_config(cfg, name):
@@ -159,8 +175,10 @@ def bench_models(cfg, argv):
     names = ["standard"] + [v for v in cfg["variants"] if v != "standard"]
     if cfg["compile_only"]:  # warm the compile cache (gpu_check.py: one process per variant, all at once)
         names = cfg["variants"]
-    print(f"device {device}, dtype {cfg['dtype']}, compile {cfg['compile']}, {cfg['n_layer']} layers, "
-          f"d={cfg['n_embd']}, T={cfg['block_size']}, B={cfg['batch_size']}")
+    print(
+        f"device {device}, dtype {cfg['dtype']}, compile {cfg['compile']}, {cfg['n_layer']} layers, "
+        f"d={cfg['n_embd']}, T={cfg['block_size']}, B={cfg['batch_size']}"
+    )
     setups, ready_s = {}, {}
     for name in names:
         t0 = time.perf_counter()
@@ -188,26 +206,38 @@ def bench_models(cfg, argv):
     for name in names:
         model, step, batch = setups[name]
         ms = 1000 * statistics.median(times[name])
-        rows.append(dict(variant=name, params=model.num_params(non_embedding=False),
-                         active_params=model.num_params(non_embedding=False, active=True),
-                         compile_s=ready_s[name], ms_per_step=ms, tokens_per_s=tokens / ms * 1000,
-                         time_ratio=statistics.median(ratios[name]) if ratios[name] else 1.0,
-                         saved_bytes=saved_bytes(model, batch, autocast),
-                         forward_bytes=forward_memory(model, batch, autocast, device, False),
-                         forward_bytes_checkpointed=forward_memory(model, batch, autocast, device, True),
-                         peak_mem_bytes=peak_memory(name, cfg, argv, device, step),
-                         mfu=model.flops_per_token(cfg["block_size"]) * tokens / (ms / 1000) / runtime.peak_flops
-                         if runtime.peak_flops else None))
+        rows.append(
+            dict(
+                variant=name,
+                params=model.num_params(non_embedding=False),
+                active_params=model.num_params(non_embedding=False, active=True),
+                compile_s=ready_s[name],
+                ms_per_step=ms,
+                tokens_per_s=tokens / ms * 1000,
+                time_ratio=statistics.median(ratios[name]) if ratios[name] else 1.0,
+                saved_bytes=saved_bytes(model, batch, autocast),
+                forward_bytes=forward_memory(model, batch, autocast, device, False),
+                forward_bytes_checkpointed=forward_memory(model, batch, autocast, device, True),
+                peak_mem_bytes=peak_memory(name, cfg, argv, device, step),
+                mfu=model.flops_per_token(cfg["block_size"]) * tokens / (ms / 1000) / runtime.peak_flops
+                if runtime.peak_flops
+                else None,
+            )
+        )
     for r in rows:
         r["mem_ratio"] = r["saved_bytes"] / rows[0]["saved_bytes"]
-    print(f"{'variant':<15}{'params M':>10}{'active M':>10}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}"
-          f"{'saved x':>9}{'peak MiB':>10}{'MFU':>7}{'fwd MiB':>9}{'ckpt MiB':>10}")
+    print(
+        f"{'variant':<15}{'params M':>10}{'active M':>10}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}"
+        f"{'saved x':>9}{'peak MiB':>10}{'MFU':>7}{'fwd MiB':>9}{'ckpt MiB':>10}"
+    )
     mib = lambda b: f"{b / 2**20:.0f}" if b else "-"
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-        print(f"{r['variant']:<15}{r['params'] / 1e6:>10.2f}{r['active_params'] / 1e6:>10.2f}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10,.0f}{r['time_ratio']:>9.3f}"
-              f"{r['saved_bytes'] / 2**20:>11.1f}{r['mem_ratio']:>9.3f}{mib(r['peak_mem_bytes']):>10}{mfu:>7}"
-              f"{mib(r['forward_bytes']):>9}{mib(r['forward_bytes_checkpointed']):>10}")
+        print(
+            f"{r['variant']:<15}{r['params'] / 1e6:>10.2f}{r['active_params'] / 1e6:>10.2f}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10,.0f}{r['time_ratio']:>9.3f}"  # noqa: E501
+            f"{r['saved_bytes'] / 2**20:>11.1f}{r['mem_ratio']:>9.3f}{mib(r['peak_mem_bytes']):>10}{mfu:>7}"
+            f"{mib(r['forward_bytes']):>9}{mib(r['forward_bytes_checkpointed']):>10}"
+        )
     return rows
 
 
@@ -217,22 +247,29 @@ def bench_prepare(cfg):
     import pyarrow.parquet as pq
 
     from data import prepare as P, shards as S
+
     with tempfile.TemporaryDirectory() as tmp:
         pattern = cfg["input"]
         if not pattern:  # the bundled corpus cut into ~4,000-character documents (about FineWeb-Edu's
             # average of ~1,000 tokens), one parquet file per copy: 1.57M tokens each
-            corpus = "".join(open(f, encoding="utf-8").read() for f in sorted(glob.glob(os.path.join(P.BUNDLED_CORPUS, "*.txt"))))
-            texts = [corpus[i:i + 4000] for i in range(0, len(corpus), 4000)]
+            corpus = "".join(
+                open(f, encoding="utf-8").read() for f in sorted(glob.glob(os.path.join(P.BUNDLED_CORPUS, "*.txt")))
+            )
+            texts = [corpus[i : i + 4000] for i in range(0, len(corpus), 4000)]
             for i in range(cfg["copies"]):
-                pq.write_table(pa.table({"text": texts}), os.path.join(tmp, f"part{i:04d}.parquet"), row_group_size=1024)
+                pq.write_table(
+                    pa.table({"text": texts}), os.path.join(tmp, f"part{i:04d}.parquet"), row_group_size=1024
+                )
             pattern = os.path.join(tmp, "*.parquet")
         texts = []
         for path in sorted(glob.glob(pattern)):
             try:
                 texts += pq.read_table(path, columns=["text"]).column(0).to_pylist()
             except (pa.ArrowException, OSError) as e:
-                raise DataError(f"{path}: not a parquet file with a text column ({str(e).splitlines()[0]}); "
-                                f"give --input a glob of such files") from None
+                raise DataError(
+                    f"{path}: not a parquet file with a text column ({str(e).splitlines()[0]}); "
+                    f"give --input a glob of such files"
+                ) from None
         enc = S.gpt2_tokenizer()
 
         def single_core_rate():
@@ -244,12 +281,24 @@ def bench_prepare(cfg):
         # the command line as a user runs it: a process of its own, whose workers do not import bench's torch
         out = os.path.join(tmp, "out")
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.join(P.HERE, "prepare.py"), f"--input={pattern}",
-                               f"--out_dir={out}", "--val_tokens=1e5", f"--workers={workers}"], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(P.HERE, "prepare.py"),
+                f"--input={pattern}",
+                f"--out_dir={out}",
+                "--val_tokens=1e5",
+                f"--workers={workers}",
+            ],
+            capture_output=True,
+            text=True,
+        )
         elapsed = time.perf_counter() - t0
         if proc.returncode != 0:
-            raise DataError(f"data/prepare.py failed on {pattern}: "
-                            f"{(proc.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}")
+            raise DataError(
+                f"data/prepare.py failed on {pattern}: "
+                f"{(proc.stderr.strip().splitlines() or ['?'])[-1].removeprefix('error: ')}"
+            )
         with open(os.path.join(out, "manifest.json")) as f:
             manifest = json.load(f)
         rate = manifest["total_tokens"] / elapsed
@@ -258,8 +307,16 @@ def bench_prepare(cfg):
     print(f"{manifest['total_tokens']:,} tokens from {len(texts):,} documents")
     print(f"single-core tiktoken: {single:,.0f} tok/s; x {workers} cores = {ideal:,.0f} tok/s")
     print(f"data/prepare.py with {workers} workers, end to end: {rate:,.0f} tok/s = {100 * rate / ideal:.0f}% of that")
-    return [dict(mode="prepare", tokens=manifest["total_tokens"], single_core_tokens_per_s=single,
-                 workers=workers, tokens_per_s=rate, fraction_of_ideal=rate / ideal)]
+    return [
+        dict(
+            mode="prepare",
+            tokens=manifest["total_tokens"],
+            single_core_tokens_per_s=single,
+            workers=workers,
+            tokens_per_s=rate,
+            fraction_of_ideal=rate / ideal,
+        )
+    ]
 
 
 def check_bench(cfg):

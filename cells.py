@@ -25,7 +25,7 @@ import downstream
 import records
 import tune
 from checkpoint import CellState
-from common import DataError, LockHeld, pid_lock, write_json
+from common import DataError, LockHeld, pid_lock, read_lock, write_json
 from data.shards import get_tokenizer
 from machine import apply_fsdp, machine_record
 from model import GPT, GPTConfig
@@ -43,7 +43,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 def seed_for(seed, purpose, rank=0):
     """Independent integer seeds per run seed and purpose (INIT, DATA_ORDER, DROPOUT per rank)."""
     return int(np.random.SeedSequence([seed, purpose, rank]).generate_state(1)[0])
-
 
 
 class Preempted(Exception):
@@ -90,6 +89,7 @@ def rank0s(value, runtime):
 @dataclasses.dataclass
 class Grid:
     """What the cells of one run share."""
+
     code: dict  # records.code_record()
     record: records.GridRecord  # out_dir/config.json: written once, when the first cell trains
     differences: dict  # (arm, seed) -> how the cell's config.json differs from this run (records.check_cell)
@@ -102,6 +102,7 @@ class Grid:
 @dataclasses.dataclass
 class Cell:
     """A cell ready to train (open_cell)."""
+
     settings: SimpleNamespace  # the cell's config (records.cell_config) as attributes
     record: dict  # its config.json
     model: GPT
@@ -130,14 +131,25 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
             done = records.describe_done(os.path.join(cell_dir, "result.json"), change)
             print(f"[{arm} seed{seed}] done already: {done}")
             if grid.bundle and not os.path.exists(os.path.join(cell_dir, "downstream.json")):  # trained without it
-                print(f"[{arm} seed{seed}] has no downstream.json: python downstream.py {cell_dir} "
-                      f"--bundle={settings.downstream_bundle}"
-                      + (f" --max_per_task={settings.downstream_max_per_task}" if settings.downstream_max_per_task else ""))
+                print(
+                    f"[{arm} seed{seed}] has no downstream.json: python downstream.py {cell_dir} "
+                    f"--bundle={settings.downstream_bundle}"
+                    + (
+                        f" --max_per_task={settings.downstream_max_per_task}"
+                        if settings.downstream_max_per_task
+                        else ""
+                    )
+                )
         return None
     config = GPTConfig(**{k: getattr(settings, k) for k in records.MODEL_KEYS})
     # machine: where it computes, provenance only (records.differences skips it): another machine rounds differently
-    record = dict(vars(settings), model=dataclasses.asdict(config), code=grid.code, machine=machine_record(runtime),
-                  val_hash=records.validation_hash(val, settings.eval_tokens, settings.block_size))
+    record = dict(
+        vars(settings),
+        model=dataclasses.asdict(config),
+        code=grid.code,
+        machine=machine_record(runtime),
+        val_hash=records.validation_hash(val, settings.eval_tokens, settings.block_size),
+    )
     torch.manual_seed(seed_for(seed, INIT))  # the seed's shared init, bit-identical across arms
     model = GPT(config)
     if grid.init is not None:  # every shared weight replaced, routing left at its init
@@ -147,15 +159,23 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
     model.activation_checkpointing = settings.activation_checkpointing
     if runtime.fsdp:
         apply_fsdp(model)
-    optimizer = model.configure_optimizers(settings.weight_decay, settings.learning_rate, (settings.beta1, settings.beta2),
-                                           runtime.device.split(":")[0], settings.optimizer, settings.muon_learning_rate)
+    optimizer = model.configure_optimizers(
+        settings.weight_decay,
+        settings.learning_rate,
+        (settings.beta1, settings.beta2),
+        runtime.device.split(":")[0],
+        settings.optimizer,
+        settings.muon_learning_rate,
+    )
     torch.manual_seed(seed_for(seed, DROPOUT, runtime.rank))  # dropout masks: paired across arms, distinct per rank
     state = CellState()
     if os.path.exists(os.path.join(cell_dir, "ckpt.pt")):
         state = checkpoint.resume(cell_dir, record, settings.allow_changes, model, optimizer, runtime)
         if runtime.master:
-            print(f"[{arm} seed{seed}] resuming from step {state.step}"
-                  + (f" with changes: {', '.join(change)}" if change else ""))
+            print(
+                f"[{arm} seed{seed}] resuming from step {state.step}"
+                + (f" with changes: {', '.join(change)}" if change else "")
+            )
     if state.changes:
         record["changes"] = state.changes
     if runtime.master:
@@ -163,11 +183,19 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
     torch._dynamo.reset()  # a new cell is a new model: compile afresh, not as the 9th recompile of forward
     # one graph per batch shape (training micro-batches, evaluation batches), never a dynamic one
     compiled = torch.compile(model, dynamic=False) if settings.compile else model
-    train_model = DDP(compiled, device_ids=[runtime.local_rank] if runtime.device.startswith("cuda") else None) \
-        if runtime.world > 1 and not runtime.fsdp else compiled
+    train_model = (
+        DDP(compiled, device_ids=[runtime.local_rank] if runtime.device.startswith("cuda") else None)
+        if runtime.world > 1 and not runtime.fsdp
+        else compiled
+    )
     log = CellLog(settings, state, dict(record, init_hash=init_hash), model, grid, runtime)
-    tasks = None if grid.bundle is None else downstream.encode_tasks(
-        grid.bundle.tasks, get_tokenizer(settings.tokenizer), settings.block_size, runtime.rank, runtime.world)
+    tasks = (
+        None
+        if grid.bundle is None
+        else downstream.encode_tasks(
+            grid.bundle.tasks, get_tokenizer(settings.tokenizer), settings.block_size, runtime.rank, runtime.world
+        )
+    )
     return Cell(settings, record, model, compiled, train_model, optimizer, state, log, init_hash, tasks)
 
 
@@ -182,7 +210,9 @@ def save_cell(cell, data, loss_sum, grid, runtime):
     state.data_hash, state.loss_sum, state.wall_time_s = data.hash, loss_sum.item(), cell.log.wall_time_s()
     if runtime.master:
         grid.record.write_once()
-    checkpoint.save_checkpoint(os.path.join(cell.dir, "ckpt.pt"), cell.model, cell.optimizer, state, cell.record, runtime)
+    checkpoint.save_checkpoint(
+        os.path.join(cell.dir, "ckpt.pt"), cell.model, cell.optimizer, state, cell.record, runtime
+    )
 
 
 def evaluate_downstream(cell, grid, runtime):
@@ -196,8 +226,9 @@ def evaluate_downstream(cell, grid, runtime):
         return
     t0 = time.monotonic()
     # eval_batch_size sequences of block_size per forward: the memory of a validation batch
-    scores = downstream.evaluate_tasks(cell.model, cell.tasks, runtime.device, runtime.autocast, runtime.world,
-                                       s.eval_batch_size * s.block_size)
+    scores = downstream.evaluate_tasks(
+        cell.model, cell.tasks, runtime.device, runtime.autocast, runtime.world, s.eval_batch_size * s.block_size
+    )
     cell.log.downstream(step, scores, time.monotonic() - t0)
     if step == s.max_iters and runtime.master:
         downstream.write_scores(cell.dir, grid.bundle, step, scores, runtime.dtype)
@@ -211,24 +242,42 @@ def finish_cell(cell, data, val_loss, sequence_losses, diverged, routing, grid, 
     if diverged:
         print(f"[{s.arm} seed{s.seed}] diverged: {diverged}; the cell stops here, the grid goes on")
     grid.record.write_once()
-    cell.log.close(records.write_result(
-        os.path.join(cell.dir, "result.json"), vars(s), cell.record, cell.model, grid.code, steps=state.step,
-        tokens=state.step * cell.log.tokens_per_step, val_loss=val_loss, sequence_losses=sequence_losses,
-        diverged=diverged, routing=routing,
-        init_hash=cell.init_hash, data_hash=data.hash, eval_tokens=(s.eval_tokens - 1) // s.block_size * s.block_size,
-        changes=state.changes, wall_time_s=cell.log.wall_time_s()))
+    cell.log.close(
+        records.write_result(
+            os.path.join(cell.dir, "result.json"),
+            vars(s),
+            cell.record,
+            cell.model,
+            grid.code,
+            steps=state.step,
+            tokens=state.step * cell.log.tokens_per_step,
+            val_loss=val_loss,
+            sequence_losses=sequence_losses,
+            diverged=diverged,
+            routing=routing,
+            init_hash=cell.init_hash,
+            data_hash=data.hash,
+            eval_tokens=(s.eval_tokens - 1) // s.block_size * s.block_size,
+            changes=state.changes,
+            wall_time_s=cell.log.wall_time_s(),
+        )
+    )
 
 
 # -----------------------------------------------------------------------------
 # the grid's cells among its workers: which have no result yet, and the report the last one writes
+
 
 def grid_cells(cfg):
     return [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
 
 
 def unfinished(cfg, cells):
-    return [(arm, seed) for arm, seed in cells
-            if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))]
+    return [
+        (arm, seed)
+        for arm, seed in cells
+        if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))
+    ]
 
 
 # how long the last worker waits for a report.lock that this host cannot check (another host's, or one naming no
@@ -245,11 +294,16 @@ def write_report(cfg):
     cells = grid_cells(cfg)
     left = unfinished(cfg, cells)
     if left:
-        print(f"{len(left)} cell(s) without a result, trained by other workers (or stopped): the last worker "
-              f"to finish writes the report")
+        print(
+            f"{len(left)} cell(s) without a result, trained by other workers (or stopped): the last worker "
+            f"to finish writes the report"
+        )
         return
-    inputs = [os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), name) for arm, seed in cells
-              for name in ("result.json", "downstream.json")]
+    inputs = [
+        os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), name)
+        for arm, seed in cells
+        for name in ("result.json", "downstream.json")
+    ]
     if cfg["tune_learning_rates"]:  # another choice is another grid's report
         inputs.append(os.path.join(cfg["out_dir"], tune.TUNE_DIR, "choice.json"))
     inputs = [p for p in inputs if os.path.exists(p)]
@@ -260,10 +314,12 @@ def write_report(cfg):
         try:
             with pid_lock(lock, "the report is being written"):
                 if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, inputs)):
-                    print(f"{path} is up to date with every result; python report.py {' '.join(command)} "
-                          f"writes it again")
+                    print(
+                        f"{path} is up to date with every result; python report.py {' '.join(command)} writes it again"
+                    )
                     return
                 import report
+
                 report.main(command)
                 return
         except LockHeld as e:
@@ -271,6 +327,41 @@ def write_report(cfg):
                 print(f"{path} is being written by {e.holder} (lock {lock})")
                 return
             if time.monotonic() >= give_up:
-                raise DataError(f"no report written: {lock} is held by {e.holder}, which this host cannot check; "
-                                f"if no run is writing it: rm {lock}; python report.py {' '.join(command)}") from None
+                raise DataError(
+                    f"no report written: {lock} is held by {e.holder}, which this host cannot check; "
+                    f"if no run is writing it: rm {lock}; python report.py {' '.join(command)}"
+                ) from None
             time.sleep(2)
+
+
+# a cell waited on (the tuned protocol) whose log and checkpoint have not changed this long is taken for one whose
+# worker died on another host (where its lock cannot be checked): the wait ends, saying how to free the cell
+WAIT_GIVE_UP_S = 3600
+
+
+def stalled(cfg, cells, seen):
+    """The line for the first of the others' cells whose log and checkpoint have not changed in WAIT_GIVE_UP_S;
+    None while each changes or is free. seen: cell -> (its files' mtimes, when this process saw them change),
+    kept between calls: this machine's clock alone, as another host's may differ."""
+    now = time.monotonic()
+    for arm, seed in cells:
+        folder = records.cell_dir(cfg["out_dir"], arm, seed)
+        mtimes = tuple(modified(os.path.join(folder, name)) for name in ("log.jsonl", "ckpt.pt"))
+        if seen.get((arm, seed), (None,))[0] != mtimes:
+            seen[(arm, seed)] = (mtimes, now)
+            continue
+        lock = os.path.join(folder, "lock")
+        pid, host = read_lock(lock)
+        if pid is not None and now - seen[(arm, seed)][1] >= WAIT_GIVE_UP_S:
+            return (
+                f"[{arm} seed{seed}] is held by pid {pid} on {host}, and its log and checkpoint have not changed "
+                f"in {WAIT_GIVE_UP_S // 60} minutes; if that worker is gone: rm {lock}, and run the same command again"
+            )
+    return None
+
+
+def modified(path):
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # not written yet, or being replaced
+        return None

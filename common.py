@@ -65,7 +65,9 @@ def write_atomic(path, write):
             os.replace(tmp, path)
         except FileExistsError:
             in_the_way = True
-            raise DataError(f"cannot write {path}: {tmp} is in the way (not a file this process made); remove it") from None
+            raise DataError(
+                f"cannot write {path}: {tmp} is in the way (not a file this process made); remove it"
+            ) from None
         except OSError as e:
             raise cannot_write(path, e) from None
         finally:
@@ -90,8 +92,10 @@ def dying_cleanly():
 
     def terminate(signum, frame):
         raise Terminated(signum)
-    previous = {s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(s) == signal.SIG_DFL}
+
+    previous = {
+        s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL
+    }
     try:
         yield
     except Terminated as e:
@@ -107,9 +111,13 @@ def dying_cleanly():
 
 def cannot_write(path, e):
     if e.errno == errno.ENAMETOOLONG:
-        return DataError(f"cannot write {path}: the name is too long for this filesystem; use a shorter out_dir or arm name")
-    return DataError(f"cannot write {path} ({e.strerror or e}); free disk space or check the permissions "
-                     f"of {os.path.dirname(path) or '.'}")
+        return DataError(
+            f"cannot write {path}: the name is too long for this filesystem; use a shorter out_dir or arm name"
+        )
+    return DataError(
+        f"cannot write {path} ({e.strerror or e}); free disk space or check the permissions "
+        f"of {os.path.dirname(path) or '.'}"
+    )
 
 
 def temporary_name(path):
@@ -129,7 +137,7 @@ def stale_temporaries(path, every=False):
         return []  # the write that follows says what is wrong with the folder
     stale = []
     for name in names:
-        stem = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+        stem = name[len(prefix) : -len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
         written, _, pid = stem.rpartition(".") if every else ("", "", stem)
         if (written or not every) and pid.isdigit() and (int(pid) == os.getpid() or not process_exists(int(pid))):
             stale.append(os.path.join(folder, name))
@@ -147,9 +155,11 @@ def remove_stale_temporaries(path, every=False):
 
 def write_json(path, obj):
     """Strict JSON, written atomically: a NaN or an Infinity is the caller's bug (a ValueError naming the path)."""
+
     def write(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1, allow_nan=False)
+
     try:
         write_atomic(path, write)
     except ValueError as e:
@@ -158,17 +168,21 @@ def write_json(path, obj):
 
 def write_text(path, text):
     """text as the file's whole content, written atomically."""
+
     def write(tmp):
         with open(tmp, "w") as f:
             f.write(text)
+
     write_atomic(path, write)
 
 
 def read_json(path, strict=True):
     """The file's JSON value, strictly (NaN and Infinity are not JSON) unless strict=False; OSError, or
     ValueError naming why it is not JSON (torn, not UTF-8, NaN, nested past Python's stack)."""
+
     def refuse(name):
         raise ValueError(f"{name} is not JSON")
+
     with open(path) as f:
         try:
             return json.load(f, parse_constant=refuse if strict else None)
@@ -246,10 +260,16 @@ def take_lock(path, busy):
                     pass  # this pid's lock from before a restart: the process that wrote it is gone
                 elif pid and (owner != host or not pid.isdigit() or process_exists(int(pid))):
                     named = pid.isdigit() and owner.isprintable() and len(owner) <= 255  # a host name's limit
-                    holder = f"pid {pid} on {owner or '?'}" if named else \
-                        f"a lock naming no process ({ascii(f'{pid} {owner}'.strip())[:80]})"  # garbage, escaped
-                    raise LockHeld(f"{busy} by {holder}; wait for it, or remove {path} if that process is gone",
-                                   holder, named and owner == host) from None
+                    holder = (
+                        f"pid {pid} on {owner or '?'}"
+                        if named
+                        else f"a lock naming no process ({ascii(f'{pid} {owner}'.strip())[:80]})"
+                    )  # garbage, escaped
+                    raise LockHeld(
+                        f"{busy} by {holder}; wait for it, or remove {path} if that process is gone",
+                        holder,
+                        named and owner == host,
+                    ) from None
                 # stale: its process ended without releasing it (or an older version left it empty). Another worker
                 # may have read the same dead pid and taken the lock over since: a rename moves it away atomically
                 # (one worker wins), and only a lock that still names the dead pid is removed; a new one goes back
@@ -279,8 +299,10 @@ def cell_lock(cell_dir, master):
     try:
         os.makedirs(cell_dir, exist_ok=True)
     except OSError as e:  # a file where the arm's or the cell's folder should be, a read-only disk
-        raise ConfigError(f"cannot create the cell folder {cell_dir} ({e.strerror}); move away the file in its "
-                          f"place, or choose another --out_dir") from None
+        raise ConfigError(
+            f"cannot create the cell folder {cell_dir} ({e.strerror}); move away the file in its "
+            f"place, or choose another --out_dir"
+        ) from None
     path = os.path.join(cell_dir, "lock")
     try:
         take_lock(path, f"cell {cell_dir} is being trained")
@@ -309,8 +331,9 @@ def read_lock(path):
     except FileNotFoundError:
         return None, None
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path} cannot be read as a lock ({getattr(e, 'strerror', None) or e}); remove it "
-                        f"if no run is using it") from None
+        raise DataError(
+            f"{path} cannot be read as a lock ({getattr(e, 'strerror', None) or e}); remove it if no run is using it"
+        ) from None
     return pid, owner
 
 

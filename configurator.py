@@ -60,8 +60,11 @@ def coerce(key, value, default, entries=None):
         unknown = [n for n in names if n not in known]
         if unknown:
             close = difflib.get_close_matches(str(unknown[0]), list(known), n=1)
-            raise ConfigError(f"{key} has no entry {', '.join(map(str, unknown))}"
-                              + (f" (did you mean {close[0]}?)" if close else "") + f"; known: {', '.join(known)}")
+            raise ConfigError(
+                f"{key} has no entry {', '.join(map(str, unknown))}"
+                + (f" (did you mean {close[0]}?)" if close else "")
+                + f"; known: {', '.join(known)}"
+            )
         return {n: known[n] for n in names}
     if isinstance(default, str) and not isinstance(value, str):
         return str(value)  # --out_dir=123 means the string
@@ -105,8 +108,10 @@ def read_mapping(arg, path, text):
         raise ConfigError(f"config file {arg} cannot be read ({first}); fix the file") from None
     value = {} if value is None else value  # an empty YAML file sets nothing, like an empty Python one
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(f"config file {arg} holds a {type(value).__name__}, not an object of keys; "
-                          f"write it as {{\"max_iters\": 100, ...}} (JSON) or max_iters: 100 lines (YAML)")
+        raise ConfigError(
+            f"config file {arg} holds a {type(value).__name__}, not an object of keys; "
+            f"write it as {{\"max_iters\": 100, ...}} (JSON) or max_iters: 100 lines (YAML)"
+        )
     return value
 
 
@@ -117,12 +122,16 @@ def run_python(arg, path, text):
     except SyntaxError as e:
         raise ConfigError(f"config file {arg} line {e.lineno}: {e.msg}; fix its Python") from None
     for node in tree.body:  # a statement that sets nothing: a JSON object, YAML's `key: value` (an annotation)
-        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
-            and isinstance(node.value.value, str)
-        if (isinstance(node, ast.Expr) and not docstring and not isinstance(node.value, ast.Call)) \
-                or (isinstance(node, ast.AnnAssign) and node.value is None):
-            raise ConfigError(f"config file {arg} line {node.lineno} is not Python that sets a key (JSON or YAML?); "
-                              f"name the file .json or .yaml, or write key = value lines")
+        docstring = (
+            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        )
+        if (isinstance(node, ast.Expr) and not docstring and not isinstance(node.value, ast.Call)) or (
+            isinstance(node, ast.AnnAssign) and node.value is None
+        ):
+            raise ConfigError(
+                f"config file {arg} line {node.lineno} is not Python that sets a key (JSON or YAML?); "
+                f"name the file .json or .yaml, or write key = value lines"
+            )
     scope = {"__file__": os.path.abspath(path)}  # a config file can read its neighbours from there
     try:
         exec(compile(tree, path, "exec"), scope)
@@ -131,8 +140,11 @@ def run_python(arg, path, text):
         raise ConfigError(f"config file {where} line {e.lineno}: {e.msg}; fix its Python") from None
     except Exception as e:
         raise ConfigError(f"config file {arg} raised {type(e).__name__}: {e}; fix the file") from None
-    return {key: value for key, value in scope.items()
-            if not (key.startswith("_") or callable(value) or type(value).__name__ == "module")}
+    return {
+        key: value
+        for key, value in scope.items()
+        if not (key.startswith("_") or callable(value) or type(value).__name__ == "module")
+    }
 
 
 def read_config_file(arg):
@@ -144,8 +156,9 @@ def read_config_file(arg):
         with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM an editor put first is not text
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {arg} cannot be read ({getattr(e, 'strerror', None) or e}); "
-                          f"give a UTF-8 text file") from None
+        raise ConfigError(
+            f"config file {arg} cannot be read ({getattr(e, 'strerror', None) or e}); give a UTF-8 text file"
+        ) from None
     reader = read_mapping if path.lower().endswith((".json", ".yaml", ".yml")) else run_python
     return {key: plain(value) for key, value in reader(arg, path, text).items()}
 

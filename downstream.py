@@ -56,6 +56,7 @@ BATCH_TOKENS = 8192  # padded tokens per forward: with GPT-2 tokens, 1.6 GB of f
 # -----------------------------------------------------------------------------
 # the bundle: core.yaml, eval_meta_data.csv, eval_data/<dataset_uri>
 
+
 class Task(NamedTuple):
     label: str
     kind: str  # one of TASK_TYPES
@@ -80,8 +81,10 @@ def read_core_yaml(path):
         raise DataError(f"{path} cannot be read as UTF-8 text ({reason(e)})") from None
     except yaml.YAMLError as e:  # its own message spans lines: the line and the problem only
         mark = getattr(e, "problem_mark", None)
-        raise DataError(f"{path}{f' line {mark.line + 1}' if mark else ''} is not YAML "
-                        f"({getattr(e, 'problem', None) or type(e).__name__})") from None
+        raise DataError(
+            f"{path}{f' line {mark.line + 1}' if mark else ''} is not YAML "
+            f"({getattr(e, 'problem', None) or type(e).__name__})"
+        ) from None
     except RecursionError:
         raise DataError(f"{path} is nested too deeply to be a CORE task list") from None
     tasks = config.get("icl_tasks") if isinstance(config, dict) else None
@@ -102,8 +105,9 @@ def check_task(spec, index, path, data_dir):
     if isinstance(fewshot, list) and len(fewshot) == 1:
         fewshot = fewshot[0]
     if not isinstance(fewshot, int) or isinstance(fewshot, bool) or fewshot < 0:
-        raise DataError(f"{where}: num_fewshot must be one non-negative integer (or a list of one), "
-                        f"not {spec.get('num_fewshot')!r}")
+        raise DataError(
+            f"{where}: num_fewshot must be one non-negative integer (or a list of one), not {spec.get('num_fewshot')!r}"
+        )
     if not isinstance(uri, str) or not uri or os.path.isabs(uri) or ".." in uri.replace("\\", "/").split("/"):
         raise DataError(f"{where}: dataset_uri must be a path inside eval_data, not {uri!r}")
     if not isinstance(delimiter, str):
@@ -112,8 +116,9 @@ def check_task(spec, index, path, data_dir):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate escape ("\\ud800"): no tokenizer encodes it
-            raise DataError(f"{where}: {key} holds a lone surrogate escape (\\ud800-\\udfff alone), which is "
-                            f"not text") from None
+            raise DataError(
+                f"{where}: {key} holds a lone surrogate escape (\\ud800-\\udfff alone), which is not text"
+            ) from None
     return label, kind, fewshot, delimiter, os.path.join(data_dir, uri)
 
 
@@ -130,8 +135,10 @@ def read_baselines(path):
             rows = [(row, reader.line_num) for row in reader]  # line_num: where the row ends
             header = reader.fieldnames
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise DataError(f"{path} cannot be read as a UTF-8 CSV ({e.strerror if isinstance(e, OSError) else e}); "
-                        f"restore the bundle (python downstream.py --download)") from None
+        raise DataError(
+            f"{path} cannot be read as a UTF-8 CSV ({e.strerror if isinstance(e, OSError) else e}); "
+            f"restore the bundle (python downstream.py --download)"
+        ) from None
     if not header or "Eval Task" not in header or "Random baseline" not in header:
         raise DataError(f"{path} has no 'Eval Task' and 'Random baseline' columns")
     return {row["Eval Task"]: (row["Random baseline"], line) for row, line in rows}
@@ -139,15 +146,21 @@ def read_baselines(path):
 
 # the fields an item of each type needs: name -> check
 ITEM_FIELDS = dict(
-    multiple_choice=dict(query=lambda v: isinstance(v, str),
-                         choices=lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, str) for c in v)),
-    schema=dict(context_options=lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, str) for c in v),
-                continuation=lambda v: isinstance(v, str) and v != ""),
+    multiple_choice=dict(
+        query=lambda v: isinstance(v, str),
+        choices=lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, str) for c in v),
+    ),
+    schema=dict(
+        context_options=lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, str) for c in v),
+        continuation=lambda v: isinstance(v, str) and v != "",
+    ),
     language_modeling=dict(context=lambda v: isinstance(v, str), continuation=lambda v: isinstance(v, str) and v != ""),
 )
-ITEM_NEEDS = dict(multiple_choice="query (a string), choices (2 or more strings), gold (an index of choices)",
-                  schema="context_options (2 or more strings), continuation (a non-empty string), gold (an index)",
-                  language_modeling="context (a string), continuation (a non-empty string)")
+ITEM_NEEDS = dict(
+    multiple_choice="query (a string), choices (2 or more strings), gold (an index of choices)",
+    schema="context_options (2 or more strings), continuation (a non-empty string), gold (an index)",
+    language_modeling="context (a string), continuation (a non-empty string)",
+)
 
 
 def read_items(path, kind):
@@ -156,7 +169,9 @@ def read_items(path, kind):
         with open(path, encoding="utf-8") as f:
             lines = list(f)  # split at line ends only (str.splitlines would also split at U+2028 inside strings)
     except FileNotFoundError:
-        raise DataError(f"task file {path} does not exist; restore the bundle (python downstream.py --download)") from None
+        raise DataError(
+            f"task file {path} does not exist; restore the bundle (python downstream.py --download)"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path} cannot be read as UTF-8 text ({reason(e)})") from None
     items = []
@@ -171,8 +186,10 @@ def read_items(path, kind):
         except RecursionError:
             raise DataError(f"{path} line {n} is nested too deeply to be a task item") from None
         except UnicodeEncodeError:
-            raise DataError(f"{path} line {n} holds a lone surrogate escape (\\ud800-\\udfff alone), which is "
-                            f"not text; fix or remove the item") from None
+            raise DataError(
+                f"{path} line {n} holds a lone surrogate escape (\\ud800-\\udfff alone), which is "
+                f"not text; fix or remove the item"
+            ) from None
         ok = isinstance(item, dict) and all(check(item.get(k)) for k, check in ITEM_FIELDS[kind].items())
         if ok and kind != "language_modeling":
             gold, options = item.get("gold"), item["choices" if kind == "multiple_choice" else "context_options"]
@@ -187,8 +204,11 @@ def read_items(path, kind):
 
 def bundle_sha256(bundle_dir):
     """sha256 over every file of the bundle: each relative path (sorted), its size and its bytes."""
-    files = sorted(os.path.relpath(os.path.join(d, f), bundle_dir).replace(os.sep, "/")
-                   for d, _, names in os.walk(bundle_dir) for f in names)
+    files = sorted(
+        os.path.relpath(os.path.join(d, f), bundle_dir).replace(os.sep, "/")
+        for d, _, names in os.walk(bundle_dir)
+        for f in names
+    )
     digest = hashlib.sha256()
     for rel in files:
         digest.update(rel.encode() + b"\0" + os.path.getsize(os.path.join(bundle_dir, rel)).to_bytes(8, "little"))
@@ -204,8 +224,10 @@ def load_bundle(bundle_dir, max_per_task=None):
     task before it draws the few-shot examples from what is left. Also the bundle's sha256."""
     config_path = os.path.join(bundle_dir, "core.yaml")
     if not os.path.isfile(config_path):
-        raise DataError(f"{config_path} does not exist; get the CORE bundle with python downstream.py --download "
-                        f"--bundle={bundle_dir}")
+        raise DataError(
+            f"{config_path} does not exist; get the CORE bundle with python downstream.py --download "
+            f"--bundle={bundle_dir}"
+        )
     specs = read_core_yaml(config_path)
     meta_path, data_dir = os.path.join(bundle_dir, "eval_meta_data.csv"), os.path.join(bundle_dir, "eval_data")
     baselines = read_baselines(meta_path)
@@ -222,14 +244,17 @@ def load_bundle(bundle_dir, max_per_task=None):
         except (TypeError, ValueError):  # TypeError: a short row
             baseline = math.nan
         if not 0 <= baseline < 1:
-            raise DataError(f"{meta_path} line {row}: the random baseline of {label} must be a percent in [0, 100), "
-                            f"not {percent!r}")
+            raise DataError(
+                f"{meta_path} line {row}: the random baseline of {label} must be a percent in [0, 100), not {percent!r}"
+            )
         items = read_items(task_path, kind)
         if fewshot >= len(items):
             raise DataError(f"{task_path}: {label} asks for {fewshot} few-shot examples but holds {len(items)} items")
         if max_per_task is not None and fewshot >= max_per_task:
-            raise DataError(f"max_per_task={max_per_task} leaves too few items for {label}'s {fewshot} few-shot "
-                            f"examples (drawn from the items scored); give more than {fewshot}")
+            raise DataError(
+                f"max_per_task={max_per_task} leaves too few items for {label}'s {fewshot} few-shot "
+                f"examples (drawn from the items scored); give more than {fewshot}"
+            )
         random.Random(SHUFFLE_SEED).shuffle(items)  # files are often ordered; max_per_task takes a random subset
         tasks.append(Task(label, kind, fewshot, delimiter, baseline, items[:max_per_task]))
     return Bundle(tasks, bundle_sha256(bundle_dir), max_per_task)
@@ -237,6 +262,7 @@ def load_bundle(bundle_dir, max_per_task=None):
 
 # -----------------------------------------------------------------------------
 # prompts: text -> token sequences with the span of tokens that is scored
+
 
 def fewshot_examples(task, index):
     """The task's few-shot examples for its index-th item: drawn with a fixed seed, never the item itself."""
@@ -268,8 +294,10 @@ def answer(task, index, texts):
     if task.kind == "language_modeling":
         return 0, texts[0]  # its one scored sequence (the full text), after the context alone
     gold = task.items[index]["gold"]
-    answer_text = task.items[index]["choices"][gold] if task.kind == "multiple_choice" else task.items[index]["continuation"]
-    return gold, texts[gold][:len(texts[gold]) - len(answer_text)].rstrip()
+    answer_text = (
+        task.items[index]["choices"][gold] if task.kind == "multiple_choice" else task.items[index]["continuation"]
+    )
+    return gold, texts[gold][: len(texts[gold]) - len(answer_text)].rstrip()
 
 
 def common_length(sequences, reverse=False):
@@ -298,13 +326,15 @@ def spans(task, token_lists):
 
 class Encoded(NamedTuple):
     """One task's items of one rank, ready to score."""
+
     label: str
     kind: str
     baseline: float
     items: int  # on all ranks together
     golds: dict  # item index -> the right choice (None for language_modeling)
     sequences: dict  # item index -> [(tokens, start, end), ...], tokens[start:end] scored
-    answers: dict  # item index -> (c, start, bytes): sequences[c]'s tokens[start:] are the right answer, of bytes UTF-8 bytes
+    # item index -> (c, start, bytes): sequences[c]'s tokens[start:] are the right answer, of bytes UTF-8 bytes
+    answers: dict
     truncated: int  # this rank's sequences cut to block_size
 
 
@@ -326,19 +356,22 @@ def encode_tasks(tasks, tokenizer, block_size, rank=0, world=1):
                 sequences[index].append((tokens[cut:], max(start - cut, 1), end - cut))
             c, context = answer(task, index, texts)
             with_answer = scored[c]
-            start = min(common_length([[tokenizer.eot] + tokenizer.encode(context).tolist(), with_answer]),
-                        len(with_answer) - 1)
+            start = min(
+                common_length([[tokenizer.eot] + tokenizer.encode(context).tolist(), with_answer]), len(with_answer) - 1
+            )
             kept = sequences[index][c][0]
             start = max(start - (len(with_answer) - len(kept)), 1)
             answers[index] = (c, start, sum(len(tokenizer.token_bytes(t)) for t in kept[start:]))
             golds[index] = task.items[index].get("gold")
-        encoded.append(Encoded(task.label, task.kind, task.baseline, len(task.items), golds, sequences, answers,
-                               truncated))
+        encoded.append(
+            Encoded(task.label, task.kind, task.baseline, len(task.items), golds, sequences, answers, truncated)
+        )
     return encoded
 
 
 # -----------------------------------------------------------------------------
 # scoring: many (item, choice) sequences per forward
+
 
 def batches(rows, batch_tokens):
     """rows sorted longest first, cut into batches of at most batch_tokens padded tokens (one row at least)."""
@@ -361,18 +394,20 @@ def forward_batch(model, batch, device, autocast):
     y = torch.full((len(batch), T), -1, dtype=torch.long)
     scored = torch.zeros(len(batch), T, dtype=torch.bool)
     for r, (_, _, tokens, start, end, answer_start) in enumerate(batch):
-        x[r, :len(tokens)] = torch.tensor(tokens)
+        x[r, : len(tokens)] = torch.tensor(tokens)
         first = start if answer_start is None else min(start, answer_start)
-        y[r, first - 1:end - 1] = x[r, first:end]  # position t predicts token t + 1
-        scored[r, start - 1:end - 1] = True
+        y[r, first - 1 : end - 1] = x[r, first:end]  # position t predicts token t + 1
+        scored[r, start - 1 : end - 1] = True
     x, y, scored = x.to(device), y.to(device), scored.to(device)
     with autocast:
         logits, loss = model(x, y, reduction="none")
     mean_loss = torch.where(scored, loss.float(), 0).sum(1) / scored.sum(1)
     greedy = ((logits.argmax(-1) == y) | ~scored).all(1)
     losses = loss.float().cpu()  # each answer's losses summed exactly (fsum): the same in any batch or rank
-    answer_loss = [None if a is None else math.fsum(losses[r, a - 1:end - 1].tolist())
-                   for r, (_, _, _, _, end, a) in enumerate(batch)]
+    answer_loss = [
+        None if a is None else math.fsum(losses[r, a - 1 : end - 1].tolist())
+        for r, (_, _, _, _, end, a) in enumerate(batch)
+    ]
     return mean_loss.tolist(), greedy.tolist(), answer_loss
 
 
@@ -389,8 +424,11 @@ def evaluate_tasks(model, tasks, device, autocast, world=1, batch_tokens=BATCH_T
     model.eval()
     correct, answer_bytes, answer_losses = [], [], []  # answer_losses: per item of every task, 0 where another rank's
     for task in tasks:
-        rows = [(i, c, *seq, task.answers[i][1] if c == task.answers[i][0] else None)
-                for i, item in task.sequences.items() for c, seq in enumerate(item)]
+        rows = [
+            (i, c, *seq, task.answers[i][1] if c == task.answers[i][0] else None)
+            for i, item in task.sequences.items()
+            for c, seq in enumerate(item)
+        ]
         todo = batches(rows, batch_tokens)
         n_batches = torch.tensor(len(todo), device=device)
         if world > 1:
@@ -406,14 +444,16 @@ def evaluate_tasks(model, tasks, device, autocast, world=1, batch_tokens=BATCH_T
         if task.kind == "language_modeling":
             correct.append(sum(greedy.values()))
         else:  # the lowest mean loss wins; a tie goes to the first
-            correct.append(sum(min(range(len(by_choice)), key=by_choice.get) == task.golds[i]
-                               for i, by_choice in losses.items()))
+            correct.append(
+                sum(min(range(len(by_choice)), key=by_choice.get) == task.golds[i] for i, by_choice in losses.items())
+            )
         answer_bytes.append(sum(n for _, _, n in task.answers.values()))
         answer_losses.append(answer_loss)
     model.train(was_training)
     counts = torch.tensor(correct + answer_bytes + [sum(t.truncated for t in tasks)], dtype=torch.long, device=device)
-    item_losses = torch.tensor([x for losses in answer_losses for x in losses], dtype=torch.float64,
-                               device=device if world > 1 else "cpu")  # no float64 on mps, which runs one process
+    item_losses = torch.tensor(
+        [x for losses in answer_losses for x in losses], dtype=torch.float64, device=device if world > 1 else "cpu"
+    )  # no float64 on mps, which runs one process
     if world > 1:
         dist.all_reduce(counts)
         dist.all_reduce(item_losses)  # each item's loss plus zeros: exact
@@ -421,21 +461,33 @@ def evaluate_tasks(model, tasks, device, autocast, world=1, batch_tokens=BATCH_T
     results = {}
     for t, task in enumerate(tasks):
         if counts[len(tasks) + t] == 0:  # every answer cut away: a block_size of 1 keeps only the end-of-text token
-            raise DataError(f"task {task.label}: its right answers keep 0 bytes in sequences cut to the model's "
-                            f"block_size, so it has no bits per byte; score a model of a longer block_size")
+            raise DataError(
+                f"task {task.label}: its right answers keep 0 bytes in sequences cut to the model's "
+                f"block_size, so it has no bits per byte; score a model of a longer block_size"
+            )
         accuracy = counts[t] / task.items
         first = sum(other.items for other in tasks[:t])  # this task's items in item_losses
-        bits = math.fsum(item_losses[first:first + task.items]) / math.log(2)  # fsum: the same in any order
-        results[task.label] = dict(icl_task_type=task.kind, items=task.items, correct=counts[t], accuracy=accuracy,
-                                   random_baseline=task.baseline,
-                                   centered=(accuracy - task.baseline) / (1 - task.baseline),
-                                   bits_per_byte=bits / counts[len(tasks) + t])
+        bits = math.fsum(item_losses[first : first + task.items]) / math.log(2)  # fsum: the same in any order
+        results[task.label] = dict(
+            icl_task_type=task.kind,
+            items=task.items,
+            correct=counts[t],
+            accuracy=accuracy,
+            random_baseline=task.baseline,
+            centered=(accuracy - task.baseline) / (1 - task.baseline),
+            bits_per_byte=bits / counts[len(tasks) + t],
+        )
     core = sum(r["centered"] for r in results.values()) / len(results)
     bits_per_byte = sum(r["bits_per_byte"] for r in results.values()) / len(results)
     return dict(core=core, bits_per_byte=bits_per_byte, truncated=counts[-1], tasks=results)
 
 
-SCORING_FILES = ("downstream.py", "model.py", "checkpoint.py", "data/shards.py")  # the scores, the forward, its weights, the tokens
+SCORING_FILES = (
+    "downstream.py",
+    "model.py",
+    "checkpoint.py",
+    "data/shards.py",
+)  # the scores, the forward, its weights, the tokens
 
 
 def scoring_code():
@@ -457,13 +509,22 @@ def write_scores(cell_dir, bundle, step, scores, dtype):
     what they were measured on: the bundle's sha256 and max_per_task (None: every item), the
     fingerprint of the code that scored (scoring_code) and the precision of the forward (dtype, as
     machine.setup resolved it); the report pairs only results equal in all of them."""
-    write_json(os.path.join(cell_dir, "downstream.json"), dict(
-        bundle_sha256=bundle.sha256, max_per_task=bundle.max_per_task, scoring_code=scoring_code(), dtype=dtype,
-        step=step, **scores))
+    write_json(
+        os.path.join(cell_dir, "downstream.json"),
+        dict(
+            bundle_sha256=bundle.sha256,
+            max_per_task=bundle.max_per_task,
+            scoring_code=scoring_code(),
+            dtype=dtype,
+            step=step,
+            **scores,
+        ),
+    )
 
 
 # -----------------------------------------------------------------------------
 # cells and the bundle download
+
 
 def find_cells(path):
     """The cell folders at path: path itself when it holds ckpt.pt, else out_dir/<arm>/seed<k>; a
@@ -472,16 +533,23 @@ def find_cells(path):
         return [path]
     if not os.path.isdir(path):
         raise DataError(f"{path} does not exist; give a cell folder (out/<arm>/seed<k>) or a grid's out_dir")
-    cells = sorted(os.path.join(path, arm, seed) for arm in os.listdir(path) if os.path.isdir(os.path.join(path, arm))
-                   for seed in os.listdir(os.path.join(path, arm)) if re.fullmatch(r"seed[0-9]+", seed)
-                   and os.path.isdir(os.path.join(path, arm, seed)))
+    cells = sorted(
+        os.path.join(path, arm, seed)
+        for arm in os.listdir(path)
+        if os.path.isdir(os.path.join(path, arm))
+        for seed in os.listdir(os.path.join(path, arm))
+        if re.fullmatch(r"seed[0-9]+", seed) and os.path.isdir(os.path.join(path, arm, seed))
+    )
     if not cells:
-        raise DataError(f"{path} holds no cells (<arm>/seed<k> folders) and no ckpt.pt; "
-                        f"give a cell folder or an out_dir")
+        raise DataError(
+            f"{path} holds no cells (<arm>/seed<k> folders) and no ckpt.pt; give a cell folder or an out_dir"
+        )
     missing = [c for c in cells if not os.path.isfile(os.path.join(c, "ckpt.pt"))]
     if missing:
-        raise DataError(f"{len(missing)} cell(s) have no ckpt.pt yet ({', '.join(missing[:3])}); "
-                        f"give the cell folders that have one")
+        raise DataError(
+            f"{len(missing)} cell(s) have no ckpt.pt yet ({', '.join(missing[:3])}); "
+            f"give the cell folders that have one"
+        )
     return cells
 
 
@@ -562,20 +630,28 @@ def main(argv):
         cell = open_trained(cell_dir, device)
         model, step, tokenizer = cell.model, cell.step, cell.tokenizer
         if cell.code_changes:  # its scores are of today's code (downstream.json records the scoring code's)
-            print(f"note: the code differs from the one {cell_dir} was trained with ({cell.changed()})",
-                  file=sys.stderr)
+            print(
+                f"note: the code differs from the one {cell_dir} was trained with ({cell.changed()})", file=sys.stderr
+            )
         if tokenizer.vocab_size > model.config.vocab_size:  # a cell trained on token ids of its own
-            raise DataError(f"{cell_dir}: vocab_size {model.config.vocab_size} is below its tokenizer's "
-                            f"{tokenizer.vocab_size}; it cannot read text, so it has no CORE score")
+            raise DataError(
+                f"{cell_dir}: vocab_size {model.config.vocab_size} is below its tokenizer's "
+                f"{tokenizer.vocab_size}; it cannot read text, so it has no CORE score"
+            )
         tasks = encode_tasks(bundle.tasks, tokenizer, model.config.block_size, rank, world)
         scores = evaluate_tasks(model, tasks, device, autocast, world, args.batch_tokens)
         if rank == 0:
             write_scores(cell_dir, bundle, step, scores, runtime.dtype)
-            cut = f", {scores['truncated']} sequences cut to block_size {model.config.block_size} from the left" \
-                if scores["truncated"] else ""
-            print(f"{cell_dir} step {step}: CORE {scores['core']:.4f}, {scores['bits_per_byte']:.4f} bits per byte "
-                  f"over {len(tasks)} tasks{cut} "
-                  f"({time.time() - t0:.0f} s)")
+            cut = (
+                f", {scores['truncated']} sequences cut to block_size {model.config.block_size} from the left"
+                if scores["truncated"]
+                else ""
+            )
+            print(
+                f"{cell_dir} step {step}: CORE {scores['core']:.4f}, {scores['bits_per_byte']:.4f} bits per byte "
+                f"over {len(tasks)} tasks{cut} "
+                f"({time.time() - t0:.0f} s)"
+            )
     if world > 1:
         dist.destroy_process_group()
 

@@ -61,12 +61,17 @@ def report_inputs(out_dir, cells):
     """The files report.py reads for these (arm, seed) cells that exist: each cell's result.json and downstream.json,
     the grid's config.json and the tuning's choice.json. A report older than any of them is out of date (a tuning
     rerun with another rate list changes choice.json, a downstream.py run a downstream.json)."""
-    paths = [os.path.join(cell_dir(out_dir, arm, seed), name) for arm, seed in cells
-             for name in ("result.json", "downstream.json")]
+    paths = [
+        os.path.join(cell_dir(out_dir, arm, seed), name)
+        for arm, seed in cells
+        for name in ("result.json", "downstream.json")
+    ]
     return [p for p in paths + [os.path.join(out_dir, "config.json"), choice_path(out_dir)] if os.path.exists(p)]
+
 
 # -----------------------------------------------------------------------------
 # strict readers: a run goes on from these files only as train.py wrote them, else one line
+
 
 def read_record(path, remedy):
     """A JSON object written by train.py; anything else is one line with the remedy."""
@@ -80,30 +85,44 @@ def read_record(path, remedy):
 
 
 def check_owner(path, record, arm, seed):
-    """A cell's record (config.json, result.json, a checkpoint's) must be that cell's: a copied file is not a new seed."""
+    """A cell's record (config.json, result.json, a checkpoint's) must be that cell's: a copied file is not a
+    new seed."""
     if (record.get("arm"), record.get("seed")) != (arm, seed):
-        raise ConfigError(f"{path} is the record of arm {record.get('arm')!r} seed {record.get('seed')!r} (a copied "
-                          f"file or folder?); delete {os.path.dirname(path)} to train this cell")
+        raise ConfigError(
+            f"{path} is the record of arm {record.get('arm')!r} seed {record.get('seed')!r} (a copied "
+            f"file or folder?); delete {os.path.dirname(path)} to train this cell"
+        )
 
 
 def check_result(r, path):
     """A result.json as train.py writes it, or one line."""
-    ok = (r.get("status") in ("finished", "diverged") and isinstance(r.get("seed"), int)
-          and (isinstance(r.get("val_loss"), (int, float)) and not isinstance(r.get("val_loss"), bool)
-               if r["status"] == "finished" else isinstance(r.get("diverged_at"), int)))
+    ok = (
+        r.get("status") in ("finished", "diverged")
+        and isinstance(r.get("seed"), int)
+        and (
+            isinstance(r.get("val_loss"), (int, float)) and not isinstance(r.get("val_loss"), bool)
+            if r["status"] == "finished"
+            else isinstance(r.get("diverged_at"), int)
+        )
+    )
     if not ok:
-        raise ConfigError(f"{path} is not a result train.py wrote (status, seed, val_loss or diverged_at missing or "
-                          f"of the wrong type); {RESULT_REMEDY}")
+        raise ConfigError(
+            f"{path} is not a result train.py wrote (status, seed, val_loss or diverged_at missing or "
+            f"of the wrong type); {RESULT_REMEDY}"
+        )
     return r
 
 
 def describe_done(path, change):
     r = check_result(read_record(path, RESULT_REMEDY), path)
-    return ((f"diverged at step {r['diverged_at']}" if r["status"] == "diverged" else f"val_loss {r['val_loss']:.4f}")
-            + (f" (recorded with other settings: {', '.join(change)}; not retrained)" if change else ""))
+    return (
+        f"diverged at step {r['diverged_at']}" if r["status"] == "diverged" else f"val_loss {r['val_loss']:.4f}"
+    ) + (f" (recorded with other settings: {', '.join(change)}; not retrained)" if change else "")
+
 
 # -----------------------------------------------------------------------------
 # lenient readers (report.py): each cell's result and log checked, a problem a note, never a crash
+
 
 def is_number(x):
     """A real number that fits a float (JSON true/false load as bools, which Python would count as 1 and 0;
@@ -163,16 +182,24 @@ def log_problem(record):
     """Why a log.jsonl record cannot be used (a field report.py reads has the wrong type), or None."""
     if not isinstance(record, dict):
         return "not a JSON object"
-    problem = wrong_type(record, (("tokens", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
-                                  ("val_loss", is_number, "a number"), ("routing", lambda r: isinstance(r, dict), "a dict")))
+    problem = wrong_type(
+        record,
+        (
+            ("tokens", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+            ("val_loss", is_number, "a number"),
+            ("routing", lambda r: isinstance(r, dict), "a dict"),
+        ),
+    )
     routing = record.get("routing") or {}
-    problem = problem or wrong_type(routing, [(k, lambda t: isinstance(t, dict), "a dict") for k in ("weights", "qk_v_jsd")],
-                                    "routing.")
+    problem = problem or wrong_type(
+        routing, [(k, lambda t: isinstance(t, dict), "a dict") for k in ("weights", "qk_v_jsd")], "routing."
+    )
     if problem:
         return problem
     weights, jsd = routing.get("weights") or {}, routing.get("qk_v_jsd") or {}
-    return wrong_type(weights, [(k, is_weights, "a list of numbers") for k in weights], "routing.weights.", False) or \
-        wrong_type(jsd, [(k, is_number, "a number") for k in jsd], "routing.qk_v_jsd.", False)
+    return wrong_type(
+        weights, [(k, is_weights, "a list of numbers") for k in weights], "routing.weights.", False
+    ) or wrong_type(jsd, [(k, is_number, "a number") for k in jsd], "routing.qk_v_jsd.", False)
 
 
 def read_log(path):
@@ -207,10 +234,16 @@ def result_problem(result):
     for key in ("arm", "seed"):
         if result.get(key) is None:
             return f"no {key} recorded"
-    problem = wrong_type(result, (("arm", lambda a: isinstance(a, str), "a string"), ("seed", is_seed, "a seed"),
-                                  ("val_loss", is_number, "a number"),
-                                  ("wall_time_s", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
-                                  ("pairing", lambda v: isinstance(v, dict), "a dict")))
+    problem = wrong_type(
+        result,
+        (
+            ("arm", lambda a: isinstance(a, str), "a string"),
+            ("seed", is_seed, "a seed"),
+            ("val_loss", is_number, "a number"),
+            ("wall_time_s", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+            ("pairing", lambda v: isinstance(v, dict), "a dict"),
+        ),
+    )
     for key in ("settings", "arm_settings"):
         if problem is None and not isinstance((result.get("pairing") or {}).get(key, {}), dict):
             return f"pairing.{key} is not a dict"
@@ -280,7 +313,9 @@ def load_grid(out_dir):
     if why:
         raise DataError(f"cannot list {out_dir} ({why}); check its permissions")
     results, unusable, logs, copies = {}, {}, {}, []
-    real = {os.path.realpath(os.path.join(out_dir, f)): f for f in folders if not os.path.islink(os.path.join(out_dir, f))}
+    real = {
+        os.path.realpath(os.path.join(out_dir, f)): f for f in folders if not os.path.islink(os.path.join(out_dir, f))
+    }
     for arm in arms + [f for f in folders if f not in arms and not is_tuning_grid(out_dir, f)]:
         arm_dir = os.path.join(out_dir, arm)
         if os.path.islink(arm_dir) and os.path.realpath(arm_dir) in real:  # one arm under two names
@@ -335,8 +370,10 @@ def load_grid(out_dir):
             for seed in same:
                 del results[arm, seed]
                 unusable[arm, seed] = "same training as " + ", ".join(c for c in cells if c != f"{arm}/seed{seed}")
-            notes.append(f"{', '.join(cells)}: one training (the same init_hash and data_hash), none counted; "
-                         f"delete the copies, keeping the cell trained with that seed")
+            notes.append(
+                f"{', '.join(cells)}: one training (the same init_hash and data_hash), none counted; "
+                f"delete the copies, keeping the cell trained with that seed"
+            )
     return arms, sorted(seeds), results, unusable, logs, notes
 
 
@@ -354,15 +391,21 @@ def close(x, y):  # two computations of one number in double precision
     return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
 
 
-TASK_CHECKS = (("icl_task_type", lambda t: isinstance(t, str), "a string"),
-               ("items", lambda i: is_seed(i) and i > 0, "a positive integer"),
-               ("correct", is_seed, "a non-negative integer"), ("accuracy", is_finite, "a finite number"),
-               ("random_baseline", lambda b: is_finite(b) and 0 <= b < 1, "a fraction in [0, 1)"),
-               ("centered", is_finite, "a finite number"))
-DOWNSTREAM_CHECKS = (("bundle_sha256", lambda h: isinstance(h, str) and h != "", "a hash"),
-                     ("max_per_task", lambda m: m is None or is_seed(m) and m > 0, "null or a positive integer"),
-                     ("step", is_seed, "a step"), ("core", is_finite, "a finite number"),
-                     ("tasks", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of tasks"))
+TASK_CHECKS = (
+    ("icl_task_type", lambda t: isinstance(t, str), "a string"),
+    ("items", lambda i: is_seed(i) and i > 0, "a positive integer"),
+    ("correct", is_seed, "a non-negative integer"),
+    ("accuracy", is_finite, "a finite number"),
+    ("random_baseline", lambda b: is_finite(b) and 0 <= b < 1, "a fraction in [0, 1)"),
+    ("centered", is_finite, "a finite number"),
+)
+DOWNSTREAM_CHECKS = (
+    ("bundle_sha256", lambda h: isinstance(h, str) and h != "", "a hash"),
+    ("max_per_task", lambda m: m is None or is_seed(m) and m > 0, "null or a positive integer"),
+    ("step", is_seed, "a step"),
+    ("core", is_finite, "a finite number"),
+    ("tasks", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of tasks"),
+)
 
 
 def task_problem(task, prefix):
@@ -388,7 +431,8 @@ def downstream_problem(record):
     """Why a downstream.json cannot be used (a field missing or of the wrong type, numbers that do not follow from
     each other), or None."""
     problem = missing_or_wrong(record, DOWNSTREAM_CHECKS) or next(
-        (p for label, task in record["tasks"].items() if (p := task_problem(task, f"tasks.{label}."))), None)
+        (p for label, task in record["tasks"].items() if (p := task_problem(task, f"tasks.{label}."))), None
+    )
     if problem:
         return problem
     centered = [task["centered"] for task in record["tasks"].values()]
@@ -396,7 +440,8 @@ def downstream_problem(record):
         return f"core is {record['core']!r}, not the mean of its tasks' centered accuracies"
     bits = [task.get("bits_per_byte") for task in record["tasks"].values()]  # none in a file of an earlier version
     if ("bits_per_byte" in record or any(b is not None for b in bits)) and (
-            None in bits or not close(record.get("bits_per_byte"), math.fsum(bits) / len(bits))):
+        None in bits or not close(record.get("bits_per_byte"), math.fsum(bits) / len(bits))
+    ):
         return f"bits_per_byte is {described(record.get('bits_per_byte'))}, not the mean of every task's bits_per_byte"
     return None
 
@@ -416,8 +461,10 @@ def load_downstream(out_dir, results):
             records[arm, seed] = record
     return records, problems, notes
 
+
 # -----------------------------------------------------------------------------
 # the tuning grid (tune/): its cells' losses, the choice tune.py's rule gives, choice.json
+
 
 def rate_name(rate):
     """A rate as it appears in a tuning arm's name and in choice.json: 6 significant digits, no '+' (not in
@@ -441,8 +488,10 @@ def initial_loss(cell_dir):
         raise ConfigError(f"{path} is unreadable or damaged ({e}); delete {cell_dir} to retrain it") from None
     loss = first.get("val_loss") if isinstance(first, dict) and first.get("step") == 0 else None
     if type(loss) not in (int, float) or not math.isfinite(loss):
-        raise ConfigError(f"{path} does not start with the step-0 validation loss a tuning rate is judged against; "
-                          f"delete {cell_dir} to retrain it")
+        raise ConfigError(
+            f"{path} does not start with the step-0 validation loss a tuning rate is judged against; "
+            f"delete {cell_dir} to retrain it"
+        )
     return loss
 
 
@@ -451,16 +500,21 @@ def tuning_loss(tune_dir, name, seed, rate, budget):
     it has no result or one of other settings (a copy, a rate or budget not this tuning's)."""
     path = os.path.join(cell_dir(tune_dir, name, seed), "result.json")
     if not os.path.exists(path):
-        raise ConfigError(f"tuning cell {name}/seed{seed} has no result ({path} missing); run the same command "
-                          f"to train it")
+        raise ConfigError(
+            f"tuning cell {name}/seed{seed} has no result ({path} missing); run the same command to train it"
+        )
     result = check_result(read_record(path, RESULT_REMEDY), path)
     check_owner(path, result, name, seed)
     pairing = result.get("pairing") if isinstance(result.get("pairing"), dict) else {}
-    own = pairing.get("arm_settings") if isinstance(pairing.get("arm_settings"), dict) else {}  # damaged: not this tuning's
+    own = (
+        pairing.get("arm_settings") if isinstance(pairing.get("arm_settings"), dict) else {}
+    )  # damaged: not this tuning's
     if own.get("learning_rate") != rate or result["status"] == "finished" and result.get("steps") != budget:
-        raise ConfigError(f"{path} is not of this tuning (learning_rate {own.get('learning_rate')!r}, "
-                          f"{result.get('steps')!r} steps; this tuning: {rate:g}, {budget} steps); delete "
-                          f"{os.path.dirname(path)} to retrain it")
+        raise ConfigError(
+            f"{path} is not of this tuning (learning_rate {own.get('learning_rate')!r}, "
+            f"{result.get('steps')!r} steps; this tuning: {rate:g}, {budget} steps); delete "
+            f"{os.path.dirname(path)} to retrain it"
+        )
     if result["status"] != "finished":
         return None, None
     return result["val_loss"], initial_loss(os.path.dirname(path))
@@ -473,9 +527,16 @@ def tuning_row(tune_dir, arm, rate, seeds, budget):
     name = tuning_arm(arm, rate)
     ends = {str(s): tuning_loss(tune_dir, name, s, rate, budget) for s in seeds}
     losses, starts = {s: end for s, (end, _) in ends.items()}, {s: start for s, (_, start) in ends.items()}
-    problem = next((f"seed {s} diverged" if end is None else f"seed {s} ended at {end:.4g}, not below its step-0 "
-                    f"loss {starts[s]:.4g}" for s, end in losses.items()
-                    if end is None or not end < starts[s]), None)  # not end < start: a NaN loss too
+    problem = next(
+        (
+            f"seed {s} diverged"
+            if end is None
+            else f"seed {s} ended at {end:.4g}, not below its step-0 loss {starts[s]:.4g}"
+            for s, end in losses.items()
+            if end is None or not end < starts[s]
+        ),
+        None,
+    )  # not end < start: a NaN loss too
     mean = sd = None
     if problem is None:
         mean, sd = math.fsum(losses.values()) / len(losses), statistics.stdev(losses.values())
@@ -490,8 +551,11 @@ def beats(row, safer):
     if any(not row["val_loss"][s] < loss for s, loss in safer["val_loss"].items()):
         return None
     gain = safer["mean"] - row["mean"]
-    return f"{gain:.4f} below {rate_name(safer['learning_rate'])} on every seed, beyond its seeds' s.d. " \
-           f"{row['sd']:.4f}" if gain > row["sd"] else None
+    return (
+        f"{gain:.4f} below {rate_name(safer['learning_rate'])} on every seed, beyond its seeds' s.d. {row['sd']:.4f}"
+        if gain > row["sd"]
+        else None
+    )
 
 
 def stable_choice(rows):
@@ -503,8 +567,9 @@ def stable_choice(rows):
     usable = sorted((row for row in rows if row["problem"] is None), key=lambda row: row["learning_rate"])
     if not usable:
         return None, "no rate finished on every tuning seed (" + "; ".join(
-            f"{rate_name(row['learning_rate'])}: {row['problem']}" for row in rows) + ")"
-    chosen = next(row for i, row in enumerate(usable) if not any(beats(r, row) for r in usable[i + 1:]))
+            f"{rate_name(row['learning_rate'])}: {row['problem']}" for row in rows
+        ) + ")"
+    chosen = next(row for i, row in enumerate(usable) if not any(beats(r, row) for r in usable[i + 1 :]))
     best = min(usable, key=lambda row: (row["mean"], row["learning_rate"]))
     below = [row for row in usable if row["learning_rate"] < chosen["learning_rate"]]
     if chosen is best:
@@ -513,30 +578,49 @@ def stable_choice(rows):
         safer = below[-1]  # the next smaller rate, beaten by the chosen one or by a rate above it
         winner = next(r for r in usable if r["learning_rate"] > safer["learning_rate"] and beats(r, safer))
         won = beats(winner, safer)
-        return best["learning_rate"], "the lowest mean, " + (won if winner is best else
-                                                             f"and {rate_name(winner['learning_rate'])} beats "
-                                                             f"{rate_name(safer['learning_rate'])} ({won})")
+        return best["learning_rate"], "the lowest mean, " + (
+            won
+            if winner is best
+            else f"and {rate_name(winner['learning_rate'])} beats {rate_name(safer['learning_rate'])} ({won})"
+        )
     worse = [s for s, loss in chosen["val_loss"].items() if not best["val_loss"][s] < loss]
-    how = f"worse on seed {', '.join(worse)}" if worse else \
-        f"{chosen['mean'] - best['mean']:.4f} lower, within its seeds' s.d. {best['sd']:.4f}"
-    return chosen["learning_rate"], f"the safer rate: {rate_name(best['learning_rate'])} has the lowest mean but is " \
-                                    f"not better beyond the seeds' noise ({how})"
+    how = (
+        f"worse on seed {', '.join(worse)}"
+        if worse
+        else f"{chosen['mean'] - best['mean']:.4f} lower, within its seeds' s.d. {best['sd']:.4f}"
+    )
+    return (
+        chosen["learning_rate"],
+        f"the safer rate: {rate_name(best['learning_rate'])} has the lowest mean but is "
+        f"not better beyond the seeds' noise ({how})",
+    )
 
 
-TUNING_CHECKS = (("tune_seeds", lambda s: isinstance(s, list) and len(s) > 1 and all(map(is_seed, s))
-                  and len(set(s)) == len(s), "a list of 2 or more distinct seeds"),  # fewer: no s.d.
-                 ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
-                 ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
-                 ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
-                 ("learning_rates", lambda r: isinstance(r, list) and len(r) > 0
-                  and all(is_finite(x) and x > 0 for x in r), "a list of positive numbers"),
-                 ("min_lr_ratio", lambda r: is_finite(r) and 0 <= r <= 1, "a fraction in [0, 1]"),
-                 ("tuning_text", lambda t: isinstance(t, dict) and all(is_seed(t.get(k)) for k in ("first_token", "tokens")),
-                  "a dict of first_token and tokens"),
-                 ("test_tokens", lambda n: is_seed(n) and n > 0, "a positive integer"),
-                 ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
-                 ("choice", lambda c: isinstance(c, dict), "a dict of arms"),
-                 ("reason", lambda c: isinstance(c, dict), "a dict of arms"))
+TUNING_CHECKS = (
+    (
+        "tune_seeds",
+        lambda s: isinstance(s, list) and len(s) > 1 and all(map(is_seed, s)) and len(set(s)) == len(s),
+        "a list of 2 or more distinct seeds",
+    ),  # fewer: no s.d.
+    ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
+    ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
+    ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
+    (
+        "learning_rates",
+        lambda r: isinstance(r, list) and len(r) > 0 and all(is_finite(x) and x > 0 for x in r),
+        "a list of positive numbers",
+    ),
+    ("min_lr_ratio", lambda r: is_finite(r) and 0 <= r <= 1, "a fraction in [0, 1]"),
+    (
+        "tuning_text",
+        lambda t: isinstance(t, dict) and all(is_seed(t.get(k)) for k in ("first_token", "tokens")),
+        "a dict of first_token and tokens",
+    ),
+    ("test_tokens", lambda n: is_seed(n) and n > 0, "a positive integer"),
+    ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
+    ("choice", lambda c: isinstance(c, dict), "a dict of arms"),
+    ("reason", lambda c: isinstance(c, dict), "a dict of arms"),
+)
 
 
 def first_difference(row, held):
@@ -553,13 +637,17 @@ def tuning_problem(record, out_dir):
     reported validation text or on compared seeds, a row that is not what its tuning cells in out_dir/tune hold
     (an edited loss), or a choice or reason that is not stable_choice's from those rows."""
     if "tuning_text" not in record:
-        return ("no tuning_text: a choice.json made before the tuning split, whose rates were chosen on the reported "
-                "validation text itself; tune again in a new out_dir")
+        return (
+            "no tuning_text: a choice.json made before the tuning split, whose rates were chosen on the reported "
+            "validation text itself; tune again in a new out_dir"
+        )
     if problem := missing_or_wrong(record, TUNING_CHECKS):
         return problem
     if record["tuning_text"]["first_token"] < record["test_tokens"]:
-        return (f"tuning_text begins at token {record['tuning_text']['first_token']}, inside the reported validation "
-                f"text (its first {record['test_tokens']} tokens)")
+        return (
+            f"tuning_text begins at token {record['tuning_text']['first_token']}, inside the reported validation "
+            f"text (its first {record['test_tokens']} tokens)"
+        )
     if shared := sorted(set(record["tune_seeds"]) & set(record["seeds"])):
         return f"tune_seeds and seeds share {', '.join(map(str, shared))}: rates chosen on compared seeds"
     tune_dir = os.path.join(out_dir, TUNE_DIR)
@@ -577,8 +665,10 @@ def tuning_problem(record, out_dir):
                 return f"table.{arm}.{name} cannot be checked against its tuning cells: {e}"
             if rows[name] != held:
                 key, written, found = first_difference(rows[name], held)
-                return (f"table.{arm}.{name}.{key} is {described(written)}, but its tuning cells in {TUNE_DIR}/ give "
-                        f"{described(found)} (an edited or copied choice.json)")
+                return (
+                    f"table.{arm}.{name}.{key} is {described(written)}, but its tuning cells in {TUNE_DIR}/ give "
+                    f"{described(found)} (an edited or copied choice.json)"
+                )
         rate, reason = stable_choice(list(rows.values()))
         if rate is None:
             return f"table.{arm}: {reason}, so nothing was chosen"
@@ -606,8 +696,11 @@ def tuning_results(out_dir, record):
     tuning_problem)."""
     tune_dir = os.path.join(out_dir, TUNE_DIR)
     names = [tuning_arm(arm, row["learning_rate"]) for arm, rows in record["table"].items() for row in rows.values()]
-    return {(name, seed): json_object(os.path.join(cell_dir(tune_dir, name, seed), "result.json"))[0]
-            for name in names for seed in record["tune_seeds"]}
+    return {
+        (name, seed): json_object(os.path.join(cell_dir(tune_dir, name, seed), "result.json"))[0]
+        for name in names
+        for seed in record["tune_seeds"]
+    }
 
 
 def recorded_choice(tune_dir):
@@ -618,6 +711,7 @@ def recorded_choice(tune_dir):
 
 # -----------------------------------------------------------------------------
 # another grid's files, for --beside: its record and its report's numbers
+
 
 def grid_record(out_dir):
     """A grid's config.json as a dict, {} where it is missing or unreadable (the report then names what it lacks)."""

@@ -102,16 +102,21 @@ def split_args(argv):
         if own[key] < 1:
             raise ConfigError(f"{key}={own[key]}: give at least 1")
     if min(own["gpus_per_node"], own["concurrency"], own["cpus_per_task"]) < 0 or own["time_min"] < 1:
-        raise ConfigError("gpus_per_node, concurrency and cpus_per_task are counts (0 or more), time_min at least "
-                          "1 minute")
+        raise ConfigError(
+            "gpus_per_node, concurrency and cpus_per_task are counts (0 or more), time_min at least 1 minute"
+        )
     if not 0 < own["warn_s"] < own["time_min"] * 60:
-        raise ConfigError(f"warn_s={own['warn_s']}: the warning comes that many seconds before the time limit; give "
-                          f"fewer than time_min's {own['time_min'] * 60} s, more than 0")
+        raise ConfigError(
+            f"warn_s={own['warn_s']}: the warning comes that many seconds before the time limit; give "
+            f"fewer than time_min's {own['time_min'] * 60} s, more than 0"
+        )
     if own["cluster"] == "local" and own["nodes"] > 1:
         raise ConfigError(f"nodes={own['nodes']} on cluster=local: this machine is one node; use --nodes=1")
     if own["nodes"] > 1 and own["gpus_per_node"] == 0:
-        raise ConfigError(f"nodes={own['nodes']} with gpus_per_node=0: a CPU worker is one process on one node; "
-                          f"use --nodes=1, or give each node's GPUs with --gpus_per_node")
+        raise ConfigError(
+            f"nodes={own['nodes']} with gpus_per_node=0: a CPU worker is one process on one node; "
+            f"use --nodes=1, or give each node's GPUs with --gpus_per_node"
+        )
     if sum(own[k] for k in ("status", "cancel", "dry_run")) > 1:
         raise ConfigError("give one of --status, --cancel and --dry_run")
     sbatch_options(own["sbatch"])  # a malformed option is refused before anything is read or written
@@ -139,8 +144,10 @@ def sbatch_options(lines):
         option = line.strip().removeprefix("#SBATCH").strip()
         name, eq, value = option[2:].partition("=")
         if not option.startswith("--") or not name or " " in name:
-            raise ConfigError(f"sbatch option {line!r}: give a long option as on an #SBATCH line, e.g. "
-                              f"--mail-type=END or --reservation=paper")
+            raise ConfigError(
+                f"sbatch option {line!r}: give a long option as on an #SBATCH line, e.g. "
+                f"--mail-type=END or --reservation=paper"
+            )
         options[name] = value if eq else True
     return options
 
@@ -152,8 +159,10 @@ def gres_request(own):
     gpu = [e for e in entries if e.split(":")[0] == "gpu"]
     gpus = own["gpus_per_node"]
     if gpu and (len(gpu) > 1 or not gpu[0].split(":")[-1].isdigit() or int(gpu[0].split(":")[-1]) != gpus):
-        raise ConfigError(f"gres={own['gres']!r} with gpus_per_node={gpus}: give one gpu entry ending in the "
-                          f"GPUs per node, e.g. --gres=gpu:a100:{gpus or 8} (with --gpus_per_node={gpus or 8})")
+        raise ConfigError(
+            f"gres={own['gres']!r} with gpus_per_node={gpus}: give one gpu entry ending in the "
+            f"GPUs per node, e.g. --gres=gpu:a100:{gpus or 8} (with --gpus_per_node={gpus or 8})"
+        )
     if gpus and not gpu:
         entries.insert(0, f"gpu:{gpus}")
     return ",".join(entries) or None
@@ -176,10 +185,25 @@ def worker_command(train_args, nodes, gpus_per_node, hosts, job_id):
     script = os.path.join(HERE, "train.py")
     if nodes == 1 and gpus_per_node <= 1:
         return [sys.executable, script, *train_args]
-    where = ["--standalone"] if nodes == 1 else [f"--nnodes={nodes}", "--rdzv_backend=c10d",
-                                                 f"--rdzv_endpoint={hosts[0]}:{RDZV_PORT}", f"--rdzv_id={job_id}"]
-    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={gpus_per_node}", script,
-            *train_args]
+    where = (
+        ["--standalone"]
+        if nodes == 1
+        else [
+            f"--nnodes={nodes}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={hosts[0]}:{RDZV_PORT}",
+            f"--rdzv_id={job_id}",
+        ]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        f"--nproc_per_node={gpus_per_node}",
+        script,
+        *train_args,
+    ]
 
 
 def leave_stops_to_train():
@@ -198,17 +222,28 @@ class Worker:
     worker is requeued and resumes it; it waits at most wait_s for that."""
 
     def __init__(self, train_args, nodes, gpus_per_node, cwd, wait_s):
-        self.train_args, self.nodes, self.gpus_per_node, self.cwd, self.wait_s = \
-            train_args, nodes, gpus_per_node, cwd, wait_s
+        self.train_args, self.nodes, self.gpus_per_node, self.cwd, self.wait_s = (
+            train_args,
+            nodes,
+            gpus_per_node,
+            cwd,
+            wait_s,
+        )
         self.process = None
 
     def __call__(self):
         import submitit
+
         env = submitit.JobEnvironment()
         command = worker_command(self.train_args, self.nodes, self.gpus_per_node, env.hostnames, env.job_id)
         # a session of its own: checkpoint signals the whole run (torchrun and its ranks) at once
-        self.process = subprocess.Popen(command, cwd=self.cwd, preexec_fn=leave_stops_to_train, start_new_session=True,
-                                        env=dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS))
+        self.process = subprocess.Popen(
+            command,
+            cwd=self.cwd,
+            preexec_fn=leave_stops_to_train,
+            start_new_session=True,
+            env=dict(os.environ, TORCHELASTIC_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS),
+        )
         while self.process.poll() is None:  # not wait(): checkpoint, run by a signal handler meanwhile, waits
             time.sleep(1)
         if self.process.returncode:
@@ -216,11 +251,13 @@ class Worker:
                 why = "ended (a rank failed or was stopped by a signal: each rank's last line above says which)"
             else:  # cells.PREEMPTED, named here: this runs in submitit's process, which may not find cells.py
                 why = "stopped by a signal, its cell checkpointed" if self.process.returncode == 75 else "failed"
-            raise RuntimeError(f"{' '.join(command)} {why} (exit status {self.process.returncode}); see this "
-                               f"worker's output")
+            raise RuntimeError(
+                f"{' '.join(command)} {why} (exit status {self.process.returncode}); see this worker's output"
+            )
 
     def checkpoint(self):
         import submitit
+
         deadline = time.monotonic() + self.wait_s
         while self.process is not None and self.process.poll() is None and time.monotonic() < deadline:
             # again every few seconds: train.py still starting (importing torch) ignores one until it handles them
@@ -230,22 +267,28 @@ class Worker:
             except subprocess.TimeoutExpired:
                 pass
         if self.process is not None and self.process.poll() is None:  # the cell resumes from its last checkpoint
-            print(f"train.py did not stop within {self.wait_s:g} s of the warning; requeued without its "
-                  f"checkpoint", flush=True)
-        return submitit.helpers.DelayedSubmission(Worker(self.train_args, self.nodes, self.gpus_per_node, self.cwd,
-                                                         self.wait_s))
+            print(
+                f"train.py did not stop within {self.wait_s:g} s of the warning; requeued without its checkpoint",
+                flush=True,
+            )
+        return submitit.helpers.DelayedSubmission(
+            Worker(self.train_args, self.nodes, self.gpus_per_node, self.cwd, self.wait_s)
+        )
 
 
 def train_config(train_args):
     """train.py's config for these arguments, as train.py reads them (before it touches data or devices)."""
     import train
+
     try:
         return configure(train.DEFAULTS, train_args, entries=dict(arms=train.SCHEME_ARMS))
     except ConfigError as e:
         key = str(e).partition("unknown config key '")[2].partition("'")[0]
         if key in DEFAULTS:  # a config file of train.py's keys that sets one of launch.py's too
-            raise ConfigError(f"a config file sets launch.py's key {key!r} beside train.py's: give launch.py's keys "
-                              f"in a file of their own (launch.py site.py config/x.py) or as --{key}=...") from None
+            raise ConfigError(
+                f"a config file sets launch.py's key {key!r} beside train.py's: give launch.py's keys "
+                f"in a file of their own (launch.py site.py config/x.py) or as --{key}=..."
+            ) from None
         raise
 
 
@@ -255,6 +298,7 @@ def check_train_config(train_args, world):
     The data's vocabulary is not read here: a stand-in checks the rest."""
     import records
     import tune
+
     given = train_config(train_args)
     cfg = dict(given, vocab_size=given["vocab_size"] or 50304, arms=records.typed_arms(given), world_size=world)
     records.check_config(cfg, world, [a[2:].partition("=")[0] for a in train_args if a.startswith("--")])
@@ -268,15 +312,27 @@ def slurm_parameters(own, out_dir):
     cluster's resources as the launch keys give them, and setup lines that let the job find this checkout."""
     gpus, cpus = own["gpus_per_node"], task_cpus(own)
     # the job imports launch.py to run a Worker, wherever sbatch was run from; a CPU worker computes with what it asks
-    setup = [f"export PYTHONPATH={shlex.quote(HERE)}${{PYTHONPATH:+:$PYTHONPATH}}",
-             *([] if gpus else [f"export OMP_NUM_THREADS={cpus}"]), *own["setup"]]
+    setup = [
+        f"export PYTHONPATH={shlex.quote(HERE)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        *([] if gpus else [f"export OMP_NUM_THREADS={cpus}"]),
+        *own["setup"],
+    ]
     optional = {k: own[k] for k in ("partition", "account", "qos", "constraint", "mem") if own[k]}
-    return dict(job_name=os.path.basename(os.path.abspath(out_dir)), time=own["time_min"], nodes=own["nodes"],
-                ntasks_per_node=1, cpus_per_task=cpus, stderr_to_stdout=True, signal_delay_s=own["warn_s"],
-                array_parallelism=own["concurrency"] or own["workers"], setup=setup,
-                additional_parameters=sbatch_options(own["sbatch"]), **optional,
-                **({"gres": gres_request(own)} if gres_request(own) else {}),
-                **({"exclusive": True} if own["exclusive"] else {}))
+    return dict(
+        job_name=os.path.basename(os.path.abspath(out_dir)),
+        time=own["time_min"],
+        nodes=own["nodes"],
+        ntasks_per_node=1,
+        cpus_per_task=cpus,
+        stderr_to_stdout=True,
+        signal_delay_s=own["warn_s"],
+        array_parallelism=own["concurrency"] or own["workers"],
+        setup=setup,
+        additional_parameters=sbatch_options(own["sbatch"]),
+        **optional,
+        **({"gres": gres_request(own)} if gres_request(own) else {}),
+        **({"exclusive": True} if own["exclusive"] else {}),
+    )
 
 
 def logs_folder(own, out_dir):
@@ -285,15 +341,22 @@ def logs_folder(own, out_dir):
 
 def executor(own, out_dir):
     import submitit
+
     folder = logs_folder(own, out_dir)
     if own["cluster"] == "slurm":
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=MAX_TIME_LIMITS)
         ex.update_parameters(**slurm_parameters(own, out_dir))
         return ex
     ex = submitit.AutoExecutor(folder=folder, cluster="local")
-    ex.update_parameters(name=os.path.basename(os.path.abspath(out_dir)), timeout_min=own["time_min"], nodes=1,
-                         tasks_per_node=1, gpus_per_node=own["gpus_per_node"], cpus_per_task=task_cpus(own),
-                         stderr_to_stdout=True)
+    ex.update_parameters(
+        name=os.path.basename(os.path.abspath(out_dir)),
+        timeout_min=own["time_min"],
+        nodes=1,
+        tasks_per_node=1,
+        gpus_per_node=own["gpus_per_node"],
+        cpus_per_task=task_cpus(own),
+        stderr_to_stdout=True,
+    )
     return ex
 
 
@@ -303,8 +366,12 @@ def check_partition(own):
     sbatch then says what is wrong (an unknown partition)."""
     where = ["--partition", own["partition"]] if own["partition"] else []
     try:
-        out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%c|%m|%G|%P", *where], capture_output=True,
-                             text=True, timeout=60).stdout
+        out = subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%c|%m|%G|%P", *where],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 3]
@@ -313,17 +380,25 @@ def check_partition(own):
     nodes = []
     for cpus, mem, node_gres, _ in rows:
         gpus = re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", node_gres)
-        nodes.append((int(cpus.rstrip("+")) if cpus.rstrip("+").isdigit() else 0,
-                      int(mem.rstrip("+")) if mem.rstrip("+").isdigit() else 0, sum(map(int, gpus))))
+        nodes.append(
+            (
+                int(cpus.rstrip("+")) if cpus.rstrip("+").isdigit() else 0,
+                int(mem.rstrip("+")) if mem.rstrip("+").isdigit() else 0,
+                sum(map(int, gpus)),
+            )
+        )
     if not nodes:
         return
     need_cpus, need_gpus, need_mem = task_cpus(own), own["gpus_per_node"], memory_mb(own["mem"])
     if not any(c >= need_cpus and g >= need_gpus and m >= need_mem for c, m, g in nodes):
         have = "; ".join(sorted({f"{c} CPUs, {m} MB, {g} GPUs" for c, m, g in nodes}))
         name = own["partition"] or "the default partition"
-        raise ConfigError(f"no node of {name} has {need_cpus} CPUs, {need_gpus} GPUs" + (f", {own['mem']}" if need_mem
-                          else "") + f" (sinfo: {have}): ask for less (--cpus_per_task, --gpus_per_node, --mem) or "
-                          f"choose another --partition")
+        raise ConfigError(
+            f"no node of {name} has {need_cpus} CPUs, {need_gpus} GPUs"
+            + (f", {own['mem']}" if need_mem else "")
+            + f" (sinfo: {have}): ask for less (--cpus_per_task, --gpus_per_node, --mem) or "
+            f"choose another --partition"
+        )
 
 
 def memory_mb(mem):
@@ -333,16 +408,18 @@ def memory_mb(mem):
         return 0
     if not match:
         raise ConfigError(f"mem={mem!r}: give sbatch's --mem, e.g. 64G or 64000 (MB)")
-    return int(int(match.group(1)) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 ** 2}[match.group(2)])
+    return int(int(match.group(1)) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[match.group(2)])
 
 
 def sbatch_script(own, out_dir):
     """The sbatch script the array is submitted with (submitit's), as submitit writes it."""
     from submitit.slurm.slurm import _make_sbatch_string  # submitit's own: no copy of it to drift
+
     folder = os.path.abspath(logs_folder(own, out_dir))
     command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)])
-    return _make_sbatch_string(command=command, folder=folder, map_count=own["workers"],
-                               **slurm_parameters(own, out_dir))
+    return _make_sbatch_string(
+        command=command, folder=folder, map_count=own["workers"], **slurm_parameters(own, out_dir)
+    )
 
 
 def launch(own, train_args, argv=None):
@@ -350,8 +427,10 @@ def launch(own, train_args, argv=None):
     train_args), which the record of the submission keeps."""
     argv = train_args if argv is None else argv
     if own["cluster"] == "slurm" and not own["dry_run"] and not shutil.which("sbatch"):
-        raise ConfigError("cluster=slurm but this machine has no sbatch (not a SLURM login node); submit from one, "
-                          "or run the workers on this machine with --cluster=local")
+        raise ConfigError(
+            "cluster=slurm but this machine has no sbatch (not a SLURM login node); submit from one, "
+            "or run the workers on this machine with --cluster=local"
+        )
     world = own["nodes"] * max(own["gpus_per_node"], 1)
     cfg = check_train_config(train_args, world)  # a bad argument is one line here, before anything is submitted
     if own["dry_run"]:
@@ -366,19 +445,29 @@ def launch(own, train_args, argv=None):
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *filter(None, [os.environ.get("PYTHONPATH")])])
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # a refusal's sbatch lines, which submitit prints, once below
-            jobs = ex.submit_array([Worker(train_args, own["nodes"], own["gpus_per_node"], os.getcwd(),
-                                           WARNED_WAIT_SHARE * own["warn_s"]) for _ in range(own["workers"])])
+            jobs = ex.submit_array(
+                [
+                    Worker(
+                        train_args, own["nodes"], own["gpus_per_node"], os.getcwd(), WARNED_WAIT_SHARE * own["warn_s"]
+                    )
+                    for _ in range(own["workers"])
+                ]
+            )
     except Exception as e:  # submitit's FailedJobError holds sbatch's own message
         remove_new_files(folder, before)
         if type(e).__name__ not in ("FailedJobError", "CalledProcessError"):
             raise
         said = [line.strip() for line in str(e).splitlines() if "error:" in line]
-        raise ConfigError(f"sbatch refused the array: {said[-1] if said else str(e).strip().splitlines()[-1]}; "
-                          f"nothing was submitted") from None
+        raise ConfigError(
+            f"sbatch refused the array: {said[-1] if said else str(e).strip().splitlines()[-1]}; nothing was submitted"
+        ) from None
     record_array(folder, own, jobs, argv)
     status = " ".join(["python", "launch.py", *map(shlex.quote, [a for a in argv if a != "--wait"]), "--status"])
-    print(f"{len(jobs)} worker(s) on {cfg['out_dir']}: job(s) {', '.join(j.job_id for j in jobs)}; their output in "
-          f"{ex.folder}; where the grid stands: {status}", flush=True)
+    print(
+        f"{len(jobs)} worker(s) on {cfg['out_dir']}: job(s) {', '.join(j.job_id for j in jobs)}; their output in "
+        f"{ex.folder}; where the grid stands: {status}",
+        flush=True,
+    )
     return jobs
 
 
@@ -397,8 +486,14 @@ ARRAYS = "arrays.json"  # in submitit's folder: each array submitted on the grid
 def record_array(folder, own, jobs, argv):
     path = os.path.join(folder, ARRAYS)
     arrays = read_arrays(folder)
-    arrays.append(dict(cluster=own["cluster"], job_id=jobs[0].job_id.split("_")[0] if own["cluster"] == "slurm"
-                       else None, tasks=[j.job_id for j in jobs], argv=list(argv)))
+    arrays.append(
+        dict(
+            cluster=own["cluster"],
+            job_id=jobs[0].job_id.split("_")[0] if own["cluster"] == "slurm" else None,
+            tasks=[j.job_id for j in jobs],
+            argv=list(argv),
+        )
+    )
     write_json(path, arrays)
 
 
@@ -410,8 +505,9 @@ def read_arrays(folder):
         return []
     except (OSError, ValueError) as e:
         raise DataError(f"{path} cannot be read ({e}); delete it (it only names the grid's jobs)") from None
-    if not isinstance(arrays, list) or not all(isinstance(a, dict) and isinstance(a.get("tasks"), list)
-                                               for a in arrays):
+    if not isinstance(arrays, list) or not all(
+        isinstance(a, dict) and isinstance(a.get("tasks"), list) for a in arrays
+    ):
         raise DataError(f"{path} is not what launch.py writes; delete it (it only names the grid's jobs)")
     return arrays
 
@@ -420,14 +516,25 @@ def dry_run_text(own, cfg, train_args):
     """What a launch would submit: the sbatch script (SLURM) and the cells each task would take first, in the
     order train.py takes them (each worker the next free cell: with cells of equal length, round robin)."""
     import tune
+
     grids = ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]
     cells = [f"{arm} seed{seed}" for g in grids for seed in g["seeds"] for arm in g["arms"]]
-    lines = [sbatch_script(own, cfg["out_dir"]) if own["cluster"] == "slurm" else
-             f"# cluster=local: {own['workers']} worker process(es) on this machine"]
+    lines = [
+        sbatch_script(own, cfg["out_dir"])
+        if own["cluster"] == "slurm"
+        else f"# cluster=local: {own['workers']} worker process(es) on this machine"
+    ]
     for task in range(own["workers"]):
-        lines.append(f"# task {task}: " + (", ".join(cells[task::own["workers"]]) or "no cell (more tasks than cells)"))
-    return "\n".join(lines + [f"# dry run: nothing submitted; without --dry_run: python launch.py "
-                               f"{' '.join(map(shlex.quote, train_args))}"])
+        lines.append(
+            f"# task {task}: " + (", ".join(cells[task :: own["workers"]]) or "no cell (more tasks than cells)")
+        )
+    return "\n".join(
+        lines
+        + [
+            f"# dry run: nothing submitted; without --dry_run: python launch.py "
+            f"{' '.join(map(shlex.quote, train_args))}"
+        ]
+    )
 
 
 def grid_status(cfg):
@@ -436,6 +543,7 @@ def grid_status(cfg):
     the rate measured on the cells with a result: their arm's seconds per step, else every arm's."""
     import records
     import tune
+
     grids = ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]
     cells, kinds, spent, measured, left = [], [], 0.0, {}, []  # measured: arm -> [device-seconds, steps]
     for g in grids:
@@ -457,8 +565,9 @@ def grid_status(cfg):
     seconds, steps = sum(v[0] for v in measured.values()), sum(v[1] for v in measured.values())
     rate = {arm: v[0] / v[1] for arm, v in measured.items() if v[1]}
     left_s = sum(n * rate.get(arm, seconds / steps) for arm, n in left) if steps else None
-    return dict(out_dir=cfg["out_dir"], cells=cells, kinds=kinds, spent_s=spent, left_s=left_s,
-                measured=len(kinds) - len(left))
+    return dict(
+        out_dir=cfg["out_dir"], cells=cells, kinds=kinds, spent_s=spent, left_s=left_s, measured=len(kinds) - len(left)
+    )
 
 
 def grid_device(cfg):
@@ -468,6 +577,7 @@ def grid_device(cfg):
     import records
     import torch
     import tune
+
     for g in ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]:
         path = os.path.join(g["out_dir"], "config.json")
         if os.path.exists(path):
@@ -477,11 +587,18 @@ def grid_device(cfg):
 
 def status_text(status, unit):
     counts = ", ".join(f"{status['kinds'].count(k)} {k}" for k in KINDS if k != "unreadable" or k in status["kinds"])
-    left = "the time left is known once a cell has a result" if status["left_s"] is None else \
-        f"{status['left_s'] / 3600:.2f} left at the rate measured on {status['measured']} cell(s)"
-    return "\n".join([f"{status['out_dir']}: {len(status['cells'])} cells: {counts}",
-                      *(f"  {arm} seed{seed}: {text}" for arm, seed, text in status["cells"]),
-                      f"{unit}: {status['spent_s'] / 3600:.2f} spent, {left}"])
+    left = (
+        "the time left is known once a cell has a result"
+        if status["left_s"] is None
+        else f"{status['left_s'] / 3600:.2f} left at the rate measured on {status['measured']} cell(s)"
+    )
+    return "\n".join(
+        [
+            f"{status['out_dir']}: {len(status['cells'])} cells: {counts}",
+            *(f"  {arm} seed{seed}: {text}" for arm, seed, text in status["cells"]),
+            f"{unit}: {status['spent_s'] / 3600:.2f} spent, {left}",
+        ]
+    )
 
 
 KINDS = ("finished", "diverged", "training", "resumable", "pending", "unreadable")
@@ -491,6 +608,7 @@ def cell_state(cell_dir, max_iters):
     """(kind, what the cell is doing, the device-seconds it has used, its step). Device-seconds are
     wall time x processes, from its result, else its checkpoint (a cell in training: at its last one)."""
     from progress import duration
+
     result_path, ckpt_path = os.path.join(cell_dir, "result.json"), os.path.join(cell_dir, "ckpt.pt")
     if os.path.exists(result_path):
         try:
@@ -505,15 +623,21 @@ def cell_state(cell_dir, max_iters):
             return "finished", f"finished, val_loss {number(r['val_loss'], 'val_loss'):.4f}", used, steps
         except (KeyError, TypeError, ValueError) as e:
             why = f"no {e}" if isinstance(e, KeyError) else e
-            raise DataError(f"{result_path} is not a result train.py writes ({why}); move it aside to train the "
-                            f"cell again") from None
+            raise DataError(
+                f"{result_path} is not a result train.py writes ({why}); move it aside to train the cell again"
+            ) from None
     ckpt = checkpoint_summary(ckpt_path) if os.path.exists(ckpt_path) else dict(step=0, wall_time_s=0.0, world=1)
     used = ckpt["wall_time_s"] * ckpt["world"]
     pid, host = read_lock(os.path.join(cell_dir, "lock"))
     if pid and (host != socket.gethostname() or not pid.isdigit() or process_exists(int(pid))):
         last = last_log_record(os.path.join(cell_dir, "log.jsonl"))
         eta = f", {duration(last['eta_cell_s'])} left" if last.get("eta_cell_s") is not None else ""
-        return "training", f"training: {host} pid {pid}, step {last.get('step', 0)}/{max_iters}{eta}", used, ckpt["step"]
+        return (
+            "training",
+            f"training: {host} pid {pid}, step {last.get('step', 0)}/{max_iters}{eta}",
+            used,
+            ckpt["step"],
+        )
     if ckpt["step"]:
         return "resumable", f"resumable at step {ckpt['step']}", used, ckpt["step"]
     return "pending", "pending", used, 0
@@ -524,18 +648,25 @@ def checkpoint_summary(path):
     import pickle
 
     import torch
+
     try:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
-        raise DataError(f"{path} cannot be read as a checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                        f"delete it to train the cell from scratch") from None
+        raise DataError(
+            f"{path} cannot be read as a checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            f"delete it to train the cell from scratch"
+        ) from None
     try:
-        return dict(step=number(ckpt["step"], "step"), wall_time_s=number(ckpt["wall_time_s"], "wall_time_s"),
-                    world=number(ckpt["config"]["world_size"], "world_size"))
+        return dict(
+            step=number(ckpt["step"], "step"),
+            wall_time_s=number(ckpt["wall_time_s"], "wall_time_s"),
+            world=number(ckpt["config"]["world_size"], "world_size"),
+        )
     except (KeyError, TypeError, ValueError) as e:
         why = f"no {e}" if isinstance(e, KeyError) else e
-        raise DataError(f"{path} is not a checkpoint train.py writes ({why}); delete it to train the cell from "
-                        f"scratch") from None
+        raise DataError(
+            f"{path} is not a checkpoint train.py writes ({why}); delete it to train the cell from scratch"
+        ) from None
 
 
 def number(value, name):
@@ -565,6 +696,7 @@ def worker_outcome(folder, task):
     (finished, or the error it raised: stopped with its cell checkpointed, or failed), else none (killed: a
     scancel, a node failure, memory; or not ended yet)."""
     import pickle
+
     log = os.path.join(folder, f"{task}_0_log.out")
     try:
         with open(os.path.join(folder, f"{task}_0_result.pkl"), "rb") as f:
@@ -600,8 +732,10 @@ def outcome_text(cfg, own, tasks, folder, command):
     status = grid_status(cfg)
     workers = {task: worker_outcome(folder, task) for task in tasks}
     failed = {last_cell(log): (task, log) for task, (outcome, log) in workers.items() if outcome != "finished"}
-    lines = [f"worker {task}: {outcome}" + ("" if outcome == "finished" else f"; its output: {log}")
-             for task, (outcome, log) in workers.items()]
+    lines = [
+        f"worker {task}: {outcome}" + ("" if outcome == "finished" else f"; its output: {log}")
+        for task, (outcome, log) in workers.items()
+    ]
     for (arm, seed, text), kind in zip(status["cells"], status["kinds"]):
         where = failed.get(f"{arm} seed{seed}")
         if kind not in ("finished", "diverged") and where:
@@ -609,9 +743,11 @@ def outcome_text(cfg, own, tasks, folder, command):
         lines.append(f"  {arm} seed{seed}: {text}")
     report = os.path.join(cfg["out_dir"], "report.md")
     done = all(k in ("finished", "diverged") for k in status["kinds"])
-    written = done and os.path.exists(report) and all(
-        os.path.getmtime(report) >= os.path.getmtime(os.path.join(d, "result.json"))
-        for d in cell_dirs(cfg))
+    written = (
+        done
+        and os.path.exists(report)
+        and all(os.path.getmtime(report) >= os.path.getmtime(os.path.join(d, "result.json")) for d in cell_dirs(cfg))
+    )
     counts = ", ".join(f"{status['kinds'].count(k)} {k}" for k in KINDS if status["kinds"].count(k))
     lines.insert(len(workers), f"{cfg['out_dir']}: {len(status['cells'])} cells: {counts}")
     if written:
@@ -626,6 +762,7 @@ def outcome_text(cfg, own, tasks, folder, command):
 def cell_dirs(cfg):
     import records
     import tune
+
     grids = ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]
     return [records.cell_dir(g["out_dir"], arm, seed) for g in grids for seed in g["seeds"] for arm in g["arms"]]
 
@@ -640,8 +777,12 @@ def queue(job_ids):
     if not job_ids:
         return {}
     try:
-        proc = subprocess.run(["squeue", "--noheader", "--array", f"--jobs={','.join(job_ids)}",
-                               "--format=%i|%T|%r|%N"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["squeue", "--noheader", "--array", f"--jobs={','.join(job_ids)}", "--format=%i|%T|%r|%N"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if proc.returncode and "Invalid job id" not in proc.stderr:  # every job gone from the queue: no error
@@ -651,13 +792,17 @@ def queue(job_ids):
 
 
 # what a pending task's reason means, beside SLURM's word for it
-REASONS = {"BeginTime": "requeued: SLURM holds a requeued job (AuthInfo's cred_expire, 120 s by default) before it "
-                        "may start",
-           "Resources": "waiting for free nodes", "Priority": "jobs of higher priority first",
-           "PartitionConfig": "no node of the partition fits the request: cancel it (--cancel) and ask for less",
-           "JobHeldUser": "held: scontrol release JOBID", "JobHeldAdmin": "held by an administrator",
-           "QOSMaxJobsPerUserLimit": "the QoS's limit on running jobs", "AssocGrpGRES": "the account's GPU limit",
-           "JobArrayTaskLimit": "the array's concurrency limit"}
+REASONS = {
+    "BeginTime": "requeued: SLURM holds a requeued job (AuthInfo's cred_expire, 120 s by default) before it may start",
+    "Resources": "waiting for free nodes",
+    "Priority": "jobs of higher priority first",
+    "PartitionConfig": "no node of the partition fits the request: cancel it (--cancel) and ask for less",
+    "JobHeldUser": "held: scontrol release JOBID",
+    "JobHeldAdmin": "held by an administrator",
+    "QOSMaxJobsPerUserLimit": "the QoS's limit on running jobs",
+    "AssocGrpGRES": "the account's GPU limit",
+    "JobArrayTaskLimit": "the array's concurrency limit",
+}
 
 
 def queue_text(arrays, folder):
@@ -674,8 +819,13 @@ def queue_text(arrays, folder):
         for task in a["tasks"] if a.get("cluster") == "slurm" else []:
             if task in tasks:
                 state, reason, nodes = tasks[task]
-                why = f" ({reason}: {REASONS[reason]})" if reason in REASONS else \
-                    f" ({reason})" if reason not in ("None", "") else ""
+                why = (
+                    f" ({reason}: {REASONS[reason]})"
+                    if reason in REASONS
+                    else f" ({reason})"
+                    if reason not in ("None", "")
+                    else ""
+                )
                 where = f" on {nodes}" if state == "RUNNING" and nodes else ""
             else:
                 state, why, where = f"not in the queue, {worker_outcome(folder, task)[0]}", "", ""
@@ -699,8 +849,17 @@ def wait_for(arrays, folder):
         time.sleep(QUEUE_POLL_S)
 
 
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED")
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+)
 
 
 def cancel_jobs(cfg, own, arrays, folder, command):
@@ -709,8 +868,10 @@ def cancel_jobs(cfg, own, arrays, folder, command):
     requeued, unlike on the time limit's warning), waited for (at most the warning's share), then cancelled."""
     ids = [a["job_id"] for a in arrays if a.get("cluster") == "slurm" and a.get("job_id")]
     if not ids:
-        raise ConfigError(f"no SLURM job of this grid is recorded in {os.path.join(folder, ARRAYS)}; a grid on "
-                          f"cluster=local stops with Ctrl-C (its cells checkpointed)")
+        raise ConfigError(
+            f"no SLURM job of this grid is recorded in {os.path.join(folder, ARRAYS)}; a grid on "
+            f"cluster=local stops with Ctrl-C (its cells checkpointed)"
+        )
     for extra in (["--state=PENDING"], ["--signal=TERM"]):
         subprocess.run(["scancel", *extra, *ids], capture_output=True, timeout=60)
     deadline = time.monotonic() + WARNED_WAIT_SHARE * own["warn_s"]
@@ -719,14 +880,22 @@ def cancel_jobs(cfg, own, arrays, folder, command):
     subprocess.run(["scancel", *ids], capture_output=True, timeout=60)
     status = grid_status(cfg)
     resumable = [f"{arm} seed{seed}" for (arm, seed, _), k in zip(status["cells"], status["kinds"]) if k == "resumable"]
-    print(f"cancelled job(s) {', '.join(ids)}; " + (f"resumable: {', '.join(resumable)}" if resumable else
-          "no cell resumable") + f"; to go on: {command}")
+    print(
+        f"cancelled job(s) {', '.join(ids)}; "
+        + (f"resumable: {', '.join(resumable)}" if resumable else "no cell resumable")
+        + f"; to go on: {command}"
+    )
 
 
 def main(argv):
     own, train_args = split_args(argv)
-    command = " ".join(["python", "launch.py", *map(shlex.quote, [a for a in argv if not a.startswith(
-        ("--status", "--cancel", "--dry_run", "--wait"))])])
+    command = " ".join(
+        [
+            "python",
+            "launch.py",
+            *map(shlex.quote, [a for a in argv if not a.startswith(("--status", "--cancel", "--dry_run", "--wait"))]),
+        ]
+    )
     if own["status"] or own["cancel"]:
         cfg = train_config(train_args)
         folder = logs_folder(own, cfg["out_dir"])

@@ -22,6 +22,7 @@ from common import ConfigError
 @dataclasses.dataclass
 class Runtime:
     """Where this process trains: its place among the processes, its device and precision."""
+
     world: int
     rank: int
     local_rank: int
@@ -37,17 +38,28 @@ class Runtime:
 
 
 # dense bf16 peak FLOP/s per GPU, for MFU (matched against torch.cuda.get_device_name)
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
-              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12}
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
 
 
 def setup(cfg):
     """The Runtime of this process from cfg's device, dtype and fsdp (and torchrun's environment)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    device = resolve_device(cfg["device"], world, local_rank, torch.cuda.device_count(),
-                            torch.backends.mps.is_available())
+    device = resolve_device(
+        cfg["device"], world, local_rank, torch.cuda.device_count(), torch.backends.mps.is_available()
+    )
     dtype = cfg["dtype"]
     if dtype not in ("auto", "bfloat16", "float32"):
         raise ConfigError(f"dtype={dtype!r}: choose auto, bfloat16 or float32")
@@ -68,8 +80,16 @@ def setup(cfg):
     if device.startswith("cuda") and dtype == "bfloat16":
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return Runtime(world=world, rank=rank, local_rank=local_rank, device=device, dtype=dtype, autocast=autocast,
-                   peak_flops=peak, fsdp=cfg["fsdp"])
+    return Runtime(
+        world=world,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        dtype=dtype,
+        autocast=autocast,
+        peak_flops=peak,
+        fsdp=cfg["fsdp"],
+    )
 
 
 def resolve_device(requested, world, local_rank, cuda_count, mps_available):
@@ -88,8 +108,10 @@ def resolve_device(requested, world, local_rank, cuda_count, mps_available):
     if not cuda_count:
         raise ConfigError(f"device={requested!r} but this torch sees no CUDA GPU; use --device=auto or cpu")
     if index and world > 1:
-        raise ConfigError(f"device={requested!r} names one GPU for {world} processes; use --device=cuda "
-                          f"(each process takes cuda:LOCAL_RANK)")
+        raise ConfigError(
+            f"device={requested!r} names one GPU for {world} processes; use --device=cuda "
+            f"(each process takes cuda:LOCAL_RANK)"
+        )
     gpu = int(index) if index else local_rank
     if gpu >= cuda_count:
         raise ConfigError(f"device cuda:{gpu} does not exist: this machine shows {cuda_count} GPU(s)")
@@ -113,9 +135,14 @@ def cpu_threads(runtime):
         print(f"cpu: {threads} thread(s) per process (set with OMP_NUM_THREADS)")
         load, cores = os.getloadavg()[0], os.cpu_count()
         if load > cores:  # one thread is the advice; with one already, only fewer processes help
-            way_on = "with OMP_NUM_THREADS=1 it waits least" if threads > 1 else \
-                "it computes with one thread already: run fewer processes at once, or wait for a quieter machine"
-            print(f"warning: this machine's load ({load:.1f}) exceeds its {cores} cores: training will be slow; {way_on}")
+            way_on = (
+                "with OMP_NUM_THREADS=1 it waits least"
+                if threads > 1
+                else "it computes with one thread already: run fewer processes at once, or wait for a quieter machine"
+            )
+            print(
+                f"warning: this machine's load ({load:.1f}) exceeds its {cores} cores: training will be slow; {way_on}"
+            )
     return threads
 
 
@@ -131,14 +158,23 @@ def machine_record(runtime):
     cpu, flags = platform.processor() or platform.machine(), []
     try:
         with open("/proc/cpuinfo") as f:
-            info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}  # the last core's
+            info = {
+                k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)
+            }  # the last core's
         cpu = info.get("model name", cpu)
         flags = sorted(flag for flag in info.get("flags", "").split() if flag.startswith(ROUNDING_FLAGS))
     except OSError:  # not Linux: the platform's name alone
         pass
     gpu = torch.cuda.get_device_name(runtime.device) if runtime.device.startswith("cuda") else None
-    return dict(cpu=cpu, cpu_flags=flags, cpu_capability=torch.backends.cpu.get_cpu_capability(), gpu=gpu,
-                torch=str(torch.__version__), torch_git=torch.version.git_version, cuda=torch.version.cuda)
+    return dict(
+        cpu=cpu,
+        cpu_flags=flags,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        gpu=gpu,
+        torch=str(torch.__version__),
+        torch_git=torch.version.git_version,
+        cuda=torch.version.cuda,
+    )
 
 
 def apply_fsdp(model):

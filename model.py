@@ -71,6 +71,7 @@ from torch.utils.checkpoint import checkpoint
 # The transformer branch: the norm, rotary attention, the MLP and its mixture-of-experts form, and
 # Block, which runs one sublayer on the inputs a scheme reads. Nothing here knows the scheme.
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -98,7 +99,6 @@ def apply_rotary(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
@@ -118,8 +118,8 @@ class CausalSelfAttention(nn.Module):
         W = self.c_attn.weight
         if h_k is None:
             q, k = F.linear(h_q, W[: 2 * C]).split(C, dim=2)
-            return q, k, F.linear(h_v, W[2 * C:])
-        return tuple(F.linear(h, W[i * C:(i + 1) * C]) for i, h in enumerate((h_q, h_k, h_q if h_v is None else h_v)))
+            return q, k, F.linear(h_v, W[2 * C :])
+        return tuple(F.linear(h, W[i * C : (i + 1) * C]) for i, h in enumerate((h_q, h_k, h_q if h_v is None else h_v)))
 
     def forward(self, h_q, h_k=None, h_v=None):
         """h_q feeds the queries, h_k the keys, h_v the values (all already normalised; None: h_q)."""
@@ -127,14 +127,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.project(h_q, h_k, h_v))
         cos, sin = self.rotary_cos[:T, None], self.rotary_sin[:T, None]
         q, k, v = (t.transpose(1, 2) for t in (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
-
     def __init__(self, config, hidden=None):
         super().__init__()
         hidden = hidden or 4 * config.n_embd  # MoE experts: their own width
@@ -178,7 +176,9 @@ class MoE(nn.Module):
         super().__init__()
         self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
         self.experts = nn.ModuleList([MLP(config, expert_hidden(config)) for _ in range(config.n_experts)])
-        self.shared = MLP(config, config.moe_shared_experts * expert_hidden(config)) if config.moe_shared_experts else None
+        self.shared = (
+            MLP(config, config.moe_shared_experts * expert_hidden(config)) if config.moe_shared_experts else None
+        )
         self.dropout = nn.Dropout(config.dropout)  # on the routed sum, so that both paths drop alike
         self.top_k, self.bias_rate = config.moe_top_k, config.moe_bias_rate
         self.register_buffer("expert_bias", torch.zeros(config.n_experts))
@@ -199,8 +199,13 @@ class MoE(nn.Module):
     def grouped(self, x):
         """Whether experts_grouped runs: its kernels are CUDA bf16 (sm80+), its strides multiples of 16 bytes."""
         widths = (x.size(-1), self.experts[0].c_fc.out_features)
-        return (GROUPED_MM is not None and x.is_cuda and torch.is_autocast_enabled(x.device.type)
-                and torch.get_autocast_dtype(x.device.type) == torch.bfloat16 and all(w % 8 == 0 for w in widths))
+        return (
+            GROUPED_MM is not None
+            and x.is_cuda
+            and torch.is_autocast_enabled(x.device.type)
+            and torch.get_autocast_dtype(x.device.type) == torch.bfloat16
+            and all(w % 8 == 0 for w in widths)
+        )
 
     def experts_loop(self, x, experts, load):
         """(N, k, d): each token's k expert outputs, one expert at a time over the tokens that chose it
@@ -224,7 +229,8 @@ class MoE(nn.Module):
         start, padded_start = load.cumsum(0) - load, ends - padded
         sorted_e = flat[order]
         rows = torch.empty_like(order).index_put_(  # the buffer row of each pair, in (token, slot) order
-            (order,), padded_start[sorted_e] + torch.arange(N * k, device=x.device) - start[sorted_e])
+            (order,), padded_start[sorted_e] + torch.arange(N * k, device=x.device) - start[sorted_e]
+        )
         xs = x.new_zeros(N * k + len(self.experts) * GROUP_ALIGN, x.size(-1), dtype=torch.bfloat16)
         xs = xs.index_put((rows,), x.to(torch.bfloat16).repeat_interleave(k, dim=0))
         w_fc = torch.stack([e.c_fc.weight for e in self.experts]).to(torch.bfloat16)  # (E, h, d)
@@ -262,7 +268,8 @@ class Block(nn.Module):
 
     def attention(self, x_q, x_k, x_v, value_gain=None):
         """Attention over the query, key and value inputs; an input that is an earlier one is normalised once."""
-        # value_gain: RD's 'param' control, a per-channel gain after the norm (before it, the norm would undo part of it)
+        # value_gain: RD's 'param' control, a per-channel gain after the norm (before it, the norm would undo
+        # part of it)
         h_q = self.ln_1(x_q)
         h_k = h_q if x_k is x_q else self.ln_1(x_k)
         h_v = h_q if x_v is x_q else h_k if x_v is x_k else self.ln_1(x_v)
@@ -291,10 +298,12 @@ class Block(nn.Module):
 # instead of 109. DAR takes the weights only (depth_weights_sealed, depth_weights_extend) and
 # mixes at read time (DualAttnRes).
 
+
 class DepthSoftmax(NamedTuple):
     """R softmax reads over the same n sources: the R mixes (B, T, d) - None from the depth_weights_*
     functions, which compute the weights only - the weights (B, T, R, n) and their logits'
     logsumexp (B, T, R), which extending to one more source needs."""
+
     outputs: list | None
     weights: torch.Tensor
     lse: torch.Tensor
@@ -309,8 +318,13 @@ def depth_logits(keys, directions, eps):
     acc = torch.promote_types(keys[0].dtype, torch.float32)
     with torch.autocast(keys[0].device.type, enabled=False):
         u = directions.to(acc)
-        return torch.stack([(key.to(acc).unsqueeze(-2) * u).sum(-1)
-                            * torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps) for key in keys], dim=-1)
+        return torch.stack(
+            [
+                (key.to(acc).unsqueeze(-2) * u).sum(-1) * torch.rsqrt(key.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+                for key in keys
+            ],
+            dim=-1,
+        )
 
 
 def depth_mix(values, weights):
@@ -382,8 +396,10 @@ def depth_read_extend(read, key, value, directions, eps):
     logit = depth_logits([key], directions, eps)[..., 0]
     gap = logit - read.lse
     with torch.autocast(value.device.type, enabled=False):
-        outputs = [OnlineSoftmaxStep.apply(a.to(gap.dtype), value.to(gap.dtype), gap[..., r, None]).to(a.dtype)
-                   for r, a in enumerate(read.outputs)]
+        outputs = [
+            OnlineSoftmaxStep.apply(a.to(gap.dtype), value.to(gap.dtype), gap[..., r, None]).to(a.dtype)
+            for r, a in enumerate(read.outputs)
+        ]
     beta = torch.sigmoid(gap).unsqueeze(-1)
     return DepthSoftmax(outputs, torch.cat([read.weights * (1 - beta), beta], dim=-1), torch.logaddexp(read.lse, logit))
 
@@ -407,7 +423,9 @@ def depth_read_sealed(keys, values, directions, eps):
 
 def depth_weights_sealed(keys, directions, eps):
     """Phase 1, weights only (outputs None), for a scheme that mixes at read time."""
-    return split_by_read(DepthSoftmax(None, *depth_weights(keys, torch.cat(list(directions.values())), eps)), directions)
+    return split_by_read(
+        DepthSoftmax(None, *depth_weights(keys, torch.cat(list(directions.values())), eps)), directions
+    )
 
 
 def cosine_matrix(sources):
@@ -429,6 +447,7 @@ def js_divergence(p, q):
 #
 # Sublayers are numbered k = 0 .. 2L - 1: even k is layer k // 2's attention, odd k its MLP; the
 # output read (into ln_f and the head) is k = 2L, a scheme's `output_read`.
+
 
 def layer_of(k):
     """The layer that sublayer k belongs to."""
@@ -453,9 +472,10 @@ class ResidualScheme(nn.Module):
     diagnostics (self.note), dead_rows (parameter rows that get no gradient by construction).
 
     Rules: the model must be exactly `standard` at init (up to the norms' eps), so that an arm
-    starts where the baseline does (postnorm, Post-LN, cannot be by design; it says so). __init__ may draw random numbers (nn.init.normal_ etc.): GPT
-    builds the scheme after the shared weights, under an RNG of its own seeded from the model's
-    seed and the scheme's name, so the shared weights and the global RNG are the same in every arm.
+    starts where the baseline does (postnorm, Post-LN, cannot be by design; it says so). __init__ may
+    draw random numbers (nn.init.normal_ etc.): GPT builds the scheme after the shared weights, under an
+    RNG of its own seeded from the model's seed and the scheme's name, so the shared weights and the
+    global RNG are the same in every arm.
 
     Diagnostics: while GPT.routing_diagnostics runs, self.record is a dict of per-token tensors
     (B, T, ...) that self.note fills (free otherwise). A key without '/' holds a read's depth
@@ -467,6 +487,7 @@ class ResidualScheme(nn.Module):
     scheme's settings accept, and each must change the loss once the routing parameters are random
     (tested).
     """
+
     options = ()  # required where it applies: the GPTConfig fields only this scheme reads
     intervention_kinds = ()  # optional: the kinds of intervention this scheme accepts
 
@@ -558,6 +579,7 @@ class StandardResidual(ResidualScheme):
 
 class Skip(NamedTuple):
     """scaled_residual's state: the stream x and the embedding it skips to every sublayer."""
+
     x: torch.Tensor
     embedding: torch.Tensor
 
@@ -569,6 +591,7 @@ class ScaledResidual(ResidualScheme):
     exactly `standard` (1 * x and 0 * h_0 are exact), yet both get a gradient from the first step.
     Intervention ("identity_scales",): every lambda 1 and every mu 0, the standard residual.
     """
+
     intervention_kinds = ("identity_scales",)
 
     @staticmethod
@@ -602,6 +625,7 @@ class History(NamedTuple):
     sublayer outputs each), the open block's running sum `partial` (None right after a seal) and
     `sealed_reads`: read k -> phase 1's DepthSoftmax of it over the sealed blocks, for every read
     of the open block (DAR: weights only, addressed by the keys of the stream that keys this one)."""
+
     blocks: list
     partial: torch.Tensor | None
     sealed_reads: dict
@@ -623,6 +647,7 @@ class AttnRes(ResidualScheme):
     reads them with its own (query[k], key_gain[k]); row output_read is the output read.
     Intervention ("uniform", read name): that read's depth weights become uniform (a zero query).
     """
+
     intervention_kinds = ("uniform",)
 
     @staticmethod
@@ -630,8 +655,10 @@ class AttnRes(ResidualScheme):
         size, n_sublayers = config.attnres_block_size, 2 * config.n_layer
         if size < 1 or (size != 1 and size % 2 != 0) or n_sublayers % size != 0:
             valid = [s for s in range(1, n_sublayers + 1) if n_sublayers % s == 0 and (s == 1 or s % 2 == 0)]
-            raise ValueError(f"attnres_block_size={size} must be 1 (Full) or an even divisor of "
-                             f"2*n_layer={n_sublayers}; valid: {', '.join(map(str, valid))}")
+            raise ValueError(
+                f"attnres_block_size={size} must be 1 (Full) or an even divisor of "
+                f"2*n_layer={n_sublayers}; valid: {', '.join(map(str, valid))}"
+            )
 
     @staticmethod
     def extra_params(config):
@@ -648,11 +675,13 @@ class AttnRes(ResidualScheme):
 
     def directions(self, k):
         """(R, d): query times key gain for each route of read k (AttnRes: one)."""
-        return self.uniform(self.query[k:k + 1], self.name_of(k)) * self.key_gain[k]
+        return self.uniform(self.query[k : k + 1], self.name_of(k)) * self.key_gain[k]
 
     def open_block(self, blocks, k):
         reads = reads_in_block(k, self.block_size, self.n_sublayers)
-        return History(blocks, None, depth_read_sealed(blocks, blocks, {j: self.directions(j) for j in reads}, self.eps))
+        return History(
+            blocks, None, depth_read_sealed(blocks, blocks, {j: self.directions(j) for j in reads}, self.eps)
+        )
 
     def start(self, x):
         return self.open_block([x], 0)
@@ -699,6 +728,7 @@ class RDAttnRes(AttnRes):
     Interventions: AttnRes's, ("uniform", "attn_v.{l}") for the second route, and ("tie_value",)
     or ("tie_value", l): the second route uses the Q/K query (every layer, or layer l): the parent.
     """
+
     options = ("rd_control",)
     intervention_kinds = ("uniform", "tie_value")
     CONTROLS = ("none", "dup", "param", "fixed_v", "mix")
@@ -726,8 +756,12 @@ class RDAttnRes(AttnRes):
         if self.control not in ("none", "mix"):  # no learned second route: nothing of RD's own to change
             return super().interventions()
         layers = range(1, self.n_layer)  # layer 0's attention reads the embedding alone
-        return (super().interventions() + [("uniform", f"attn_v.{l}") for l in layers]
-                + [("tie_value", l) for l in layers] + [("tie_value",)])
+        return (
+            super().interventions()
+            + [("uniform", f"attn_v.{l}") for l in layers]
+            + [("tie_value", l) for l in layers]
+            + [("tie_value",)]
+        )
 
     def dead_rows(self):
         return super().dead_rows() | ({"value_query": {0}} if self.control in ("none", "mix") else {})
@@ -782,6 +816,7 @@ class DualAttnRes(ResidualScheme):
     Interventions: ("uniform", read name) as AttnRes, for both streams' reads; ("own_keys",): each
     stream is addressed by its own keys; ("one_stream", s): every read takes stream s alone.
     """
+
     options = ("dar_keys", "dar_start")
     intervention_kinds = ("uniform", "own_keys", "one_stream")
     KEYS = ("reciprocal", "self")
@@ -800,7 +835,11 @@ class DualAttnRes(ResidualScheme):
         n_sublayers, d = 2 * config.n_layer, config.n_embd
         # per read: 2 queries, a key gain, 2 fusion logits; per sublayer: 2 write gates of d, and one
         # rho where blocks hold more than one sublayer (blocks of 1 never mix partials)
-        return (n_sublayers + 1) * (3 * d + 2) + n_sublayers * 2 * d + (n_sublayers if config.attnres_block_size > 1 else 0)
+        return (
+            (n_sublayers + 1) * (3 * d + 2)
+            + n_sublayers * 2 * d
+            + (n_sublayers if config.attnres_block_size > 1 else 0)
+        )
 
     def __init__(self, config):
         super().__init__(config)
@@ -812,8 +851,9 @@ class DualAttnRes(ResidualScheme):
             theta = torch.rand(n_sublayers, d) * 2 - 1
             write_gate = torch.stack([theta, -theta], dim=1)
         else:  # copy: beta = 2 sigmoid(0) = 1 for both; the output read starts at (0, 0), an even mix
-            fusion[:n_sublayers] = torch.tensor([[3.0, -3.0] if is_attention(k) else [-3.0, 3.0]
-                                                 for k in range(n_sublayers)])
+            fusion[:n_sublayers] = torch.tensor(
+                [[3.0, -3.0] if is_attention(k) else [-3.0, 3.0] for k in range(n_sublayers)]
+            )
         self.fusion = nn.Parameter(fusion)
         self.write_gate = nn.Parameter(write_gate)
         self.block_size, self.eps = config.attnres_block_size, config.norm_eps
@@ -822,7 +862,7 @@ class DualAttnRes(ResidualScheme):
         self.reciprocal = config.dar_keys == "reciprocal"
 
     def directions(self, k, s):
-        return self.uniform(self.query[k, s:s + 1], self.name_of(k)) * self.key_gain[k]
+        return self.uniform(self.query[k, s : s + 1], self.name_of(k)) * self.key_gain[k]
 
     def keyed_by(self, s):
         """The stream whose keys address stream s."""
@@ -833,17 +873,25 @@ class DualAttnRes(ResidualScheme):
         # weights only: one mix of both streams at read time keeps nothing new for backward, where
         # phase-1 reads would cost two (B, T, d) tensors per read (the fusion's gradient needs both)
         reads = reads_in_block(k, self.block_size, self.n_sublayers)
-        return tuple(History(blocks[s], None, depth_weights_sealed(blocks[self.keyed_by(s)],
-                                                                   {j: self.directions(j, s) for j in reads}, self.eps))
-                     for s in (0, 1))
+        return tuple(
+            History(
+                blocks[s],
+                None,
+                depth_weights_sealed(blocks[self.keyed_by(s)], {j: self.directions(j, s) for j in reads}, self.eps),
+            )
+            for s in (0, 1)
+        )
 
     def start(self, x):
         return self.open_block(([x], [x]), 0)
 
     def interventions(self):
         own = [("own_keys",)] if self.reciprocal else []  # dar_keys='self' reads by its own keys already
-        return ([("uniform", self.name_of(k)) for k in range(1, self.output_read + 1)] + own
-                + [("one_stream", 0), ("one_stream", 1)])
+        return (
+            [("uniform", self.name_of(k)) for k in range(1, self.output_read + 1)]
+            + own
+            + [("one_stream", 0), ("one_stream", 1)]
+        )
 
     def dead_rows(self):
         # sublayer 0 reads the embedding alone (the same one in both streams); rho is unused where a block starts
@@ -875,13 +923,17 @@ class DualAttnRes(ResidualScheme):
             self.note(f"{name}.s{s}", lambda: weights[s][..., 0, :])
         self.note(f"fusion/{name}", lambda: pi.expand(*x.shape[:-1], 2))
         if own[0]:
-            self.note(f"stream_cosine/{name}", lambda: torch.stack([F.cosine_similarity(a, b, dim=-1)
-                                                                    for a, b in zip(*own)]).mean(0))
+            self.note(
+                f"stream_cosine/{name}",
+                lambda: torch.stack([F.cosine_similarity(a, b, dim=-1) for a, b in zip(*own)]).mean(0),
+            )
         if self.is_output(k):  # every block exists here: each stream's diversity, and the streams' per block
             for s in (0, 1):
                 self.note(f"source_cosine/out.s{s}", lambda: cosine_matrix(sources[s]))
-            self.note("block_cosine/out", lambda: torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1)
-                                                               for a, b in zip(*own)], -1))
+            self.note(
+                "block_cosine/out",
+                lambda: torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1) for a, b in zip(*own)], -1),
+            )
 
     def write(self, state, k, out):
         p0, p1 = state[0].partial, state[1].partial
@@ -901,6 +953,7 @@ class DualAttnRes(ResidualScheme):
 class Streams(NamedTuple):
     """HC/mHC state: n streams H (B, T, n, d) and their normalised features, computed once per
     state for the read and the write of the next sublayer (None after the last write)."""
+
     H: torch.Tensor
     features: torch.Tensor | None
 
@@ -910,6 +963,7 @@ class MultiStream(ResidualScheme):
     x = sum_j pre_j H_j and writes H_i <- sum_j mix[i, j] H_j + post_i f(x); the output is the sum
     of the streams. Subclasses say how (pre, mix, post) follow from the features of H.
     Intervention ("identity_mixing",): every stream is kept as it is (mix = I)."""
+
     options = ("hc_streams",)
     intervention_kinds = ("identity_mixing",)
 
@@ -1048,6 +1102,7 @@ class ManifoldHyperConnections(MultiStream):
 
 class Dense(NamedTuple):
     """DenseFormer state: the stream x and every layer output so far (the embedding first)."""
+
     x: torch.Tensor
     outputs: list
 
@@ -1062,6 +1117,7 @@ class DenseFormer(ResidualScheme):
     paper's: the model is `standard`. Intervention ("identity_dwa",) or ("identity_dwa", l): every
     average (or layer l's) becomes the standard residual's alpha = (0, .., 0, 1).
     """
+
     intervention_kinds = ("identity_dwa",)
 
     @staticmethod
@@ -1070,8 +1126,9 @@ class DenseFormer(ResidualScheme):
 
     def __init__(self, config):
         super().__init__(config)
-        self.dwa = nn.ParameterList([nn.Parameter(F.one_hot(torch.tensor(l + 1), l + 2).float())
-                                     for l in range(config.n_layer)])
+        self.dwa = nn.ParameterList(
+            [nn.Parameter(F.one_hot(torch.tensor(l + 1), l + 2).float()) for l in range(config.n_layer)]
+        )
 
     def start(self, x):
         return Dense(x, [x])
@@ -1097,6 +1154,7 @@ class DenseFormer(ResidualScheme):
 
 
 # --- the field's schemes (issue #50): Post-LN, LAuReL, Frac-Connections, MUDDFormer ---
+
 
 class PostNorm(ResidualScheme):
     """
@@ -1164,6 +1222,7 @@ class LaurelLR(ResidualScheme):
     B_k (d x r) per sublayer, rank r = RANK. A_k is drawn N(0, 1/d), B_k starts at zero (the LoRA recipe;
     the paper's init is inferred): exactly `standard` at init, and B learns from the first step.
     """
+
     RANK = 16
 
     @staticmethod
@@ -1220,6 +1279,7 @@ class FracConnections(ResidualScheme):
     features (W of d/m rows; s = 0.01, W = 0 at init). Init: R = M = I, b = 1, the paper's: exactly
     `standard`. The per-fraction norm of the features is inferred from HC's per-stream one.
     """
+
     FRACTIONS = 2
 
     @staticmethod
@@ -1282,11 +1342,13 @@ class MUDDFormer(ResidualScheme):
     identity start: exactly `standard` (the three attention inputs are equal, not one tensor, so Q, K
     and V take three matmuls). Inferred: the MLP's hidden width and its parameter-free norm.
     """
+
     WAYS = 4  # query, key, value, residual
 
     class State(NamedTuple):
         """The layer outputs so far (X_0 first), and the current layer's inputs (q, k, v: None after the
         last layer; r: the residual input, which the attention's output joins)."""
+
         outputs: list
         q: torch.Tensor | None
         k: torch.Tensor | None
@@ -1350,10 +1412,22 @@ class MUDDFormer(ResidualScheme):
 # bench.py and the tests read it); MuonAdamW steps Muon and AdamW as one optimizer.
 
 # the one list of schemes: the config check, train.py, bench.py and the tests read it
-RESIDUALS = dict(standard=StandardResidual, attnres=AttnRes, rd_attnres=RDAttnRes, dar=DualAttnRes,
-                 hc=HyperConnections, mhc=ManifoldHyperConnections, denseformer=DenseFormer,
-                 postnorm=PostNorm, laurel_rw=LaurelRW, laurel_lr=LaurelLR, laurel=Laurel,
-                 frac=FracConnections, muddformer=MUDDFormer, scaled_residual=ScaledResidual)
+RESIDUALS = dict(
+    standard=StandardResidual,
+    attnres=AttnRes,
+    rd_attnres=RDAttnRes,
+    dar=DualAttnRes,
+    hc=HyperConnections,
+    mhc=ManifoldHyperConnections,
+    denseformer=DenseFormer,
+    postnorm=PostNorm,
+    laurel_rw=LaurelRW,
+    laurel_lr=LaurelLR,
+    laurel=Laurel,
+    frac=FracConnections,
+    muddformer=MUDDFormer,
+    scaled_residual=ScaledResidual,
+)
 
 
 def option_owners(key):
@@ -1417,7 +1491,9 @@ class GPTConfig:
         for field in fields(self):  # a size of 0 would fail later, as a ZeroDivisionError or an empty model
             value, least = getattr(self, field.name), 0 if field.name in MOE_COUNTS_FROM_ZERO else 1
             if field.type is int and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-                raise ValueError(f"{field.name}={value!r} must be {'a non-negative' if least == 0 else 'a positive'} integer")
+                raise ValueError(
+                    f"{field.name}={value!r} must be {'a non-negative' if least == 0 else 'a positive'} integer"
+                )
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         if not self.norm_eps > 0:
@@ -1427,14 +1503,18 @@ class GPTConfig:
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
-            raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even "
-                             f"size (rotary embeddings rotate channel pairs)")
+            raise ValueError(
+                f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even "
+                f"size (rotary embeddings rotate channel pairs)"
+            )
         for field in fields(self):  # a scheme's own option set under another scheme is a mistake
             owners = option_owners(field.name)
             value = getattr(self, field.name)
             if owners and self.residual not in owners and value != field.default:
-                raise ValueError(f"{field.name}={value!r} needs residual={' or '.join(map(repr, owners))} "
-                                 f"(got {self.residual!r}); use {field.name}={field.default!r} for other residuals")
+                raise ValueError(
+                    f"{field.name}={value!r} needs residual={' or '.join(map(repr, owners))} "
+                    f"(got {self.residual!r}); use {field.name}={field.default!r} for other residuals"
+                )
         RESIDUALS[self.residual].check(self)
         self.check_moe()
 
@@ -1443,12 +1523,16 @@ class GPTConfig:
         if self.n_experts == 1:  # the dense MLP: an MoE setting here would be silently unused
             for name in MOE_OPTIONS:
                 if getattr(self, name) != defaults[name]:
-                    raise ValueError(f"{name}={getattr(self, name)!r} needs n_experts > 1 (n_experts=1 is the dense MLP); "
-                                     f"set n_experts, or {name}={defaults[name]!r}")
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} needs n_experts > 1 (n_experts=1 is the dense MLP); "
+                        f"set n_experts, or {name}={defaults[name]!r}"
+                    )
             return
         if not 2 <= self.moe_top_k <= self.n_experts:
-            raise ValueError(f"moe_top_k={self.moe_top_k} must be in [2, n_experts={self.n_experts}] (top-1 gates are "
-                             f"normalised to exactly 1, so the router would get no gradient)")
+            raise ValueError(
+                f"moe_top_k={self.moe_top_k} must be in [2, n_experts={self.n_experts}] (top-1 gates are "
+                f"normalised to exactly 1, so the router would get no gradient)"
+            )
         if not (math.isfinite(self.moe_bias_rate) and self.moe_bias_rate >= 0):
             raise ValueError(f"moe_bias_rate={self.moe_bias_rate!r} must be a finite number >= 0")
         if not (math.isfinite(self.moe_router_lr_scale) and self.moe_router_lr_scale > 0):
@@ -1467,16 +1551,17 @@ def is_routing(name):
 
 
 class GPT(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=RMSNorm(config.n_embd, config.norm_eps),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=RMSNorm(config.n_embd, config.norm_eps),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embedding and unembedding
         for name, p in self.transformer.named_parameters():
@@ -1495,16 +1580,21 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding=True, active=False):
         """Parameter count; the tied embedding counts once, and not at all with non_embedding. active:
-        the parameters one token uses (of each MoE layer's experts its k routed ones, with the shared ones and the router)."""
+        the parameters one token uses (of each MoE layer's experts its k routed ones, with the shared ones and the
+        router)."""
         n = sum(p.numel() for p in self.parameters())
         if active:
-            n -= sum((len(moe.experts) - moe.top_k) * sum(p.numel() for p in moe.experts[0].parameters())
-                     for moe in self.moes().values())
+            n -= sum(
+                (len(moe.experts) - moe.top_k) * sum(p.numel() for p in moe.experts[0].parameters())
+                for moe in self.moes().values()
+            )
         return n - self.transformer.wte.weight.numel() if non_embedding else n
 
     def moes(self):
         """{'mlp.{layer}': its MoE} (empty for the dense MLP)."""
-        return {f"mlp.{layer}": block.mlp for layer, block in enumerate(self.transformer.h) if isinstance(block.mlp, MoE)}
+        return {
+            f"mlp.{layer}": block.mlp for layer, block in enumerate(self.transformer.h) if isinstance(block.mlp, MoE)
+        }
 
     @torch.no_grad()
     def update_expert_bias(self):
@@ -1551,8 +1641,9 @@ class GPT(nn.Module):
         if targets is None:  # inference: only the last position is needed
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=reduction)
+        loss = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction
+        )
         return logits, loss.view(targets.shape) if reduction == "none" else loss
 
     # --- the analysis API: what the routing does (routing_diagnostics) and what it is worth (intervene) ---
@@ -1594,13 +1685,17 @@ class GPT(nn.Module):
                 moe.record = None
         weights = {name: w for name, w in record.items() if "/" not in name}
         entropy = {name: -torch.special.xlogy(w, w).sum(-1) for name, w in weights.items()}
-        result = dict(weights={name: w.mean(dim=(0, 1)).cpu() for name, w in weights.items()},
-                      entropy={name: h.mean().item() for name, h in entropy.items()},
-                      effective_sources={name: h.exp().mean().item() for name, h in entropy.items()},
-                      qk_v_jsd={})
+        result = dict(
+            weights={name: w.mean(dim=(0, 1)).cpu() for name, w in weights.items()},
+            entropy={name: h.mean().item() for name, h in entropy.items()},
+            effective_sources={name: h.exp().mean().item() for name, h in entropy.items()},
+            qk_v_jsd={},
+        )
         for layer in range(self.config.n_layer):
             if f"attn_v.{layer}" in weights:
-                result["qk_v_jsd"][layer] = js_divergence(weights[f"attn.{layer}"], weights[f"attn_v.{layer}"]).mean().item()
+                result["qk_v_jsd"][layer] = (
+                    js_divergence(weights[f"attn.{layer}"], weights[f"attn_v.{layer}"]).mean().item()
+                )
         for key, value in record.items():
             if "/" in key:
                 group, name = key.split("/")
@@ -1619,16 +1714,19 @@ class GPT(nn.Module):
         """
         kinds = self.residual.intervention_kinds
         if intervention is not None and intervention[0] not in kinds:
-            raise ValueError(f"residual={self.config.residual!r} has no intervention {intervention[0]!r}; "
-                             f"it has: {', '.join(kinds) or 'none'}")
+            raise ValueError(
+                f"residual={self.config.residual!r} has no intervention {intervention[0]!r}; "
+                f"it has: {', '.join(kinds) or 'none'}"
+            )
         self.residual.intervention = intervention
 
     def interventions(self):
         """Every intervention intervene() accepts for this model, in a fixed order (none for standard)."""
         return self.residual.interventions()
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw",
-                             muon_learning_rate=0.02):
+    def configure_optimizers(
+        self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", muon_learning_rate=0.02
+    ):
         """
         AdamW with three groups, in every arm (empty for standard's routing): the shared matrices and
         the tied embedding (decayed), the shared norms, the routing parameters (never decayed). Each
@@ -1645,12 +1743,17 @@ class GPT(nn.Module):
         routers = [moe.router.weight for moe in self.moes().values()]
         not_router = lambda p: all(p is not r for r in routers)
         shared = [p for p in self.transformer.parameters() if not_router(p)]  # lm_head's weight is the tied embedding
-        hidden = [p for p in self.transformer.h.parameters() if p.dim() == 2 and not_router(p)] if optimizer == "muon" else []
+        hidden = (
+            [p for p in self.transformer.h.parameters() if p.dim() == 2 and not_router(p)]
+            if optimizer == "muon"
+            else []
+        )
         matrices = [p for p in shared if p.dim() >= 2 and all(p is not q for q in hidden)]
-        groups = [{"params": matrices, "weight_decay": weight_decay, "lr_scale": 1.0},
-                  {"params": [p for p in shared if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
-                  {"params": list(self.residual.parameters()), "weight_decay": 0.0,
-                   "lr_scale": self.config.routing_lr_scale}]
+        groups = [
+            {"params": matrices, "weight_decay": weight_decay, "lr_scale": 1.0},
+            {"params": [p for p in shared if p.dim() < 2], "weight_decay": 0.0, "lr_scale": 1.0},
+            {"params": list(self.residual.parameters()), "weight_decay": 0.0, "lr_scale": self.config.routing_lr_scale},
+        ]
         if routers:  # never decayed (decay pulls every score to 1/2); before the routing group, which may be
             # empty: torch.distributed.checkpoint restores an empty group's settings only as the last group
             groups.insert(2, {"params": routers, "weight_decay": 0.0, "lr_scale": self.config.moe_router_lr_scale})
@@ -1661,8 +1764,9 @@ class GPT(nn.Module):
         if optimizer == "adamw":
             return adamw
         scale = muon_learning_rate / learning_rate
-        muon = torch.optim.Muon([{"params": hidden, "lr_scale": scale}], lr=muon_learning_rate,
-                                weight_decay=weight_decay / scale)
+        muon = torch.optim.Muon(
+            [{"params": hidden, "lr_scale": scale}], lr=muon_learning_rate, weight_decay=weight_decay / scale
+        )
         return MuonAdamW(adamw, muon)
 
     def flops_per_token(self, seq_len):
@@ -1674,7 +1778,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         for _ in range(max_new_tokens):
-            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
             logits, _ = self(idx_cond)
             logits = logits[:, -1, :] / temperature
             if top_k is not None:

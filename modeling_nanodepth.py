@@ -43,7 +43,9 @@ class NanodepthForCausalLM(PreTrainedModel, GenerationMixin):
         """Every weight comes from model.safetensors; what it does not hold, GPT's rotary tables (buffers
         it computes), is computed again here (transformers builds the model on the meta device)."""
         if hasattr(module, "rotary_cos"):
-            cos, sin = rotary_tables(module.rotary_cos.size(-1), self.config.gpt.get("block_size", GPTConfig.block_size))
+            cos, sin = rotary_tables(
+                module.rotary_cos.size(-1), self.config.gpt.get("block_size", GPTConfig.block_size)
+            )
             module.rotary_cos.copy_(cos)
             module.rotary_sin.copy_(sin)
 
@@ -61,6 +63,7 @@ class NanodepthForCausalLM(PreTrainedModel, GenerationMixin):
         logits = self.gpt.lm_head(self.gpt.hidden(input_ids))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         return CausalLMOutput(loss=loss, logits=logits)

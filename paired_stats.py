@@ -19,7 +19,7 @@ import numpy as np
 from scipy import optimize, stats
 
 ALPHA, POWER = 0.05, 0.8  # the paired tests' two-sided level, and the power a grid is sized for
-MAX_SEEDS = 2 ** 30  # the seeds needed to detect an effect are searched no further
+MAX_SEEDS = 2**30  # the seeds needed to detect an effect are searched no further
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 10_000, 0  # the two-way bootstrap of text_uncertainty
 FEW_SEQUENCES = 100  # below this many validation sequences the text's share is estimated from little text
 # the fewest seeds at which the two-way bootstrap's 95% interval covers the true mean about 95% of the time, as
@@ -54,8 +54,17 @@ def paired_statistics(deltas, higher_is_better=False):
         p_sign = float(stats.binomtest(wins, wins + losses, 0.5).pvalue)
     else:  # all ties: no evidence either way; no seeds: nothing to test
         p_sign = 1.0 if n else float("nan")
-    return dict(deltas=d.tolist(), n=n, wins=wins, mean=mean, std=std, ci95=ci95, p_ttest=p_ttest, p_sign=p_sign,
-                identical=identical)
+    return dict(
+        deltas=d.tolist(),
+        n=n,
+        wins=wins,
+        mean=mean,
+        std=std,
+        ci95=ci95,
+        p_ttest=p_ttest,
+        p_sign=p_sign,
+        identical=identical,
+    )
 
 
 def draw_counts(rng, resamples, k):
@@ -82,26 +91,35 @@ def text_uncertainty(deltas, resamples=BOOTSTRAP_RESAMPLES):
     for start in range(0, resamples, chunk):
         b = min(chunk, resamples - start)
         seed_counts, sequence_counts = (draw_counts(rng, b, k) for k in (n, m))  # how often each is drawn
-        means[start:start + b] = ((seed_counts @ d) * sequence_counts).sum(1) / (n * m)
+        means[start : start + b] = ((seed_counts @ d) * sequence_counts).sum(1) / (n * m)
     seed_means, sequence_means, mean = d.mean(1), d.mean(0), d.mean()
     interaction = d - seed_means[:, None] - sequence_means[None, :] + mean
     mean_square_seed = m * ((seed_means - mean) ** 2).sum() / (n - 1)
     mean_square_text = n * ((sequence_means - mean) ** 2).sum() / (m - 1)
-    mean_square_interaction = (interaction ** 2).sum() / ((n - 1) * (m - 1))
-    variance = dict(seeds=max(0.0, mean_square_seed - mean_square_interaction) / m / n,  # each over the mean's n, m
-                    text=max(0.0, mean_square_text - mean_square_interaction) / n / m,
-                    seed_x_text=mean_square_interaction / (n * m))
+    mean_square_interaction = (interaction**2).sum() / ((n - 1) * (m - 1))
+    variance = dict(
+        seeds=max(0.0, mean_square_seed - mean_square_interaction) / m / n,  # each over the mean's n, m
+        text=max(0.0, mean_square_text - mean_square_interaction) / n / m,
+        seed_x_text=mean_square_interaction / (n * m),
+    )
     total = sum(variance.values())
     half = stats.t.ppf(0.975, n - 1) * math.sqrt(total)
     # every delta the same (an arm that computes what the reference does): no variance, and so no interval, rather
     # than one of zero width that would claim the mean exactly
     identical = bool((d == d.flat[0]).all())
     undefined = [float("nan")] * 2
-    return dict(n=n, sequences=m, mean=float(mean), identical=identical,
-                ci95_t=undefined if identical else [float(mean - half), float(mean + half)],
-                ci95=undefined if identical else [float(q) for q in np.quantile(means, [0.025, 0.975])],
-                bootstrap_sd=float(means.std()), resamples=resamples, variance={k: float(v) for k, v in variance.items()},
-                share={k: float(v / total) if total > 0 else float("nan") for k, v in variance.items()})
+    return dict(
+        n=n,
+        sequences=m,
+        mean=float(mean),
+        identical=identical,
+        ci95_t=undefined if identical else [float(mean - half), float(mean + half)],
+        ci95=undefined if identical else [float(q) for q in np.quantile(means, [0.025, 0.975])],
+        bootstrap_sd=float(means.std()),
+        resamples=resamples,
+        variance={k: float(v) for k, v in variance.items()},
+        share={k: float(v / total) if total > 0 else float("nan") for k, v in variance.items()},
+    )
 
 
 def perplexity_change(mean):
@@ -141,7 +159,7 @@ def seeds_needed(effect_in_sd):
 
 def sign_test_min_p(untied):
     """The smallest two-sided p the sign test can give with this many untied seeds (all of them wins)."""
-    return min(1.0, 2 * 0.5 ** untied) if untied else float("nan")
+    return min(1.0, 2 * 0.5**untied) if untied else float("nan")
 
 
 SIGN_TEST_SEEDS = next(k for k in itertools.count(1) if sign_test_min_p(k) < ALPHA)  # 6 at ALPHA = 0.05
@@ -153,8 +171,16 @@ def power_analysis(st, effect):
     size effect, and the smallest p the sign test can reach; notes say what cannot be computed and why."""
     n, std = st["n"], st["std"]
     untied = sum(d != 0 for d in st["deltas"])
-    power = dict(effect=effect, alpha=ALPHA, power=POWER, std=std, detectable_effect=None, seeds_needed=None,
-                 sign_test_min_p=sign_test_min_p(untied), notes=[])
+    power = dict(
+        effect=effect,
+        alpha=ALPHA,
+        power=POWER,
+        std=std,
+        detectable_effect=None,
+        seeds_needed=None,
+        sign_test_min_p=sign_test_min_p(untied),
+        notes=[],
+    )
     if n < 2:
         power["notes"].append(f"n = {n}: no s.d. of the deltas to size the t-test from")
     elif std == 0:
@@ -167,9 +193,11 @@ def power_analysis(st, effect):
         if power["seeds_needed"] is None:
             power["notes"].append(f"a delta of {effect:g} nats needs more than {MAX_SEEDS} seeds at this s.d.")
     if untied and untied < SIGN_TEST_SEEDS:
-        power["notes"].append(f"the sign test cannot reach p < {ALPHA:g} at {untied} seed{'s' * (untied > 1)}"
-                              f"{' (ties left out)' if untied < n else ''}: its smallest p is "
-                              f"{power['sign_test_min_p']:.3g}; it needs {SIGN_TEST_SEEDS}")
+        power["notes"].append(
+            f"the sign test cannot reach p < {ALPHA:g} at {untied} seed{'s' * (untied > 1)}"
+            f"{' (ties left out)' if untied < n else ''}: its smallest p is "
+            f"{power['sign_test_min_p']:.3g}; it needs {SIGN_TEST_SEEDS}"
+        )
     return power
 
 
@@ -184,7 +212,9 @@ def quoted_interval(st):
     if st["identical"] or text.get("identical"):
         return None, "every seed has the same delta: no interval"
     if "ci95" in text and text["n"] >= BOOTSTRAP_CALIBRATED_SEEDS:
-        return text["ci95"], f"two-way bootstrap over seeds and text, calibrated from {BOOTSTRAP_CALIBRATED_SEEDS} seeds"
+        return text[
+            "ci95"
+        ], f"two-way bootstrap over seeds and text, calibrated from {BOOTSTRAP_CALIBRATED_SEEDS} seeds"
     if "ci95_t" in text:
         return text["ci95_t"], "t over seeds and text"
     return st["ci95"], "t over seeds"

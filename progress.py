@@ -35,22 +35,31 @@ class CellLog:
                 raise self.cannot_write(e) from None
             if cell.wandb_log:
                 import wandb
+
                 group = cell.wandb_run_name or os.path.basename(os.path.abspath(cell.out_dir))
-                self.run = wandb.init(project=cell.wandb_project, group=group,
-                                      name=f"{group}/{cell.arm}/seed{cell.seed}", config=config,
-                                      **(dict(id=state.wandb_id, resume="allow") if state.wandb_id else {}))
+                self.run = wandb.init(
+                    project=cell.wandb_project,
+                    group=group,
+                    name=f"{group}/{cell.arm}/seed{cell.seed}",
+                    config=config,
+                    **(dict(id=state.wandb_id, resume="allow") if state.wandb_id else {}),
+                )
                 state.wandb_id = self.run.id
             if state.step == 0:
                 active = f" ({model.num_params(active=True) / 1e6:.2f}M active)" if model.moes() else ""
-                print(f"{self.prefix} {model.num_params() / 1e6:.2f}M non-embedding parameters{active}, "
-                      f"{self.tokens_per_step:,} tokens/step, {cell.max_iters} steps")
+                print(
+                    f"{self.prefix} {model.num_params() / 1e6:.2f}M non-embedding parameters{active}, "
+                    f"{self.tokens_per_step:,} tokens/step, {cell.max_iters} steps"
+                )
         # durations from the monotonic clock: a wall clock set back or forward mid-cell (NTP, a laptop's
         # sleep, a time zone fix) would give negative or days-long step and wall times
         self.t_start = self.t_last = time.monotonic()
 
     def cannot_write(self, e):
-        return DataError(f"cannot write {self.path} ({e.strerror or e}); the cell's last checkpoint is kept: free disk "
-                         f"space, then run the same command again to resume from it")
+        return DataError(
+            f"cannot write {self.path} ({e.strerror or e}); the cell's last checkpoint is kept: free disk "
+            f"space, then run the same command again to resume from it"
+        )
 
     def write(self, entry, **file_only):
         if not self.runtime.master:
@@ -66,18 +75,29 @@ class CellLog:
     def evaluated(self, step, val_loss, routing, seconds):
         if self.runtime.master:
             print(f"{self.prefix} step {step}: val_loss {val_loss:.4f}")
-        self.write(dict(step=step, tokens=step * self.tokens_per_step, val_loss=val_loss, eval_s=round(seconds, 3)),
-                   routing=routing)
+        self.write(
+            dict(step=step, tokens=step * self.tokens_per_step, val_loss=val_loss, eval_s=round(seconds, 3)),
+            routing=routing,
+        )
 
     def downstream(self, step, scores, seconds):
         """The CORE score and mean bits per byte at step (downstream.evaluate_tasks), and each task's."""
         if self.runtime.master:
-            print(f"{self.prefix} step {step}: CORE {scores['core']:.4f}, {scores['bits_per_byte']:.4f} bits per byte "
-                  f"over {len(scores['tasks'])} tasks")
-        self.write(dict(step=step, tokens=step * self.tokens_per_step, core=scores["core"],
-                        bits_per_byte=scores["bits_per_byte"], eval_s=round(seconds, 3),
-                        centered={label: task["centered"] for label, task in scores["tasks"].items()},
-                        task_bits_per_byte={label: task["bits_per_byte"] for label, task in scores["tasks"].items()}))
+            print(
+                f"{self.prefix} step {step}: CORE {scores['core']:.4f}, {scores['bits_per_byte']:.4f} bits per byte "
+                f"over {len(scores['tasks'])} tasks"
+            )
+        self.write(
+            dict(
+                step=step,
+                tokens=step * self.tokens_per_step,
+                core=scores["core"],
+                bits_per_byte=scores["bits_per_byte"],
+                eval_s=round(seconds, 3),
+                centered={label: task["centered"] for label, task in scores["tasks"].items()},
+                task_bits_per_byte={label: task["bits_per_byte"] for label, task in scores["tasks"].items()},
+            )
+        )
 
     def paused(self, seconds):
         """seconds not spent training (an evaluation and its checkpoint): kept out of the step time."""
@@ -92,12 +112,27 @@ class CellLog:
         mfu = self.flops_per_step / dt / self.runtime.peak_flops if self.runtime.peak_flops and dt else None
         tokens_per_s = self.tokens_per_step / dt if dt else None
         if self.runtime.master:
-            print(f"{self.prefix} step {step}/{self.cell.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
-                  f"{dt * 1000:.1f} ms/step | " + (f"{tokens_per_s:,.0f}" if tokens_per_s else "?") + " tok/s"
-                  + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
-                  + f" | left: cell {duration(eta_cell)}, grid {duration(eta_grid)}")
-        self.write(dict(step=step, tokens=step * self.tokens_per_step, loss=loss, lr=lr, ms_per_step=dt * 1000,
-                        tokens_per_s=tokens_per_s, mfu=mfu, eta_cell_s=round(eta_cell, 1), eta_grid_s=round(eta_grid, 1)))
+            print(
+                f"{self.prefix} step {step}/{self.cell.max_iters} | loss {loss:.4f} | lr {lr:.2e} | "
+                f"{dt * 1000:.1f} ms/step | "
+                + (f"{tokens_per_s:,.0f}" if tokens_per_s else "?")
+                + " tok/s"
+                + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
+                + f" | left: cell {duration(eta_cell)}, grid {duration(eta_grid)}"
+            )
+        self.write(
+            dict(
+                step=step,
+                tokens=step * self.tokens_per_step,
+                loss=loss,
+                lr=lr,
+                ms_per_step=dt * 1000,
+                tokens_per_s=tokens_per_s,
+                mfu=mfu,
+                eta_cell_s=round(eta_cell, 1),
+                eta_grid_s=round(eta_grid, 1),
+            )
+        )
         self.t_last = time.monotonic()
 
     def wall_time_s(self):
@@ -135,9 +170,11 @@ class TimeLeft:
         self.rates[arm] = (step_s, eval_s)
         cell = (n - step) * step_s + evals_after(step, n, k) * eval_s
         here = (arm, self.cell.seed)
-        later = self.todo[self.todo.index(here) + 1:] if here in self.todo else []
-        grid = cell + sum(self.rates.get(a, self.rates[arm])[0] * n + self.rates.get(a, self.rates[arm])[1]
-                          * evals_after(-1, n, k) for a, _ in later)
+        later = self.todo[self.todo.index(here) + 1 :] if here in self.todo else []
+        grid = cell + sum(
+            self.rates.get(a, self.rates[arm])[0] * n + self.rates.get(a, self.rates[arm])[1] * evals_after(-1, n, k)
+            for a, _ in later
+        )
         return cell, grid
 
 

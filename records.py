@@ -24,10 +24,17 @@ import torch
 from common import ConfigError, cannot_write, temporary_name, write_json
 from configurator import coerce
 from data.shards import TOKENIZERS
+
 # a cell's files are read in grid_files.py; train.py, cells.py, launch.py, progress.py and analyze.py still
 # call these records.<name> (describe_done for cells.py only) until they read through grid_files
-from grid_files import (RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result,  # noqa: F401
-                        describe_done, read_record)
+from grid_files import (
+    RESULT_REMEDY,
+    as_compared,
+    cell_dir,
+    check_owner,
+    check_result,  # noqa: F401
+    read_record,
+)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,9 +52,25 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 # keys that do not change a cell's result: left out of its pairing settings and of the rerun check.
 # data_dir: where the shards lie is not what they hold (train_data_sha256, val_hash and data_hash are);
 # wandb_*: a copy of the log elsewhere; downstream_*: an evaluation in eval mode, which draws no random numbers
-NOT_RESULT_KEYS = ("arm", "seed", "arms", "seeds", "reference_arm", "out_dir", "data_dir", "log_interval",
-                   "eval_batch_size", "verify_shards", "allow_changes", "wandb_log", "wandb_project", "wandb_run_name",
-                   "downstream_bundle", "downstream_interval", "downstream_max_per_task")
+NOT_RESULT_KEYS = (
+    "arm",
+    "seed",
+    "arms",
+    "seeds",
+    "reference_arm",
+    "out_dir",
+    "data_dir",
+    "log_interval",
+    "eval_batch_size",
+    "verify_shards",
+    "allow_changes",
+    "wandb_log",
+    "wandb_project",
+    "wandb_run_name",
+    "downstream_bundle",
+    "downstream_interval",
+    "downstream_max_per_task",
+)
 # the code that computes a result: the model, the runtime (TF32, deterministic kernels), the step, the data
 # order, a cell's init and what a resume restores (fingerprinted per definition, without comments, docstrings
 # and messages: code_record). The report, the config checks here, downloads, the log (progress.py) and these
@@ -56,12 +79,23 @@ CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py",
 # Definitions of CODE_FILES that decide where a run finds its data, when the grid's report is written and how a
 # tool opens a trained cell, never what a cell computes (the data is fingerprinted on its own, data_hash): the code
 # comparisons leave them out, so fixing or moving one locks no grid. Name here only what cannot change a number.
-NOT_COMPUTING = frozenset({"resolve_data_dir", "find_data", "prepare_bundled_or_wait", "write_report", "REPORT_WAIT_S",
-                           "load_cell", "TrainedCell", "open_trained"})
+NOT_COMPUTING = frozenset(
+    {
+        "resolve_data_dir",
+        "find_data",
+        "prepare_bundled_or_wait",
+        "write_report",
+        "REPORT_WAIT_S",
+        "load_cell",
+        "TrainedCell",
+        "open_trained",
+    }
+)
 
 
 # -----------------------------------------------------------------------------
 # config checks
+
 
 def model_config(cfg, settings):
     """The model of one arm: the run's model keys, overridden by the arm's. A scheme's own option
@@ -88,8 +122,11 @@ def cell_config(cfg, arm, seed):
 
 def pairing_settings(cell, arm_settings):
     """What must be equal across the arms of a seed: the result-changing keys the arm does not set."""
-    return {k: v for k, v in cell.items()
-            if k not in NOT_RESULT_KEYS and k not in arm_settings and not foreign_option(k, cell["residual"])}
+    return {
+        k: v
+        for k, v in cell.items()
+        if k not in NOT_RESULT_KEYS and k not in arm_settings and not foreign_option(k, cell["residual"])
+    }
 
 
 def typed_arms(cfg):
@@ -98,14 +135,20 @@ def typed_arms(cfg):
     arms = {}
     for arm, settings in cfg["arms"].items():
         if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm.endswith(OUT_DIR_SUFFIXES):
-            raise ConfigError(f"arm name {arm!r}: use letters, digits, '_', '.' and '-' (not first), not ending in "
-                              f"{', '.join(OUT_DIR_SUFFIXES)} (the grid's own files in out_dir)")
+            raise ConfigError(
+                f"arm name {arm!r}: use letters, digits, '_', '.' and '-' (not first), not ending in "
+                f"{', '.join(OUT_DIR_SUFFIXES)} (the grid's own files in out_dir)"
+            )
         if len(arm) > ARM_NAME_MAX:
-            raise ConfigError(f"arm name {arm[:20]}... is {len(arm)} characters; use at most {ARM_NAME_MAX} (it names "
-                              f"a folder, and the report's files)")
+            raise ConfigError(
+                f"arm name {arm[:20]}... is {len(arm)} characters; use at most {ARM_NAME_MAX} (it names "
+                f"a folder, and the report's files)"
+            )
         if not isinstance(settings, dict) or set(settings) - set(MODEL_KEYS + ARM_LEARNING_RATES):
-            raise ConfigError(f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)}) or "
-                              f"learning rates ({', '.join(ARM_LEARNING_RATES)})")
+            raise ConfigError(
+                f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)}) or "
+                f"learning rates ({', '.join(ARM_LEARNING_RATES)})"
+            )
         arms[arm] = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS.get(k, cfg.get(k))) for k, v in settings.items()}
     return arms
 
@@ -118,10 +161,18 @@ def check_config(cfg, world, command_line=()):
         if isinstance(value, str) and "\0" in value:  # os calls raise ValueError on it, mid-run
             raise ConfigError(f"{key}={value!r} holds a NUL byte; give it without one")
     if not cfg["out_dir"] or not cfg["data_dir"]:
-        raise ConfigError(f"{'out_dir' if not cfg['out_dir'] else 'data_dir'} is empty; give a folder, e.g. "
-                          f"--out_dir=out or --data_dir=data/shakespeare_bytes")
-    for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "log_interval",
-                "eval_batch_size"):
+        raise ConfigError(
+            f"{'out_dir' if not cfg['out_dir'] else 'data_dir'} is empty; give a folder, e.g. "
+            f"--out_dir=out or --data_dir=data/shakespeare_bytes"
+        )
+    for key in (
+        "batch_size",
+        "gradient_accumulation_steps",
+        "max_iters",
+        "eval_interval",
+        "log_interval",
+        "eval_batch_size",
+    ):
         if cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")
     for key in ("weight_decay", "grad_clip", "warmup_iters"):
@@ -137,10 +188,14 @@ def check_config(cfg, world, command_line=()):
     if not seeds or any(type(s) is not int or s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"seeds={seeds!r}: give distinct non-negative integers, e.g. --seeds=0,1,2")
     if not isinstance(cfg["arms"], dict) or not cfg["arms"]:
-        raise ConfigError("arms is empty; give at least one arm, e.g. --arms=standard,attnres (scheme names) "
-                          "or arms = {'standard': {}}")
+        raise ConfigError(
+            "arms is empty; give at least one arm, e.g. --arms=standard,attnres (scheme names) "
+            "or arms = {'standard': {}}"
+        )
     if cfg["residual"] not in RESIDUALS:
-        raise ConfigError(f"residual={cfg['residual']!r} is not a residual scheme; choose one of {', '.join(RESIDUALS)}")
+        raise ConfigError(
+            f"residual={cfg['residual']!r} is not a residual scheme; choose one of {', '.join(RESIDUALS)}"
+        )
     arms = typed_arms(cfg)  # as train.build_config records them (cfg itself is not changed)
     for arm, settings in arms.items():
         for key, value in settings.items():
@@ -151,17 +206,22 @@ def check_config(cfg, world, command_line=()):
             raise ConfigError(f"arm {arm!r}: {e}") from None
         check_learning_rates(cfg | settings, settings, f"arm {arm!r}: ", config)
         if not config.moe_bias_rate * cfg["max_iters"] <= FLOAT32_MAX:  # the bias moves by the rate each step
-            raise ConfigError(f"arm {arm!r}: moe_bias_rate={config.moe_bias_rate:.3g} is too large: over max_iters="
-                              f"{cfg['max_iters']} steps the balancing bias can reach {config.moe_bias_rate * cfg['max_iters']:.3g}, "
-                              f"beyond float32 ({FLOAT32_MAX:.3g}); lower it (DeepSeek-V3 used 1e-3)")
+            raise ConfigError(
+                f"arm {arm!r}: moe_bias_rate={config.moe_bias_rate:.3g} is too large: over max_iters="
+                f"{cfg['max_iters']} steps the balancing bias can reach {config.moe_bias_rate * cfg['max_iters']:.3g}, "
+                f"beyond float32 ({FLOAT32_MAX:.3g}); lower it (DeepSeek-V3 used 1e-3)"
+            )
         if cfg["eval_tokens"] < config.block_size + 1:
-            raise ConfigError(f"eval_tokens={cfg['eval_tokens']} is less than one sequence of block_size+1 = "
-                              f"{config.block_size + 1} tokens" + (f" (arm {arm!r})" if "block_size" in settings else ""))
+            raise ConfigError(
+                f"eval_tokens={cfg['eval_tokens']} is less than one sequence of block_size+1 = "
+                f"{config.block_size + 1} tokens" + (f" (arm {arm!r})" if "block_size" in settings else "")
+            )
         unused = unused_settings(cfg, config)
         for key in settings:  # what the arm sets itself; its value from the run is recorded for every arm alike
             if key in unused and settings[key] != cfg[key]:
-                raise ConfigError(f"arm {arm!r}: {key}={settings[key]!r} changes nothing: {unused[key]}; drop it "
-                                  f"from the arm")
+                raise ConfigError(
+                    f"arm {arm!r}: {key}={settings[key]!r} changes nothing: {unused[key]}; drop it from the arm"
+                )
     for key in command_line:
         unused = [unused_settings(cfg, model_config(cfg, s)).get(key) for s in arms.values()]
         if all(unused):
@@ -171,37 +231,53 @@ def check_config(cfg, world, command_line=()):
             continue
         overriding = [arm for arm, settings in arms.items() if key in settings and settings[key] != cfg[key]]
         if overriding and len(overriding) == len(arms):
-            way = (f"--arms={cfg[key]} (scheme names are arms)" if key == "residual" else
-                   f"--arms=\"{{'name': {{'{key}': {cfg[key]!r}}}}}\" to set it per arm")
-            raise ConfigError(f"--{key}={cfg[key]!r} is overridden by every arm ({', '.join(overriding)} set {key}); "
-                              f"use {way}")
-        if foreign_option(key, cfg["residual"]) and not any(not foreign_option(key, model_config(cfg, s).residual)
-                                                              for s in arms.values()):
-            raise ConfigError(f"--{key}={cfg[key]!r} is an option of residual="
-                              f"{' or '.join(option_owners(key))}, which no arm trains")
+            way = (
+                f"--arms={cfg[key]} (scheme names are arms)"
+                if key == "residual"
+                else f"--arms=\"{{'name': {{'{key}': {cfg[key]!r}}}}}\" to set it per arm"
+            )
+            raise ConfigError(
+                f"--{key}={cfg[key]!r} is overridden by every arm ({', '.join(overriding)} set {key}); use {way}"
+            )
+        if foreign_option(key, cfg["residual"]) and not any(
+            not foreign_option(key, model_config(cfg, s).residual) for s in arms.values()
+        ):
+            raise ConfigError(
+                f"--{key}={cfg[key]!r} is an option of residual={' or '.join(option_owners(key))}, which no arm trains"
+            )
     if (cfg["batch_size"] * cfg["gradient_accumulation_steps"]) % world:
-        raise ConfigError(f"a step's batch_size x gradient_accumulation_steps = "
-                          f"{cfg['batch_size'] * cfg['gradient_accumulation_steps']} sequences do not split evenly "
-                          f"over {world} processes; change either, or the number of processes")
+        raise ConfigError(
+            f"a step's batch_size x gradient_accumulation_steps = "
+            f"{cfg['batch_size'] * cfg['gradient_accumulation_steps']} sequences do not split evenly "
+            f"over {world} processes; change either, or the number of processes"
+        )
     if cfg["lr_schedule"] not in ("cosine", "wsd"):
         raise ConfigError(f"lr_schedule={cfg['lr_schedule']!r}: choose cosine or wsd")
     if cfg["optimizer"] not in ("adamw", "muon"):
         raise ConfigError(f"optimizer={cfg['optimizer']!r}: choose adamw or muon")
     if cfg["optimizer"] == "muon" and not hasattr(torch.optim, "Muon"):
-        raise ConfigError(f"optimizer='muon' needs torch.optim.Muon (torch 2.9 or later), this is torch "
-                          f"{torch.__version__}; upgrade torch or use --optimizer=adamw")
+        raise ConfigError(
+            f"optimizer='muon' needs torch.optim.Muon (torch 2.9 or later), this is torch "
+            f"{torch.__version__}; upgrade torch or use --optimizer=adamw"
+        )
     if cfg["fsdp"] and world < 2:
-        raise ConfigError("fsdp=True shards the model over processes: run under torchrun with --nproc_per_node=2 "
-                          "or more, or set --fsdp=False")
+        raise ConfigError(
+            "fsdp=True shards the model over processes: run under torchrun with --nproc_per_node=2 "
+            "or more, or set --fsdp=False"
+        )
     if cfg["fsdp"] and cfg["optimizer"] == "muon":  # Newton-Schulz wants whole matrices, FSDP holds row shards
-        raise ConfigError("fsdp=True with optimizer='muon' is not supported (Muon orthogonalizes whole matrices, "
-                          "FSDP holds shards of them); use DDP (--fsdp=False) for Muon, or --optimizer=adamw")
+        raise ConfigError(
+            "fsdp=True with optimizer='muon' is not supported (Muon orthogonalizes whole matrices, "
+            "FSDP holds shards of them); use DDP (--fsdp=False) for Muon, or --optimizer=adamw"
+        )
     if cfg["wandb_log"]:
         check_wandb()
     references = cfg["reference_arm"].split(",") if cfg["reference_arm"] else []  # report.py's --reference
     if unknown := [r for r in references if r not in cfg["arms"]]:
-        raise ConfigError(f"reference_arm={cfg['reference_arm']!r}: {unknown[0]!r} is not an arm "
-                          f"({', '.join(cfg['arms'])}); name arms, comma-separated, e.g. --reference_arm=standard,scaled_residual")
+        raise ConfigError(
+            f"reference_arm={cfg['reference_arm']!r}: {unknown[0]!r} is not an arm "
+            f"({', '.join(cfg['arms'])}); name arms, comma-separated, e.g. --reference_arm=standard,scaled_residual"
+        )
     if len(set(references)) < len(references):
         raise ConfigError(f"reference_arm={cfg['reference_arm']!r} names an arm twice; name each reference once")
     check_downstream(cfg, [model_config(cfg, s).vocab_size for s in arms.values()])
@@ -217,8 +293,9 @@ def unused_settings(cfg, config):
     if cfg["lr_schedule"] != "wsd":
         unused["cooldown_frac"] = f"it applies under lr_schedule='wsd' (this run's is {cfg['lr_schedule']!r})"
     if not cfg["tune_learning_rates"]:
-        unused |= dict.fromkeys(("tune_seeds", "tune_iters"), "it applies to the tuned protocol, and "
-                                                              "tune_learning_rates is empty")
+        unused |= dict.fromkeys(
+            ("tune_seeds", "tune_iters"), "it applies to the tuned protocol, and tune_learning_rates is empty"
+        )
     if not RESIDUALS[config.residual].extra_params(config):
         unused["routing_lr_scale"] = f"residual={config.residual!r} has no routing parameters for it to scale"
     return unused
@@ -234,17 +311,30 @@ def notes(cfg, models):
         groups.setdefault((config.block_size, shared_shapes(config)), []).append(arm)
     if len(groups) > 1:
         configs = [[models[arm] for arm in arms] for arms in groups.values()]
-        why = [k for k in MODEL_KEYS if all(len({getattr(c, k) for c in group}) == 1 for group in configs)
-               and len({getattr(group[0], k) for group in configs}) > 1 and not option_owners(k) and k != "residual"]
-        effects = [effect for i, effect in enumerate(("other batches", "another init"))
-                   if len({group[i] for group in groups}) > 1]
-        said.append(f"note: arms {' | '.join(', '.join(arms) for arms in groups.values())} differ in "
-                    f"{', '.join(why) or 'the shapes of their shared weights'} ({' and '.join(effects)}): the report "
-                    f"pairs no arm with one of another group")
+        why = [
+            k
+            for k in MODEL_KEYS
+            if all(len({getattr(c, k) for c in group}) == 1 for group in configs)
+            and len({getattr(group[0], k) for group in configs}) > 1
+            and not option_owners(k)
+            and k != "residual"
+        ]
+        effects = [
+            effect
+            for i, effect in enumerate(("other batches", "another init"))
+            if len({group[i] for group in groups}) > 1
+        ]
+        said.append(
+            f"note: arms {' | '.join(', '.join(arms) for arms in groups.values())} differ in "
+            f"{', '.join(why) or 'the shapes of their shared weights'} ({' and '.join(effects)}): the report "
+            f"pairs no arm with one of another group"
+        )
     if cfg["warmup_iters"] > cfg["max_iters"]:
-        said.append(f"note: warmup_iters={cfg['warmup_iters']} is longer than max_iters={cfg['max_iters']}: the run "
-                    f"ends in its warmup, at {cfg['max_iters'] / cfg['warmup_iters']:.0%} of learning_rate, and never "
-                    f"decays to min_lr")
+        said.append(
+            f"note: warmup_iters={cfg['warmup_iters']} is longer than max_iters={cfg['max_iters']}: the run "
+            f"ends in its warmup, at {cfg['max_iters'] / cfg['warmup_iters']:.0%} of learning_rate, and never "
+            f"decays to min_lr"
+        )
     return said
 
 
@@ -262,26 +352,34 @@ def check_number(key, value, where):
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{where}{key}={value} must be a finite number")
     if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:
-        raise ConfigError(f"{where}{key}={value:.3g} is beyond float32 ({FLOAT32_MAX:.3g}), which the model and "
-                          f"optimizer compute in; lower it")
+        raise ConfigError(
+            f"{where}{key}={value:.3g} is beyond float32 ({FLOAT32_MAX:.3g}), which the model and "
+            f"optimizer compute in; lower it"
+        )
 
 
 def check_downstream(cfg, vocab_sizes):
     """The downstream_* settings (the bundle itself is read by train.main, before anything trains)."""
     bundle, interval, most = cfg["downstream_bundle"], cfg["downstream_interval"], cfg["downstream_max_per_task"]
     if interval < 0 or interval % cfg["eval_interval"]:
-        raise ConfigError(f"downstream_interval={interval} must be 0 (each cell's last step only) or a multiple of "
-                          f"eval_interval={cfg['eval_interval']}")
+        raise ConfigError(
+            f"downstream_interval={interval} must be 0 (each cell's last step only) or a multiple of "
+            f"eval_interval={cfg['eval_interval']}"
+        )
     if most < 0:
         raise ConfigError(f"downstream_max_per_task={most} must be at least 1, or 0 for every item")
     if bundle and not os.path.isfile(os.path.join(bundle, "core.yaml")):
-        raise ConfigError(f"downstream_bundle={bundle} holds no core.yaml; get the CORE bundle with python "
-                          f"downstream.py --download --bundle={bundle}, or leave downstream_bundle empty")
+        raise ConfigError(
+            f"downstream_bundle={bundle} holds no core.yaml; get the CORE bundle with python "
+            f"downstream.py --download --bundle={bundle}, or leave downstream_bundle empty"
+        )
     needed = TOKENIZERS[cfg["tokenizer"]].vocab_size if bundle and cfg.get("tokenizer") else 0
     if min(vocab_sizes) < needed:
-        raise ConfigError(f"vocab_size={min(vocab_sizes)} is below the {needed} ids of the data's {cfg['tokenizer']} "
-                          f"tokenizer: such a model cannot read the CORE tasks' text; leave vocab_size unset, or "
-                          f"downstream_bundle empty")
+        raise ConfigError(
+            f"vocab_size={min(vocab_sizes)} is below the {needed} ids of the data's {cfg['tokenizer']} "
+            f"tokenizer: such a model cannot read the CORE tasks' text; leave vocab_size unset, or "
+            f"downstream_bundle empty"
+        )
 
 
 def check_learning_rates(rates, given, where, config=None):
@@ -295,20 +393,26 @@ def check_learning_rates(rates, given, where, config=None):
     if not rates["min_lr"] >= 0:
         raise ConfigError(f"{where}min_lr={rates['min_lr']} must not be negative")
     if rates["min_lr"] > rates["learning_rate"]:
-        raise ConfigError(f"{where}min_lr={rates['min_lr']} is above learning_rate={rates['learning_rate']}: the "
-                          f"schedule decays from learning_rate down to min_lr; set min_lr at most learning_rate"
-                          + (" in the arm" if "min_lr" not in given and where else ""))
+        raise ConfigError(
+            f"{where}min_lr={rates['min_lr']} is above learning_rate={rates['learning_rate']}: the "
+            f"schedule decays from learning_rate down to min_lr; set min_lr at most learning_rate"
+            + (" in the arm" if "min_lr" not in given and where else "")
+        )
     lr = rates["learning_rate"]
     peaks = dict(learning_rate=lr, muon_learning_rate=rates["muon_learning_rate"])
     if config:  # the routing parameters and the MoE routers step at their multiple of learning_rate
         peaks |= {f"learning_rate x {k}": lr * getattr(config, k) for k in ("routing_lr_scale", "moe_router_lr_scale")}
     for name, peak in peaks.items():
         if not peak / (1 - rates["beta1"]) <= FLOAT32_MAX:
-            raise ConfigError(f"{where}{name} = {peak:.3g} is too large: its first step, lr / (1 - beta1) = "
-                              f"{peak / (1 - rates['beta1']):.3g}, is beyond float32 ({FLOAT32_MAX:.3g}); lower it")
+            raise ConfigError(
+                f"{where}{name} = {peak:.3g} is too large: its first step, lr / (1 - beta1) = "
+                f"{peak / (1 - rates['beta1']):.3g}, is beyond float32 ({FLOAT32_MAX:.3g}); lower it"
+            )
     if not lr * rates["weight_decay"] <= FLOAT32_MAX:  # AdamW and Muon both decay by lr x weight_decay per step
-        raise ConfigError(f"{where}learning_rate x weight_decay = {lr * rates['weight_decay']:.3g} is beyond float32 "
-                          f"({FLOAT32_MAX:.3g}): each step multiplies the weights by 1 minus it; lower weight_decay")
+        raise ConfigError(
+            f"{where}learning_rate x weight_decay = {lr * rates['weight_decay']:.3g} is beyond float32 "
+            f"({FLOAT32_MAX:.3g}): each step multiplies the weights by 1 minus it; lower weight_decay"
+        )
 
 
 def check_wandb():
@@ -324,8 +428,10 @@ def check_wandb():
     except (OSError, netrc.NetrcParseError):
         logged_in = False
     if not logged_in:
-        raise ConfigError(f"wandb_log=True but wandb has no login for {host} here: run `wandb login`, set "
-                          f"WANDB_API_KEY, or WANDB_MODE=offline (wandb sync later); or set --wandb_log=False")
+        raise ConfigError(
+            f"wandb_log=True but wandb has no login for {host} here: run `wandb login`, set "
+            f"WANDB_API_KEY, or WANDB_MODE=offline (wandb sync later); or set --wandb_log=False"
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -346,14 +452,23 @@ def strip_messages(tree):
     nothing but text). Rewording an error never locks a grid; an operator, a constant or a condition does."""
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             node.body = body[1:] or [ast.Pass()]
         if isinstance(node, ast.Assert):
             node.msg = None
-        message = node.exc if isinstance(node, ast.Raise) else node if isinstance(node, ast.Call) \
-            and call_name(node.func) in MESSAGE_CALLS else None
+        message = (
+            node.exc
+            if isinstance(node, ast.Raise)
+            else node
+            if isinstance(node, ast.Call) and call_name(node.func) in MESSAGE_CALLS
+            else None
+        )
         if isinstance(message, ast.Call):  # the exception's class, or the function called, stays
             message.args, message.keywords = [], []
     return tree
@@ -367,8 +482,13 @@ def bound_name(node):
     """The name a top-level statement defines (an assignment's targets, joined), or None."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return node.name
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
-        if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+    targets = (
+        node.targets
+        if isinstance(node, ast.Assign)
+        else [node.target]
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+        else []
+    )
     return ", ".join(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)) or None
 
 
@@ -392,7 +512,9 @@ def code_record():
                 continue
             statements.setdefault(name, []).append(ast.dump(node))
             references.setdefault(name, set()).update(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
-    definitions = {name: hashlib.sha256("\n".join(dumps).encode()).hexdigest()[:16] for name, dumps in statements.items()}
+    definitions = {
+        name: hashlib.sha256("\n".join(dumps).encode()).hexdigest()[:16] for name, dumps in statements.items()
+    }
     registered = {cls.__name__ for cls in RESIDUALS.values()}
     shared = {c for name, refs in references.items() if name not in registered for c in refs & registered}
 
@@ -404,34 +526,46 @@ def code_record():
                 used.add(name)
                 todo += sorted(references.get(name, set()) & registered)
         return sorted(used | shared)
+
     schemes = {name: classes(cls) for name, cls in RESIDUALS.items()}
     fingerprint = hashlib.sha256(json.dumps([definitions, schemes], sort_keys=True).encode()).hexdigest()
 
     def git(*args):
         try:
-            return subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True, timeout=30,
-                                  check=True).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", HERE, *args], capture_output=True, text=True, timeout=30, check=True
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
+
     commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    return dict(fingerprint=fingerprint, definitions=definitions, schemes=schemes, git_commit=commit,
-                git_dirty=None if status is None else status != "")
+    return dict(
+        fingerprint=fingerprint,
+        definitions=definitions,
+        schemes=schemes,
+        git_commit=commit,
+        git_dirty=None if status is None else status != "",
+    )
 
 
 def code_changes(old, new, schemes):
     """The definitions that differ between two code records (code_record) for a run of these schemes:
     every definition but the registry's classes that none of them computes with. A record of an
     earlier version (one fingerprint per file) compares as a whole."""
-    if not all(isinstance(r, dict) and isinstance(r.get("definitions"), dict) and isinstance(r.get("schemes"), dict)
-               for r in (old, new)):
+    if not all(
+        isinstance(r, dict) and isinstance(r.get("definitions"), dict) and isinstance(r.get("schemes"), dict)
+        for r in (old, new)
+    ):
         same = isinstance(old, dict) and isinstance(new, dict) and old.get("fingerprint") == new.get("fingerprint")
         return [] if same else ["all of it: recorded per file by an earlier version"]
     registered = {c for r in (old, new) for used in r["schemes"].values() for c in used}
     used = {c for r in (old, new) for s in schemes for c in r["schemes"].get(s, ())}
     before, now = old["definitions"], new["definitions"]
-    return ([name for name in sorted((set(before) | set(now)) - NOT_COMPUTING) if before.get(name) != now.get(name)
-             and (name not in registered or name in used)]
-            + [f"RESIDUALS[{s!r}]" for s in sorted(schemes) if old["schemes"].get(s) != new["schemes"].get(s)])
+    return [
+        name
+        for name in sorted((set(before) | set(now)) - NOT_COMPUTING)
+        if before.get(name) != now.get(name) and (name not in registered or name in used)
+    ] + [f"RESIDUALS[{s!r}]" for s in sorted(schemes) if old["schemes"].get(s) != new["schemes"].get(s)]
 
 
 def code_fingerprints(code, scheme):
@@ -439,18 +573,21 @@ def code_fingerprints(code, scheme):
     scheme's (its classes, as code_record lists them). The arms of a seed pair on the first."""
     own = set(code["schemes"].get(scheme, ()))
     registered = {c for used in code["schemes"].values() for c in used}
-    digest = lambda names: hashlib.sha256(json.dumps({n: code["definitions"].get(n) for n in sorted(names)})
-                                          .encode()).hexdigest()
+    digest = lambda names: hashlib.sha256(
+        json.dumps({n: code["definitions"].get(n) for n in sorted(names)}).encode()
+    ).hexdigest()
     return digest(set(code["definitions"]) - registered - NOT_COMPUTING), digest(own)
 
 
 def run_schemes(*records):
     """The schemes the runs of these records train: a cell's own, or every arm's of a grid."""
+
     def of(record):
         if "arm" in record:
             return [record.get("residual")]
         arms = record.get("arms") if isinstance(record.get("arms"), dict) else {}
         return [s.get("residual", record.get("residual")) for s in arms.values() if isinstance(s, dict)]
+
     return {s for r in records for s in of(r) if isinstance(s, str)}
 
 
@@ -458,8 +595,11 @@ def differences(old, new):
     """{key: [recorded, now]} over the keys that change a result, 'code' for the code fingerprint
     (when code_changes finds a definition the run computes with changed)."""
     skip = NOT_RESULT_KEYS + ("model", "code", "changes", "machine")  # machine: provenance (cells.open_cell)
-    diff = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
-            if k not in skip and as_compared(k, old.get(k)) != as_compared(k, new.get(k))}
+    diff = {
+        k: [old.get(k), new.get(k)]
+        for k in sorted(set(old) | set(new))
+        if k not in skip and as_compared(k, old.get(k)) != as_compared(k, new.get(k))
+    }
     old_arms, new_arms = old.get("arms"), new.get("arms")
     if isinstance(old_arms, dict) and isinstance(new_arms, dict):
         for arm in set(old_arms) & set(new_arms):
@@ -480,6 +620,7 @@ def described_changes(old, new, schemes):
 # -----------------------------------------------------------------------------
 # the rerun check: one for every record a run goes on from
 
+
 def check_rerun(path, old, new, allow):
     """
     The rerun check, for each record a run goes on from: the grid's config.json (GridRecord), a
@@ -492,15 +633,24 @@ def check_rerun(path, old, new, allow):
     diff = differences(old, new)
     if diff and not allow:
         short = lambda v: repr(v) if len(repr(v)) <= 40 else "..."
-        named = ", ".join(f"code changed ({described_changes(old.get('code'), new['code'], run_schemes(old, new))})"
-                          if k == "code" else f"{k} ({short(a)} -> {short(b)})" for k, (a, b) in diff.items())
+        named = ", ".join(
+            f"code changed ({described_changes(old.get('code'), new['code'], run_schemes(old, new))})"
+            if k == "code"
+            else f"{k} ({short(a)} -> {short(b)})"
+            for k, (a, b) in diff.items()
+        )
         recorded = old.get("code") if isinstance(old.get("code"), dict) else {}
-        at = f" (the code of git commit {recorded['git_commit'][:12]}{', plus uncommitted edits' if recorded.get('git_dirty') else ''})" \
-            if "code" in diff and recorded.get("git_commit") else ""
-        raise ConfigError(f"{path} was made with other settings: {named}; rerun with the recorded ones{at}, use a new "
-                          f"--out_dir for the new ones, or add --allow_changes=True to go on here (recorded in every "
-                          f"cell it touches; the report pairs a seed only where its arms' records agree, and names "
-                          f"seeds trained under other versions)")
+        at = (
+            f" (the code of git commit {recorded['git_commit'][:12]}{', plus uncommitted edits' if recorded.get('git_dirty') else ''})"  # noqa: E501
+            if "code" in diff and recorded.get("git_commit")
+            else ""
+        )
+        raise ConfigError(
+            f"{path} was made with other settings: {named}; rerun with the recorded ones{at}, use a new "
+            f"--out_dir for the new ones, or add --allow_changes=True to go on here (recorded in every "
+            f"cell it touches; the report pairs a seed only where its arms' records agree, and names "
+            f"seeds trained under other versions)"
+        )
     return diff
 
 
@@ -558,8 +708,13 @@ class GridRecord:
         seeds = recorded.get("seeds") if isinstance(recorded.get("seeds"), list) else []
         arms = recorded.get("arms") if isinstance(recorded.get("arms"), dict) else {}
         changes = recorded.get("changes") if isinstance(recorded.get("changes"), list) else []
-        return dict(cfg, arms=arms | cfg["arms"], seeds=seeds + [s for s in cfg["seeds"] if s not in seeds],
-                    code=self.code, changes=changes + ([self.change] if self.change else []))
+        return dict(
+            cfg,
+            arms=arms | cfg["arms"],
+            seeds=seeds + [s for s in cfg["seeds"] if s not in seeds],
+            code=self.code,
+            changes=changes + ([self.change] if self.change else []),
+        )
 
 
 def create_json(path, obj):
@@ -580,6 +735,7 @@ def create_json(path, obj):
 # -----------------------------------------------------------------------------
 # results
 
+
 def rounded(value):
     """Diagnostics as JSON: tensors to (nested) lists, numbers to 6 significant digits, non-finite to None."""
     if isinstance(value, dict):
@@ -591,8 +747,25 @@ def rounded(value):
     return float(f"{value:.6g}") if math.isfinite(value) else None
 
 
-def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, sequence_losses, diverged, routing,
-                 init_hash, data_hash, eval_tokens, changes, wall_time_s):
+def write_result(
+    path,
+    cell,
+    record,
+    model,
+    code,
+    *,
+    steps,
+    tokens,
+    val_loss,
+    sequence_losses,
+    diverged,
+    routing,
+    init_hash,
+    data_hash,
+    eval_tokens,
+    changes,
+    wall_time_s,
+):
     """result.json: how the cell ended, and the pairing record report.py compares across arms; returns it.
     pairing.arm_settings: what the arm sets itself (its model keys and learning rates), which may
     differ across the arms of a seed; pairing.settings: every other result-changing key, which may not.
@@ -601,29 +774,49 @@ def write_result(path, cell, record, model, code, *, steps, tokens, val_loss, se
     init_from = dict(path=cell["init_from"], sha256=cell["init_from_sha256"]) if cell["init_from"] else None
     arm_settings = cell["arms"][cell["arm"]]
     shared_code, scheme_code = code_fingerprints(code, cell["residual"])
-    pairing = dict(init_hash=init_hash, data_hash=data_hash, eval_tokens=eval_tokens, val_hash=record["val_hash"],
-                   code=shared_code, scheme_code=scheme_code, init_from=init_from, arm_settings=arm_settings,
-                   settings=pairing_settings(cell, arm_settings))
+    pairing = dict(
+        init_hash=init_hash,
+        data_hash=data_hash,
+        eval_tokens=eval_tokens,
+        val_hash=record["val_hash"],
+        code=shared_code,
+        scheme_code=scheme_code,
+        init_from=init_from,
+        arm_settings=arm_settings,
+        settings=pairing_settings(cell, arm_settings),
+    )
     if changes:
         pairing["changes"] = changes
     finished = not diverged
-    result = dict(arm=cell["arm"], seed=cell["seed"], status="finished" if finished else "diverged",
-                  val_loss=val_loss if finished else None,
-                  # the final evaluation per validation sequence (val_loss is their mean): the text's uncertainty
-                  val_sequence_losses=sequence_losses.tolist() if finished else None,
-                  # past exp(709) a perplexity is no float: null, as for a diverged cell
-                  val_ppl=math.exp(val_loss) if finished and val_loss < 709 else None,
-                  diverged_at=None if finished else steps, reason=diverged, tokens=tokens, steps=steps,
-                  params=model.num_params(non_embedding=False), non_embedding_params=model.num_params(),
-                  active_params=model.num_params(non_embedding=False, active=True),
-                  wall_time_s=round(wall_time_s, 3), routing=routing if finished else None,
-                  pairing=pairing, code=code, config=record)
+    result = dict(
+        arm=cell["arm"],
+        seed=cell["seed"],
+        status="finished" if finished else "diverged",
+        val_loss=val_loss if finished else None,
+        # the final evaluation per validation sequence (val_loss is their mean): the text's uncertainty
+        val_sequence_losses=sequence_losses.tolist() if finished else None,
+        # past exp(709) a perplexity is no float: null, as for a diverged cell
+        val_ppl=math.exp(val_loss) if finished and val_loss < 709 else None,
+        diverged_at=None if finished else steps,
+        reason=diverged,
+        tokens=tokens,
+        steps=steps,
+        params=model.num_params(non_embedding=False),
+        non_embedding_params=model.num_params(),
+        active_params=model.num_params(non_embedding=False, active=True),
+        wall_time_s=round(wall_time_s, 3),
+        routing=routing if finished else None,
+        pairing=pairing,
+        code=code,
+        config=record,
+    )
     write_json(path, result)
     return result
 
 
 # -----------------------------------------------------------------------------
 # what pairs: the shared init, the validation tokens, the train data
+
 
 def shared_init_hash(model):
     """sha256 of the shared (non-routing) parameters: equal across the arms of a seed, by design."""
@@ -637,7 +830,7 @@ def shared_init_hash(model):
 
 def validation_hash(val, eval_tokens, T):
     """sha256 of the validation tokens evaluated: the whole sequences of T + 1 in the first eval_tokens."""
-    return hashlib.sha256(np.ascontiguousarray(val[:(eval_tokens - 1) // T * T + 1])).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(val[: (eval_tokens - 1) // T * T + 1])).hexdigest()
 
 
 def train_data_fingerprint(train_paths, manifest):

@@ -34,9 +34,9 @@ import checkpoint
 import downstream
 import records
 import tune
-from cells import (DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, grid_cells, open_cell,
-                   rank0s, save_cell, seed_for, stop_on_signals, stop_requested, unfinished, write_report)
-from common import DataError, UserError, cell_lock, check_writable, read_lock
+from cells import DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, grid_cells, open_cell
+from cells import rank0s, save_cell, seed_for, stalled, stop_on_signals, stop_requested, unfinished, write_report
+from common import DataError, UserError, cell_lock, check_writable
 from configurator import configure
 from data.shards import data_vocab_size, find_data, open_data
 from machine import cpu_threads, exit_without_finalizing, resolve_compile, setup
@@ -110,6 +110,7 @@ SCHEME_ARMS = {name: {"residual": name} for name in RESIDUALS}
 # -----------------------------------------------------------------------------
 # data: the same batches for every arm of a seed, the same validation tokens for every cell
 
+
 class TrainData:
     """Sequences of block_size + 1 tokens cut from the train shards. Each epoch visits them in a
     permutation drawn from the data seed, so a step's batch depends only on (data seed, step):
@@ -138,7 +139,7 @@ class TrainData:
         """The tokens of sequences ids, as the shards hold them: (len(ids), block_size + 1) uint16."""
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         offsets = (ids - self.starts[shard]) * self.block_size
-        return np.stack([self.shards[s][o:o + self.block_size + 1] for s, o in zip(shard, offsets)])
+        return np.stack([self.shards[s][o : o + self.block_size + 1] for s, o in zip(shard, offsets)])
 
     def batch(self, step, count):
         """The count sequences of step (all ranks'), chained into hash: what the cell trained on."""
@@ -157,7 +158,7 @@ def to_device(tokens, device):
 
 def validation_batch(val, seq_ids, T, device):
     """Validation sequences seq_ids (whole sequences of T + 1 tokens) as (inputs, targets)."""
-    rows = [val[j * T: j * T + T + 1] for j in seq_ids]
+    rows = [val[j * T : j * T + T + 1] for j in seq_ids]
     return to_device(np.stack(rows) if rows else np.zeros((0, T + 1), dtype=np.uint16), device)
 
 
@@ -169,6 +170,7 @@ def micro_batches(n, batch_size):
 
 # -----------------------------------------------------------------------------
 # one step, the schedule, evaluation
+
 
 def backward_step(train_model, batches, step_sequences, runtime):
     """Accumulate into .grad the gradient of the step's mean token loss: each micro-batch's mean
@@ -213,12 +215,12 @@ def sequence_losses(model, val, cell, runtime):
     sums = torch.zeros(n_seq, dtype=torch.float64, device=runtime.device)  # each sequence's NLL; other ranks' 0 here
     model.eval()
     for i in range(0, per_rank, B):
-        rows = ours[i:i + B]
+        rows = ours[i : i + B]
         x, y = validation_batch(val, rows, T, runtime.device)
         x, y = F.pad(x, (0, 0, 0, B - len(x))), F.pad(y, (0, 0, 0, B - len(y)), value=-1)
         with runtime.autocast:
             _, loss = model(x, y, reduction="none")
-        sums[torch.from_numpy(rows).to(runtime.device)] = loss[:len(rows)].double().sum(1)
+        sums[torch.from_numpy(rows).to(runtime.device)] = loss[: len(rows)].double().sum(1)
     if runtime.world > 1:
         dist.all_reduce(sums)
     model.train()
@@ -246,6 +248,7 @@ def routing_summary(model, val, cell, runtime):
 # -----------------------------------------------------------------------------
 # one cell, the grid
 
+
 def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     """Train (or resume, or skip) one cell of the grid; a finished or diverged cell has result.json."""
     cell = open_cell(arm, seed, cfg, grid, val, runtime)
@@ -258,8 +261,9 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     sizes = micro_batches(per_rank, s.batch_size)
     # the log interval's loss on this rank; under several ranks in float64, where the ranks' float32 parts add
     # exactly in any order, so a cell resumed mid-interval (its sum on rank 0) logs what it would have
-    loss_sum = torch.tensor(state.loss_sum, device=runtime.device,
-                            dtype=torch.float64 if runtime.world > 1 else torch.float32)
+    loss_sum = torch.tensor(
+        state.loss_sum, device=runtime.device, dtype=torch.float64 if runtime.world > 1 else torch.float32
+    )
     diverged = val_loss = losses = routing = None
     while True:
         if state.step % s.eval_interval == 0 or state.step == s.max_iters:
@@ -280,8 +284,8 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
         lr = learning_rate_at(state.step, s)
         for group in optimizer.param_groups:
             group["lr"] = lr * group["lr_scale"]
-        tokens = data.batch(state.step, step_sequences)[runtime.rank * per_rank:(runtime.rank + 1) * per_rank]
-        batches = [to_device(tokens[a:a + n], runtime.device) for a, n in zip(np.cumsum([0] + sizes), sizes)]
+        tokens = data.batch(state.step, step_sequences)[runtime.rank * per_rank : (runtime.rank + 1) * per_rank]
+        batches = [to_device(tokens[a : a + n], runtime.device) for a, n in zip(np.cumsum([0] + sizes), sizes)]
         loss_sum += backward_step(cell.train_model, batches, step_sequences, runtime)
         if s.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
@@ -331,8 +335,10 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
                 if rank0s(holder, runtime) is None:
                     train_cell(arm, seed, cfg, grid, train_shards, val, runtime)
                 elif runtime.master and (arm, seed) not in left_to_others:
-                    print(f"[{arm} seed{seed}] being trained by {holder}: left to it (if that process is gone, rm "
-                          f"{os.path.join(records.cell_dir(cfg['out_dir'], arm, seed), 'lock')} and run again)")
+                    print(
+                        f"[{arm} seed{seed}] being trained by {holder}: left to it (if that process is gone, rm "
+                        f"{os.path.join(records.cell_dir(cfg['out_dir'], arm, seed), 'lock')} and run again)"
+                    )
                     left_to_others.add((arm, seed))
         if runtime.world > 1:
             dist.barrier()  # every result.json (rank 0's) written before any rank reads one
@@ -342,37 +348,6 @@ def train_grid(cfg, code, val, train_shards, init_weights, bundle, runtime, wait
             raise DataError(given_up)
         if turn:
             time.sleep(10)  # other workers' cells: their results, or their locks free when a worker dies
-
-
-# a cell waited on (the tuned protocol) whose log and checkpoint have not changed this long is taken for one whose
-# worker died on another host (where its lock cannot be checked): the wait ends, saying how to free the cell
-WAIT_GIVE_UP_S = 3600
-
-
-def stalled(cfg, cells, seen):
-    """The line for the first of the others' cells whose log and checkpoint have not changed in WAIT_GIVE_UP_S;
-    None while each changes or is free. seen: cell -> (its files' mtimes, when this process saw them change),
-    kept between calls: this machine's clock alone, as another host's may differ."""
-    now = time.monotonic()
-    for arm, seed in cells:
-        folder = records.cell_dir(cfg["out_dir"], arm, seed)
-        mtimes = tuple(modified(os.path.join(folder, name)) for name in ("log.jsonl", "ckpt.pt"))
-        if seen.get((arm, seed), (None,))[0] != mtimes:
-            seen[(arm, seed)] = (mtimes, now)
-            continue
-        lock = os.path.join(folder, "lock")
-        pid, host = read_lock(lock)
-        if pid is not None and now - seen[(arm, seed)][1] >= WAIT_GIVE_UP_S:
-            return (f"[{arm} seed{seed}] is held by pid {pid} on {host}, and its log and checkpoint have not changed "
-                    f"in {WAIT_GIVE_UP_S // 60} minutes; if that worker is gone: rm {lock}, and run the same command again")
-    return None
-
-
-def modified(path):
-    try:
-        return os.path.getmtime(path)
-    except OSError:  # not written yet, or being replaced
-        return None
 
 
 def build_config(given, runtime, data, init):
@@ -390,12 +365,21 @@ def build_config(given, runtime, data, init):
     # world size changes a step's rounding, and on a CPU compiled kernels round differently on another thread count
     # (measured), so both are settings. torch.__version__ is a str subclass, which weights_only loads refuse. No data
     # (an empty data_dir) is check_config's line.
-    return dict(given, data_dir=data.dir if data else given["data_dir"], tokenizer=data and data.tokenizer,
-                vocab_size=vocab_size, arms=records.typed_arms(given), device=runtime.device.split(":")[0],
-                dtype=runtime.dtype, torch_version=str(torch.__version__), world_size=runtime.world,
-                compile=resolve_compile(given["compile"], runtime.device),
-                cpu_threads=cpu_threads(runtime) if runtime.device == "cpu" else None, init_from_sha256=init.sha256,
-                train_data_sha256=data and records.train_data_fingerprint(data.train_paths, data.manifest))
+    return dict(
+        given,
+        data_dir=data.dir if data else given["data_dir"],
+        tokenizer=data and data.tokenizer,
+        vocab_size=vocab_size,
+        arms=records.typed_arms(given),
+        device=runtime.device.split(":")[0],
+        dtype=runtime.dtype,
+        torch_version=str(torch.__version__),
+        world_size=runtime.world,
+        compile=resolve_compile(given["compile"], runtime.device),
+        cpu_threads=cpu_threads(runtime) if runtime.device == "cpu" else None,
+        init_from_sha256=init.sha256,
+        train_data_sha256=data and records.train_data_fingerprint(data.train_paths, data.manifest),
+    )
 
 
 def main(argv):
@@ -410,8 +394,11 @@ def main(argv):
     for note in records.notes(cfg, models) if runtime.master else []:  # allowed (a sweep over context), said
         print(note)
     code = records.code_record()
-    bundle = downstream.load_bundle(cfg["downstream_bundle"], cfg["downstream_max_per_task"] or None) \
-        if cfg["downstream_bundle"] else None  # every rank
+    bundle = (
+        downstream.load_bundle(cfg["downstream_bundle"], cfg["downstream_max_per_task"] or None)
+        if cfg["downstream_bundle"]
+        else None
+    )  # every rank
     val, train_shards = open_data(cfg, data, min(m.vocab_size for m in models.values()), init.tokenizer)
     for config in models.values():  # enough tokens for a sequence of every arm, before anything is written
         TrainData(train_shards, config.block_size, 0)

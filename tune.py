@@ -44,35 +44,51 @@ def check(cfg):
     (never a compared seed), the budget, arms that set their own rate, and the tuning arms' names."""
     rates, seeds = cfg["tune_learning_rates"], cfg["tune_seeds"]
     if not all(type(r) in (int, float) and 0 < r <= sys.float_info.max for r in rates):  # not a bool, nan, inf
-        raise ConfigError(f"tune_learning_rates={rates!r}: give positive numbers, e.g. --tune_learning_rates=1e-3,3e-3,1e-2")
+        raise ConfigError(
+            f"tune_learning_rates={rates!r}: give positive numbers, e.g. --tune_learning_rates=1e-3,3e-3,1e-2"
+        )
     names = [rate_name(r) for r in rates]
     if len(set(names)) != len(names):
-        raise ConfigError(f"tune_learning_rates={rates!r} repeats a rate (to 6 significant digits, as arm names "
-                          f"show them); give distinct rates")
+        raise ConfigError(
+            f"tune_learning_rates={rates!r} repeats a rate (to 6 significant digits, as arm names "
+            f"show them); give distinct rates"
+        )
     if not seeds or any(type(s) is not int or s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"tune_seeds={seeds!r}: give distinct non-negative integers, e.g. --tune_seeds=1000,1001,1002")
+        raise ConfigError(
+            f"tune_seeds={seeds!r}: give distinct non-negative integers, e.g. --tune_seeds=1000,1001,1002"
+        )
     if len(seeds) < 2:  # a rate wins only beyond the spread of its seeds' losses
-        raise ConfigError(f"tune_seeds={seeds!r}: one tuning seed cannot show the seeds' noise a rate must beat; give "
-                          f"at least 2, e.g. --tune_seeds=1000,1001,1002")
+        raise ConfigError(
+            f"tune_seeds={seeds!r}: one tuning seed cannot show the seeds' noise a rate must beat; give "
+            f"at least 2, e.g. --tune_seeds=1000,1001,1002"
+        )
     if shared := sorted(set(seeds) & set(cfg["seeds"])):
-        raise ConfigError(f"tune_seeds and seeds share {', '.join(map(str, shared))}: a rate chosen on a compared "
-                          f"seed favours its arm on that seed; give tuning seeds apart, e.g. --tune_seeds=1000,1001,1002")
+        raise ConfigError(
+            f"tune_seeds and seeds share {', '.join(map(str, shared))}: a rate chosen on a compared "
+            f"seed favours its arm on that seed; give tuning seeds apart, e.g. --tune_seeds=1000,1001,1002"
+        )
     if type(cfg["tune_iters"]) is not int or cfg["tune_iters"] < 0:
         raise ConfigError(f"tune_iters={cfg['tune_iters']!r}: give a number of steps (0 = a quarter of max_iters)")
     if not cfg["warmup_iters"] < iters(cfg) <= cfg["max_iters"]:
-        raise ConfigError(f"tune_iters is {iters(cfg)}: the tuning budget must be above warmup_iters="
-                          f"{cfg['warmup_iters']} (a rate is judged after its warmup) and at most max_iters="
-                          f"{cfg['max_iters']}; set --tune_iters")
+        raise ConfigError(
+            f"tune_iters is {iters(cfg)}: the tuning budget must be above warmup_iters="
+            f"{cfg['warmup_iters']} (a rate is judged after its warmup) and at most max_iters="
+            f"{cfg['max_iters']}; set --tune_iters"
+        )
     for arm, settings in cfg["arms"].items():
         if arm == TUNE_DIR:
             raise ConfigError(f"arm {arm!r} would share out_dir/{TUNE_DIR} with the tuning grid; rename the arm")
         if own := [k for k in TUNED_KEYS if k in settings]:
-            raise ConfigError(f"arm {arm!r} sets {' and '.join(own)}, which tune_learning_rates chooses for every arm; "
-                              f"remove it from the arm, or set --tune_learning_rates=[] for the arms' own rates")
+            raise ConfigError(
+                f"arm {arm!r} sets {' and '.join(own)}, which tune_learning_rates chooses for every arm; "
+                f"remove it from the arm, or set --tune_learning_rates=[] for the arms' own rates"
+            )
         name = tuning_arm(arm, max(rates, key=lambda r: len(rate_name(r))))
         if len(name) > records.ARM_NAME_MAX:
-            raise ConfigError(f"tuning arm {name} is {len(name)} characters, at most {records.ARM_NAME_MAX} (a folder "
-                              f"name); shorten arm {arm!r}")
+            raise ConfigError(
+                f"tuning arm {name} is {len(name)} characters, at most {records.ARM_NAME_MAX} (a folder "
+                f"name); shorten arm {arm!r}"
+            )
 
 
 def tuning_config(cfg):
@@ -82,10 +98,20 @@ def tuning_config(cfg):
     the tune_* keys, so its config.json records them: a tuning killed and rerun with another rate list is a
     change, refused or recorded (--allow_changes) like any other, and the dropped rates' cells stay named."""
     check(cfg)
-    arms = {tuning_arm(arm, rate): dict(settings, learning_rate=float(rate), min_lr=min_lr_at(cfg, float(rate)))
-            for arm, settings in cfg["arms"].items() for rate in cfg["tune_learning_rates"]}
-    return dict(cfg, out_dir=os.path.join(cfg["out_dir"], TUNE_DIR), arms=arms, seeds=list(cfg["tune_seeds"]),
-                max_iters=iters(cfg), reference_arm="", downstream_bundle="")
+    arms = {
+        tuning_arm(arm, rate): dict(settings, learning_rate=float(rate), min_lr=min_lr_at(cfg, float(rate)))
+        for arm, settings in cfg["arms"].items()
+        for rate in cfg["tune_learning_rates"]
+    }
+    return dict(
+        cfg,
+        out_dir=os.path.join(cfg["out_dir"], TUNE_DIR),
+        arms=arms,
+        seeds=list(cfg["tune_seeds"]),
+        max_iters=iters(cfg),
+        reference_arm="",
+        downstream_bundle="",
+    )
 
 
 def tuning_text(cfg, val):
@@ -93,10 +119,12 @@ def tuning_text(cfg, val):
     eval_tokens, which the paired comparison reports, so a rate is never chosen on the text it is judged on."""
     n = cfg["eval_tokens"]
     if len(val) < 2 * n:
-        raise ConfigError(f"the tuned protocol chooses rates on the {n:,} validation tokens after the {n:,} it reports "
-                          f"(eval_tokens), but the validation shard holds {len(val):,}, fewer than {2 * n:,}; set "
-                          f"--eval_tokens={len(val) // 2} or less, or give a longer validation shard")
-    return val[n:2 * n]
+        raise ConfigError(
+            f"the tuned protocol chooses rates on the {n:,} validation tokens after the {n:,} it reports "
+            f"(eval_tokens), but the validation shard holds {len(val):,}, fewer than {2 * n:,}; set "
+            f"--eval_tokens={len(val) // 2} or less, or give a longer validation shard"
+        )
+    return val[n : 2 * n]
 
 
 def choose(cfg, tune_dir, master=True):
@@ -105,8 +133,9 @@ def choose(cfg, tune_dir, master=True):
     per-seed losses, mean and s.d. per rate, the choice and its reason, and the text it was made on."""
     check(cfg)
     rates, seeds, budget = sorted(float(r) for r in cfg["tune_learning_rates"]), cfg["tune_seeds"], iters(cfg)
-    table = {arm: {rate_name(rate): tuning_row(tune_dir, arm, rate, seeds, budget) for rate in rates}
-             for arm in cfg["arms"]}
+    table = {
+        arm: {rate_name(rate): tuning_row(tune_dir, arm, rate, seeds, budget) for rate in rates} for arm in cfg["arms"]
+    }
     choice, reason = {}, {}
     for arm, rows in table.items():
         choice[arm], reason[arm] = stable_choice(list(rows.values()))
@@ -115,9 +144,18 @@ def choose(cfg, tune_dir, master=True):
     if master:
         n = cfg["eval_tokens"]
         record = dict(
-            tune_seeds=list(seeds), tune_iters=budget, max_iters=cfg["max_iters"], seeds=list(cfg["seeds"]),
-            learning_rates=rates, min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"),
-            tuning_text=dict(first_token=n, tokens=n), test_tokens=n, table=table, choice=choice, reason=reason)
+            tune_seeds=list(seeds),
+            tune_iters=budget,
+            max_iters=cfg["max_iters"],
+            seeds=list(cfg["seeds"]),
+            learning_rates=rates,
+            min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"),
+            tuning_text=dict(first_token=n, tokens=n),
+            test_tokens=n,
+            table=table,
+            choice=choice,
+            reason=reason,
+        )
         check_recorded(os.path.join(tune_dir, "choice.json"), recorded_choice(tune_dir), record)
         write_json(os.path.join(tune_dir, "choice.json"), record)
         for arm in choice:
@@ -125,8 +163,16 @@ def choose(cfg, tune_dir, master=True):
     return choice
 
 
-CHOICE_SETTINGS = ("tune_seeds", "tune_iters", "max_iters", "seeds", "learning_rates", "min_lr_ratio", "tuning_text",
-                   "test_tokens")  # what a choice.json was made under; the rest follows from its tuning cells
+CHOICE_SETTINGS = (
+    "tune_seeds",
+    "tune_iters",
+    "max_iters",
+    "seeds",
+    "learning_rates",
+    "min_lr_ratio",
+    "tuning_text",
+    "test_tokens",
+)  # what a choice.json was made under; the rest follows from its tuning cells
 
 
 def check_recorded(path, recorded, record):
@@ -138,15 +184,21 @@ def check_recorded(path, recorded, record):
     if changed := [k for k in CHOICE_SETTINGS if recorded.get(k) != record[k]]:
         print(f"note: {path} rewritten: this tuning's {', '.join(changed)} differ from the recorded one's")
         return
-    differ = [k for k in sorted(set(recorded) | set(record)) if recorded.get(k) != json.loads(json.dumps(record.get(k)))]
+    differ = [
+        k for k in sorted(set(recorded) | set(record)) if recorded.get(k) != json.loads(json.dumps(record.get(k)))
+    ]
     if differ == ["reason"]:  # the same choice from the same losses, said in another version's words
         print(f"note: {path} rewritten: its reasons in this version's words")
         return
-    raise ConfigError(f"{path} differs from the choice its tuning cells give (in {', '.join(differ)}): edited by "
-                      f"hand or copied from another tuning; delete it and rerun the same command to write it again")
+    raise ConfigError(
+        f"{path} differs from the choice its tuning cells give (in {', '.join(differ)}): edited by "
+        f"hand or copied from another tuning; delete it and rerun the same command to write it again"
+    )
 
 
 def tuned_arms(cfg, choice):
     """The arms of the paired grid: each arm's settings at its chosen learning_rate (and min_lr at the run's ratio)."""
-    return {arm: dict(settings, learning_rate=choice[arm], min_lr=min_lr_at(cfg, choice[arm]))
-            for arm, settings in cfg["arms"].items()}
+    return {
+        arm: dict(settings, learning_rate=choice[arm], min_lr=min_lr_at(cfg, choice[arm]))
+        for arm, settings in cfg["arms"].items()
+    }

@@ -25,11 +25,7 @@ import os
 
 exec(open(os.path.join(os.path.dirname(__file__), "rd_120m.py")).read())
 out_dir = "out/dar_moe"
-arms = {
-    "standard": {"residual": "standard"},
-    "attnres": {"residual": "attnres"},
-    "dar": {"residual": "dar"},
-}
+arms = {"standard": {"residual": "standard"}, "attnres": {"residual": "attnres"}, "dar": {"residual": "dar"}}
 seeds = [0, 1, 2]
 
 n_layer = 24

@@ -12,7 +12,8 @@
 # Traded for the two-hour budget: 12 layers rather than calibrate's 16, 600 steps rather than 1,000, two rates.
 # Measured on Shakespeare (docs/comparisons.md, 'The leaderboard's shape'): 600 steps at 12 x 64 is NOT outside the
 # plateau-escape regime there (seed 4 of 6 still at 3.14 nats at step 60 and last at the end by 0.04-0.09 nats,
-# although the ranking at 10-20% is uncorrelated with the final one), so the grid was not run; raise max_iters first. Run the first two
+# although the ranking at 10-20% is uncorrelated with the final one), so the grid was not run; raise max_iters first.
+# Run the first two
 # commands first: `standard` over seeds 0-5 at
 # train.py's 3e-3 (min_lr 3e-4); outside the regime its seeds are all well below the ~3.0-nat plateau by step 60
 # (10%) and their ranking there does not fix the final one (docs/comparisons.md's table); if not, raise max_iters.
@@ -30,9 +31,25 @@
 # thread each. bench.py at this shape gives each arm's step-time ratio to `standard` for the table.
 
 out_dir = "out/leaderboard_shakespeare"
-arms = {name: {"residual": name} for name in (  # every scheme in model.RESIDUALS (tests/test_configs.py checks it)
-    "standard", "attnres", "rd_attnres", "dar", "hc", "mhc", "denseformer", "postnorm", "laurel_rw", "laurel_lr",
-    "laurel", "frac", "muddformer", "scaled_residual")}
+arms = {
+    name: {"residual": name}
+    for name in (  # every scheme in model.RESIDUALS (tests/test_configs.py checks it)
+        "standard",
+        "attnres",
+        "rd_attnres",
+        "dar",
+        "hc",
+        "mhc",
+        "denseformer",
+        "postnorm",
+        "laurel_rw",
+        "laurel_lr",
+        "laurel",
+        "frac",
+        "muddformer",
+        "scaled_residual",
+    )
+}
 seeds = [0, 1, 2, 3, 4, 5]
 tune_learning_rates = [3e-3, 1e-2]
 tune_seeds = [1000, 1001, 1002]

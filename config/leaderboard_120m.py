@@ -20,7 +20,23 @@ import os
 exec(open(os.path.join(os.path.dirname(__file__), "rd_120m_tuned.py")).read())  # shape, data, schedule, tuning
 
 out_dir = "out/leaderboard_120m"
-arms = {name: {"residual": name} for name in (  # every scheme in model.RESIDUALS (tests/test_configs.py checks it)
-    "standard", "attnres", "rd_attnres", "dar", "hc", "mhc", "denseformer", "postnorm", "laurel_rw", "laurel_lr",
-    "laurel", "frac", "muddformer", "scaled_residual")}
+arms = {
+    name: {"residual": name}
+    for name in (  # every scheme in model.RESIDUALS (tests/test_configs.py checks it)
+        "standard",
+        "attnres",
+        "rd_attnres",
+        "dar",
+        "hc",
+        "mhc",
+        "denseformer",
+        "postnorm",
+        "laurel_rw",
+        "laurel_lr",
+        "laurel",
+        "frac",
+        "muddformer",
+        "scaled_residual",
+    )
+}
 seeds = [0, 1, 2, 3, 4, 5]

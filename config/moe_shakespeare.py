@@ -5,11 +5,7 @@
 # `standard` is the reference arm: each scheme's paired delta is under MoE, as at the paper's 7B.
 # $ python train.py config/moe_shakespeare.py
 out_dir = "out/moe_shakespeare"
-arms = {
-    "standard": {"residual": "standard"},
-    "attnres": {"residual": "attnres"},
-    "dar": {"residual": "dar"},
-}
+arms = {"standard": {"residual": "standard"}, "attnres": {"residual": "attnres"}, "dar": {"residual": "dar"}}
 n_experts = 8
 moe_top_k = 2
 # a short run: at DeepSeek-V3's 1e-3 the last layer's experts still took 0.00-0.76 of the tokens at step 250

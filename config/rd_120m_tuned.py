@@ -7,8 +7,8 @@
 # than 0.25B tokens: the 250 warmup steps would be half of a 0.25B run (477 steps).
 # Cost, model.flops_per_token(1024) x tokens at an assumed 40% MFU of an H100 (989e12 bf16 FLOP/s):
 #   FLOP/token: standard 8.5477e8, scaled_residual 8.5477e8, attnres 8.5500e8, rd_attnres 8.5506e8; sum 3.4196e9
-#   tuning:   3.4196e9 x 3 rates x 3 seeds x 954 x 2^19 tokens  = 1.539e19 FLOP / (0.4 x 989e12) / 3600 = 10.8 H100-hours
-#   compared: 3.4196e9 x 5 seeds           x 3815 x 2^19 tokens = 3.420e19 FLOP / (0.4 x 989e12) / 3600 = 24.0 H100-hours
+#   tuning:   3.4196e9 x 3 rates x 3 seeds x 954 x 2^19 tokens = 1.539e19 FLOP / (0.4 x 989e12) / 3600 = 10.8 H100-hours
+#   compared: 3.4196e9 x 5 seeds          x 3815 x 2^19 tokens = 3.420e19 FLOP / (0.4 x 989e12) / 3600 = 24.0 H100-hours
 #   56 runs (36 tuning, 20 compared): about 35 H100-hours (the tuning 31% of the grid)
 # $ python data/prepare.py --max_tokens=2.1e9
 # $ torchrun --standalone --nproc_per_node=8 train.py config/rd_120m_tuned.py   # then out/rd_120m_tuned/report.md

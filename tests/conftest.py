@@ -49,11 +49,13 @@ def pytest_collection_modifyitems(config, items):
 
 # --- tiny synthetic shards (train.py, checkpoint.py and their neighbours) ----------------------------
 
+
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory):
     """A learnable stream (a repeating pattern with noise, tokens < 64) as GPT-2-headered shards without a
     manifest: a validation shard of 3,000 tokens and two train shards."""
     from data.shards import write_shard
+
     d = tmp_path_factory.mktemp("shards")
     rng = np.random.default_rng(0)
     stream = (np.arange(60_000) % 17 + rng.integers(0, 3, 60_000)).astype(np.uint16)

@@ -39,6 +39,8 @@ VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {
     "dar_copy": dict(residual="dar", dar_start="copy"),
 }
 ROUTED = [v for v in VARIANTS if v != "standard"]
+
+
 def starts_as_standard(residual):
     """Whether scheme `residual` is `standard` at init: every scheme is, unless it declares
     `standard_at_init = False` (Post-LN, whose normalised skip no init can undo); the zero-init tests run
@@ -101,10 +103,27 @@ TIMINGS = ("ms_per_step", "tokens_per_s", "mfu", "eta_cell_s", "eta_grid_s", "ev
 
 def tiny(shards, out_dir, *extra):
     """train.py's arguments for a tiny run on shards (8 steps, evaluated every 4, on the CPU); extra override."""
-    return [f"--data_dir={shards}", f"--out_dir={out_dir}", "--n_layer=2", "--n_head=2", "--n_embd=32",
-            "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=8", "--eval_interval=4",
-            "--log_interval=1", "--eval_tokens=1000", "--compile=False", "--seeds=0", "--warmup_iters=2",
-            "--learning_rate=1e-2", "--min_lr=1e-3", "--device=cpu", *extra]
+    return [
+        f"--data_dir={shards}",
+        f"--out_dir={out_dir}",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--vocab_size=64",
+        "--batch_size=4",
+        "--max_iters=8",
+        "--eval_interval=4",
+        "--log_interval=1",
+        "--eval_tokens=1000",
+        "--compile=False",
+        "--seeds=0",
+        "--warmup_iters=2",
+        "--learning_rate=1e-2",
+        "--min_lr=1e-3",
+        "--device=cpu",
+        *extra,
+    ]
 
 
 def log_records(out_dir, arm, seed=0):
@@ -129,12 +148,14 @@ def without_timings(log):
 def killed_at_step(kill, monkeypatch, argv):
     """train.main(argv) interrupted as a kill would, when it reaches step `kill` (after its checkpoints)."""
     import train
+
     real = train.learning_rate_at
 
     def dying(step, cell):
         if step == kill:
             raise KeyboardInterrupt
         return real(step, cell)
+
     monkeypatch.setattr(train, "learning_rate_at", dying)
     with pytest.raises(KeyboardInterrupt):
         train.main(argv)
@@ -150,11 +171,27 @@ def torchrun(script, args):
     import subprocess
     import sys
     import tempfile
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as logs:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               f"--log-dir={logs}", "--redirects=3", script, *args], cwd=root,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                f"--log-dir={logs}",
+                "--redirects=3",
+                script,
+                *args,
+            ],
+            cwd=root,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         for stream in ("stdout", "stderr"):
             ranks = []
             for rank in range(2):  # <logs>/<run id>/attempt_<n>/<rank>/<stream>.log, the last attempt's
@@ -167,18 +204,31 @@ def torchrun(script, args):
 
 # --- tuning cells (owner: test_tune.py; test_report.py reads them too) --------------------------------
 
+
 def write_tuning_cell(tune_dir, arm, rate, seed, val_loss, steps, initial=5.8):
     """A tuning cell of the tuned protocol as train.py leaves it (what tune.py and report.py read): result.json
     (val_loss None: diverged half way) and log.jsonl opening with the step-0 validation loss initial."""
     import tune
+
     name = tune.tuning_arm(arm, rate)
     cell = os.path.join(tune_dir, name, f"seed{seed}")
     os.makedirs(cell, exist_ok=True)
     finished = val_loss is not None
     with open(os.path.join(cell, "result.json"), "w") as f:
-        json.dump(dict(arm=name, seed=seed, status="finished" if finished else "diverged", val_loss=val_loss,
-                       diverged_at=None if finished else steps // 2, reason=None if finished else "train loss nan",
-                       steps=steps if finished else steps // 2, tokens=1024 * steps, wall_time_s=float(steps),
-                       pairing=dict(arm_settings=dict(residual=arm, learning_rate=rate, min_lr=rate / 10))), f)
+        json.dump(
+            dict(
+                arm=name,
+                seed=seed,
+                status="finished" if finished else "diverged",
+                val_loss=val_loss,
+                diverged_at=None if finished else steps // 2,
+                reason=None if finished else "train loss nan",
+                steps=steps if finished else steps // 2,
+                tokens=1024 * steps,
+                wall_time_s=float(steps),
+                pairing=dict(arm_settings=dict(residual=arm, learning_rate=rate, min_lr=rate / 10)),
+            ),
+            f,
+        )
     with open(os.path.join(cell, "log.jsonl"), "w") as f:
         f.write(json.dumps(dict(step=0, tokens=0, val_loss=initial, eval_s=0.1)) + "\n")

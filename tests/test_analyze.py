@@ -30,10 +30,12 @@ from model import GPT, RESIDUALS, GPTConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)  # tiny models: threads only contend with each other on a shared machine
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
-VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {"attnres_full": dict(residual="attnres",
-                                                                                      attnres_block_size=1)}
-CPU = machine.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None,
-                      fsdp=False)
+VARIANTS = {name: dict(residual=name) for name in RESIDUALS} | {
+    "attnres_full": dict(residual="attnres", attnres_block_size=1)
+}
+CPU = machine.Runtime(
+    world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None, fsdp=False
+)
 EVAL = SimpleNamespace(block_size=16, eval_tokens=400, eval_batch_size=8)
 
 
@@ -75,8 +77,11 @@ def test_effective_sources_and_cosine_matrices(stream):
         state = model.residual.start(h)
         for k in range(model.residual.n_sublayers):
             block = model.transformer.h[k // 2]
-            out = block.attention(*model.residual.read_attention(state, k)) if k % 2 == 0 else \
-                block.feedforward(model.residual.read(state, k))
+            out = (
+                block.attention(*model.residual.read_attention(state, k))
+                if k % 2 == 0
+                else block.feedforward(model.residual.read(state, k))
+            )
             state = model.residual.write(state, k, out)
             sources.append(out)
     unit = [s / s.norm(dim=-1, keepdim=True) for s in sources]
@@ -91,10 +96,27 @@ def grid(tmp_path_factory, stream):
     write_shard(str(d / "val_000000.bin"), stream[:2000])
     write_shard(str(d / "train_000001.bin"), stream[2000:])
     out = str(d / "out")
-    train.main([f"--data_dir={d}", f"--out_dir={out}", "--n_layer=2", "--n_head=2", "--n_embd=32",
-                "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=8", "--eval_interval=8",
-                "--eval_tokens=500", "--compile=False", "--seeds=0", "--warmup_iters=0", "--learning_rate=3e-2",
-                "--device=cpu", "--arms={" + ", ".join(f"'{a}': {VARIANTS[a]!r}" for a in VARIANTS) + "}"])
+    train.main(
+        [
+            f"--data_dir={d}",
+            f"--out_dir={out}",
+            "--n_layer=2",
+            "--n_head=2",
+            "--n_embd=32",
+            "--block_size=16",
+            "--vocab_size=64",
+            "--batch_size=4",
+            "--max_iters=8",
+            "--eval_interval=8",
+            "--eval_tokens=500",
+            "--compile=False",
+            "--seeds=0",
+            "--warmup_iters=0",
+            "--learning_rate=3e-2",
+            "--device=cpu",
+            "--arms={" + ", ".join(f"'{a}': {VARIANTS[a]!r}" for a in VARIANTS) + "}",
+        ]
+    )
     return out
 
 
@@ -109,23 +131,31 @@ def test_analyze_runs_on_a_trained_cell_of_every_variant(grid, variant, capsys):
     assert abs(a["base_nll"] - result["val_loss"]) < 1e-6 and a["recorded_val_loss"] == result["val_loss"]
     assert a["tokens"] == result["pairing"]["eval_tokens"] and a["step"] == 8 and not a["capped"]
     assert [tuple(r["change"]) for r in a["interventions"]] == make(variant).interventions(), (
-        "analysis.json must list the scheme's interventions(), in order")
+        "analysis.json must list the scheme's interventions(), in order"
+    )
     for r in a["interventions"]:  # trained routing: every change matters (DAR's streams part slowly: small deltas)
         assert r["delta"] != 0 and r["tokens"] == a["tokens"], (
             f"{variant}: intervention {r['change']} changes nothing on a trained cell; make it change the routing, "
-            f"or leave it out of interventions()")
+            f"or leave it out of interventions()"
+        )
     text = open(os.path.join(cell, "analysis.md")).read()
     assert f"{a['base_nll']:.4f}" in text and not [f for f in os.listdir(cell) if f.endswith(".tmp")]
     rep = a["representations"]
     recorded = any(v for group, v in rep.items() if group not in ("expert_load", "router_entropy"))
-    assert ("lists no interventions and records no routing diagnostics" in text) == (not a["interventions"]
-                                                                                     and not recorded)
-    matrices = [m for group in ("source_cosine", "stream_cosine") for m in rep.get(group, {}).values()
-                if isinstance(m, list) and isinstance(m[0], list)]  # the S x S ones (DAR's stream_cosine is per read)
+    assert ("lists no interventions and records no routing diagnostics" in text) == (
+        not a["interventions"] and not recorded
+    )
+    matrices = [
+        m
+        for group in ("source_cosine", "stream_cosine")
+        for m in rep.get(group, {}).values()
+        if isinstance(m, list) and isinstance(m[0], list)
+    ]  # the S x S ones (DAR's stream_cosine is per read)
     for m in matrices:
         assert np.allclose(m, np.transpose(m), atol=1e-4) and np.allclose(np.diagonal(m), 1, atol=1e-4), (
             f"{variant}: a recorded cosine matrix must be symmetric with a unit diagonal (cosines of the sources "
-            f"with each other)")
+            f"with each other)"
+        )
     # RD's second route: a QK/V divergence wherever a read has a value route
     assert bool(rep["qk_v_jsd"]) == any(name.startswith("attn_v.") for name in rep["weights"])
     assert os.path.exists(os.path.join(cell, "analysis_interventions.png")) == bool(a["interventions"])
@@ -175,7 +205,8 @@ def test_intervention_nll_is_the_cross_entropy_under_the_change(variant, stream)
     for change, nll in rows:
         assert abs(nll - nll_by_hand(model, x, y, change)) < 1e-6, change
     assert max(abs(nll - base) for _, nll in rows) > 5e-5, (  # 50 times the tolerance: a wrong sign or change fails
-        f"{variant}: no intervention changes the loss with random routing parameters; make each change the routing")
+        f"{variant}: no intervention changes the loss with random routing parameters; make each change the routing"
+    )
 
 
 def final_state(model, x):
@@ -202,8 +233,9 @@ def depth_softmax(query, keys, eps):
 
 def close(reported, expected, what):
     """analysis.json keeps 6 significant digits."""
-    torch.testing.assert_close(torch.tensor(reported, dtype=torch.float64), torch.as_tensor(expected).double(),
-                               rtol=2e-5, atol=2e-6, msg=what)
+    torch.testing.assert_close(
+        torch.tensor(reported, dtype=torch.float64), torch.as_tensor(expected).double(), rtol=2e-5, atol=2e-6, msg=what
+    )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -268,7 +300,9 @@ def test_analysis_json_recomputed_by_hand(grid, stream, variant, tmp_path):
             h = -(w * w.log()).sum(-1)
             close(a["dar"]["effective_sources"][s], h.exp().mean(), f"effective sources, stream {s}")
             c = cosines(sources, sources)
-            close(a["dar"]["source_cosine_off_diagonal"][s], c[~torch.eye(len(c), dtype=torch.bool)].mean(), f"stream {s}")
+            close(
+                a["dar"]["source_cosine_off_diagonal"][s], c[~torch.eye(len(c), dtype=torch.bool)].mean(), f"stream {s}"
+            )
         close(rep["fusion"]["out"], r.fusion[n].softmax(-1), "fusion")
         block = cosines(state[0].blocks[1:], state[1].blocks[1:]).diagonal()
         close(rep["block_cosine"]["out"], block, "block cosine")
@@ -305,32 +339,63 @@ def edit_ckpt(cell, edit):
 
 
 BAD_CELLS = {  # what is wrong with a copy of a good cell -> the one line that says so
-    "torn config.json": (lambda c: write(c, "config.json", '{"model": {"n_layer": 2,'), "config.json is unreadable or damaged"),
+    "torn config.json": (
+        lambda c: write(c, "config.json", '{"model": {"n_layer": 2,'),
+        "config.json is unreadable or damaged",
+    ),
     "list config.json": (lambda c: write(c, "config.json", "[1, 2]"), "config.json holds list, not a train.py record"),
     "no dtype": (lambda c: edit_json(c, "config.json", lambda r: r.pop("dtype")), "(no dtype)"),
-    "dtype a number": (lambda c: edit_json(c, "config.json", lambda r: r.update(dtype=32)), "dtype=32 is not of type str"),
-    "eval_tokens a string": (lambda c: edit_json(c, "config.json", lambda r: r.update(eval_tokens="500")),
-                             "eval_tokens='500' is not of type int"),
-    "eval_batch_size 0": (lambda c: edit_json(c, "config.json", lambda r: r.update(eval_batch_size=0)),
-                          "eval_batch_size=0 is not positive"),
-    "model without block_size": (lambda c: edit_json(c, "config.json", lambda r: r["model"].pop("block_size")),
-                                 "model has no block_size"),
-    "model n_layer a string": (lambda c: edit_json(c, "config.json", lambda r: r["model"].update(n_layer="2")),
-                               "n_layer='2' must be a positive integer"),
+    "dtype a number": (
+        lambda c: edit_json(c, "config.json", lambda r: r.update(dtype=32)),
+        "dtype=32 is not of type str",
+    ),
+    "eval_tokens a string": (
+        lambda c: edit_json(c, "config.json", lambda r: r.update(eval_tokens="500")),
+        "eval_tokens='500' is not of type int",
+    ),
+    "eval_batch_size 0": (
+        lambda c: edit_json(c, "config.json", lambda r: r.update(eval_batch_size=0)),
+        "eval_batch_size=0 is not positive",
+    ),
+    "model without block_size": (
+        lambda c: edit_json(c, "config.json", lambda r: r["model"].pop("block_size")),
+        "model has no block_size",
+    ),
+    "model n_layer a string": (
+        lambda c: edit_json(c, "config.json", lambda r: r["model"].update(n_layer="2")),
+        "n_layer='2' must be a positive integer",
+    ),
     "no ckpt.pt": (lambda c: os.remove(os.path.join(c, "ckpt.pt")), "ckpt.pt is missing"),
-    "truncated ckpt.pt": (lambda c: write(c, "ckpt.pt", "PK\x03\x04 not a checkpoint"), "cannot be read as a checkpoint"),
-    "ckpt.pt without weights": (lambda c: edit_ckpt(c, lambda k: k.update(model=[1, 2])), "is not a train.py checkpoint (no model weights"),
-    "ckpt.pt missing a weight": (lambda c: edit_ckpt(c, lambda k: k["model"].pop("residual.query")), "does not fit this model.py"),
-    "ckpt.pt of another model": (lambda c: edit_ckpt(c, lambda k: k["config"]["model"].update(norm_eps=1e-5)),
-                                 "holds another model than"),
-    "ckpt.pt diverged": (lambda c: edit_ckpt(c, lambda k: k["model"]["residual.query"].fill_(float("nan"))),
-                         "non-finite weights"),
-    "other validation tokens": (lambda c: edit_json(c, "config.json", lambda r: r.update(val_hash="0" * 64)),
-                                "are not the ones the cell was evaluated on"),
+    "truncated ckpt.pt": (
+        lambda c: write(c, "ckpt.pt", "PK\x03\x04 not a checkpoint"),
+        "cannot be read as a checkpoint",
+    ),
+    "ckpt.pt without weights": (
+        lambda c: edit_ckpt(c, lambda k: k.update(model=[1, 2])),
+        "is not a train.py checkpoint (no model weights",
+    ),
+    "ckpt.pt missing a weight": (
+        lambda c: edit_ckpt(c, lambda k: k["model"].pop("residual.query")),
+        "does not fit this model.py",
+    ),
+    "ckpt.pt of another model": (
+        lambda c: edit_ckpt(c, lambda k: k["config"]["model"].update(norm_eps=1e-5)),
+        "holds another model than",
+    ),
+    "ckpt.pt diverged": (
+        lambda c: edit_ckpt(c, lambda k: k["model"]["residual.query"].fill_(float("nan"))),
+        "non-finite weights",
+    ),
+    "other validation tokens": (
+        lambda c: edit_json(c, "config.json", lambda r: r.update(val_hash="0" * 64)),
+        "are not the ones the cell was evaluated on",
+    ),
     "torn result.json": (lambda c: write(c, "result.json", '{"val_loss": 2.4'), "result.json is unreadable or damaged"),
     "list result.json": (lambda c: write(c, "result.json", "[2.4]"), "result.json holds list, not a train.py record"),
-    "val_loss a string": (lambda c: edit_json(c, "result.json", lambda r: r.update(val_loss="2.4")),
-                          "is not a result of train.py (val_loss='2.4')"),
+    "val_loss a string": (
+        lambda c: edit_json(c, "result.json", lambda r: r.update(val_loss="2.4")),
+        "is not a result of train.py (val_loss='2.4')",
+    ),
 }
 
 
@@ -358,9 +423,12 @@ def test_a_read_only_cell_fails_before_computing(grid, tmp_path, monkeypatch):
         if dir is not None and os.path.abspath(dir) == cell:
             raise PermissionError(13, "Permission denied", dir)
         return real(*args, dir=dir, **kwargs)
+
     monkeypatch.setattr(common.tempfile, "TemporaryFile", refuse)  # common.check_writable's probe
     monkeypatch.setattr(analyze, "interventions", lambda *a: pytest.fail("computed before checking the folder"))
-    with pytest.raises(DataError, match=f"cannot write into {re.escape(cell)} \\(Permission denied\\); analyze.py writes"):
+    with pytest.raises(
+        DataError, match=f"cannot write into {re.escape(cell)} \\(Permission denied\\); analyze.py writes"
+    ):
         analyze.main([cell, "--device=cpu"])
 
 
@@ -372,8 +440,13 @@ def test_not_a_cell_folder_is_one_line(tmp_path):
         analyze.main([str(tmp_path / "file")])
     with pytest.raises(ConfigError, match="is not a cell folder \\(no config.json\\)"):
         analyze.main([str(tmp_path)])
-    run = subprocess.run([sys.executable, "analyze.py", str(tmp_path / "file")], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, "analyze.py", str(tmp_path / "file")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 1 and run.stderr.count("\n") == 1 and run.stderr.startswith("error: ")
 
 
@@ -381,10 +454,28 @@ def test_an_moe_cell_shows_each_layers_expert_load_and_router_entropy(grid, tmp_
     # standard under MoE has no depth reads, yet its routers are worth reading: loads sum to k per token
     data = os.path.dirname(grid)
     out = str(tmp_path / "out")
-    train.main([f"--data_dir={data}", f"--out_dir={out}", "--n_layer=2", "--n_head=2", "--n_embd=32",
-                "--block_size=16", "--vocab_size=64", "--batch_size=4", "--max_iters=4", "--eval_interval=4",
-                "--eval_tokens=500", "--compile=False", "--seeds=0", "--warmup_iters=0", "--device=cpu",
-                "--arms=standard", "--n_experts=4", "--moe_top_k=2"])
+    train.main(
+        [
+            f"--data_dir={data}",
+            f"--out_dir={out}",
+            "--n_layer=2",
+            "--n_head=2",
+            "--n_embd=32",
+            "--block_size=16",
+            "--vocab_size=64",
+            "--batch_size=4",
+            "--max_iters=4",
+            "--eval_interval=4",
+            "--eval_tokens=500",
+            "--compile=False",
+            "--seeds=0",
+            "--warmup_iters=0",
+            "--device=cpu",
+            "--arms=standard",
+            "--n_experts=4",
+            "--moe_top_k=2",
+        ]
+    )
     cell = os.path.join(out, "standard", "seed0")
     analyze.main([cell, "--device=cpu"])
     with open(os.path.join(cell, "analysis.json")) as f:

@@ -17,8 +17,19 @@ from configurator import configure
 from model import GPT, GPTConfig
 
 # eager, tiny and on the CPU: a benchmark of two variants takes a fraction of a second
-TINY = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--dtype=float32",
-        "--compile=False", "--peak_mem=False", "--device=cpu", "--rounds=1", "--steps=1"]
+TINY = [
+    "--n_layer=2",
+    "--n_embd=32",
+    "--n_head=2",
+    "--block_size=16",
+    "--batch_size=2",
+    "--dtype=float32",
+    "--compile=False",
+    "--peak_mem=False",
+    "--device=cpu",
+    "--rounds=1",
+    "--steps=1",
+]
 
 
 def raise_on_constant(name):
@@ -52,22 +63,32 @@ def test_standard_alone_is_timed_on_its_own(tmp_path):
     assert record["tokens_per_s"] == pytest.approx(2 * 16 / record["ms_per_step"] * 1000)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rounds=0"], "rounds=0 must be at least 1"),
-    (["--steps=-1"], "steps=-1 must be at least 1"),
-    (["--batch_size=0"], "batch_size=0 must be at least 1"),
-    (["--copies=0", "--mode=prepare"], "copies=0 must be at least 1"),
-    (["--mode=train"], "mode='train': choose model or prepare"),
-    (["--variants=standard,lstm"], "unknown variants 'lstm'; choose from standard, attnres_full, attnres_block, "),
-    (["--variants="], "unknown variants ''; choose from "),
-    (["--variants=()"], "variants is empty; give one or more of standard, "),
-    (["--n_layer=1", "--variants=dar"], "dar: attnres_block_size=4 must be 1 (Full) or an even divisor of 2*n_layer=2"),
-    (["--vocab_size=0"], "standard: vocab_size=0 must be a positive integer"),
-    (["--out=/dev/null/bench.json"], "cannot write into /dev/null (File exists); give --out=/dev/null/bench.json a "
-                                     "path in a writable folder"),
-    (["--mode=prepare", "--input=/nonexistent/*.parquet"], "input=/nonexistent/*.parquet matches no file; give a glob "
-                                                           "of parquet files with a text column"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rounds=0"], "rounds=0 must be at least 1"),
+        (["--steps=-1"], "steps=-1 must be at least 1"),
+        (["--batch_size=0"], "batch_size=0 must be at least 1"),
+        (["--copies=0", "--mode=prepare"], "copies=0 must be at least 1"),
+        (["--mode=train"], "mode='train': choose model or prepare"),
+        (["--variants=standard,lstm"], "unknown variants 'lstm'; choose from standard, attnres_full, attnres_block, "),
+        (["--variants="], "unknown variants ''; choose from "),
+        (["--variants=()"], "variants is empty; give one or more of standard, "),
+        (
+            ["--n_layer=1", "--variants=dar"],
+            "dar: attnres_block_size=4 must be 1 (Full) or an even divisor of 2*n_layer=2",
+        ),
+        (["--vocab_size=0"], "standard: vocab_size=0 must be a positive integer"),
+        (
+            ["--out=/dev/null/bench.json"],
+            "cannot write into /dev/null (File exists); give --out=/dev/null/bench.json a path in a writable folder",
+        ),
+        (
+            ["--mode=prepare", "--input=/nonexistent/*.parquet"],
+            "input=/nonexistent/*.parquet matches no file; give a glob of parquet files with a text column",
+        ),
+    ],
+)
 def test_a_bad_setting_is_one_line_before_anything_is_measured(tmp_path, monkeypatch, args, message):
     def measure(*_):
         raise AssertionError("measured before the settings were checked")

@@ -27,17 +27,20 @@ from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)  # tiny models: threads only contend with each other on a shared machine
-ONE_PROCESS = machine.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=None,
-                              peak_flops=None, fsdp=False)
+ONE_PROCESS = machine.Runtime(
+    world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=None, peak_flops=None, fsdp=False
+)
 
 
 @pytest.fixture(autouse=True)
 def no_report(monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)  # tested in test_report
 
 
 # --- the file -------------------------------------------------------------------------------------------
+
 
 def tiny_checkpoint(path, **state):
     """A real ckpt.pt of a tiny model after one AdamW step, saved with state."""
@@ -51,8 +54,15 @@ def tiny_checkpoint(path, **state):
 
 
 def test_the_checkpoint_holds_the_cell_state_and_loads_it_back(tmp_path):
-    state = dict(step=4, data_hash="h" * 64, loss_sum=1.5, step_last=3, wall_time_s=2.5, wandb_id="run0",
-                 changes=[dict(step=2, changed={"learning_rate": [0.01, 0.02]})])
+    state = dict(
+        step=4,
+        data_hash="h" * 64,
+        loss_sum=1.5,
+        step_last=3,
+        wall_time_s=2.5,
+        wandb_id="run0",
+        changes=[dict(step=2, changed={"learning_rate": [0.01, 0.02]})],
+    )
     model = tiny_checkpoint(tmp_path / "ckpt.pt", **state)
     ckpt = checkpoint.load_checkpoint(str(tmp_path / "ckpt.pt"), "cpu")
     assert set(ckpt) == {"model", "optimizer", "rng", "config"} | {f.name for f in dataclasses.fields(CellState)}
@@ -73,11 +83,34 @@ def test_an_older_checkpoint_loads_with_the_changes_of_its_record(tmp_path):
     assert loaded["changes"] == changes and loaded["wandb_id"] is None
 
 
-@pytest.mark.parametrize("change", [dict(step="4"), dict(step=-1), dict(rng=None), dict(rng=[None]), dict(step_last=5),
-                                    dict(loss_sum=True), dict(changes="none"), dict(wandb_id=3), dict(model=[1, 2])])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(step="4"),
+        dict(step=-1),
+        dict(rng=None),
+        dict(rng=[None]),
+        dict(step_last=5),
+        dict(loss_sum=True),
+        dict(changes="none"),
+        dict(wandb_id=3),
+        dict(model=[1, 2]),
+    ],
+)
 def test_a_checkpoint_with_a_field_of_the_wrong_type_or_value_is_one_line(tmp_path, change):
-    good = dict(model={}, optimizer={}, step=4, rng=[dict(torch=torch.get_rng_state(), cuda=None)], data_hash="h",
-                config={}, loss_sum=0.0, step_last=4, wall_time_s=1.0, wandb_id=None, changes=[])
+    good = dict(
+        model={},
+        optimizer={},
+        step=4,
+        rng=[dict(torch=torch.get_rng_state(), cuda=None)],
+        data_hash="h",
+        config={},
+        loss_sum=0.0,
+        step_last=4,
+        wall_time_s=1.0,
+        wandb_id=None,
+        changes=[],
+    )
     torch.save(dict(good, **change), tmp_path / "ckpt.pt")
     with pytest.raises(DataError, match="is not a checkpoint train.py wrote") as e:
         checkpoint.load_checkpoint(str(tmp_path / "ckpt.pt"), "cpu")
@@ -92,6 +125,7 @@ def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path):
         with open(p, "wb") as f:
             f.write(b"half")
         raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0\nbasic_ios::clear")
+
     with pytest.raises(DataError, match="could not write .*ckpt.pt .*unexpected pos.*last good copy is kept") as e:
         checkpoint.save_atomically(path, {"step": 2}, full_disk)
     assert "\n" not in str(e.value)
@@ -106,6 +140,7 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch):
         with open(p, "wb") as f:
             f.write(b"half")
         raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+
     with pytest.raises(DataError, match=r"could not write .*ckpt.pt \(no space left on device\); the last good"):
         checkpoint.save_atomically(str(tmp_path / "ckpt.pt"), {}, torch_full)
     assert os.listdir(tmp_path) == []
@@ -119,13 +154,20 @@ def test_a_log_that_is_not_text_is_one_line(tmp_path):
 
 def test_the_log_is_cut_back_to_the_checkpoint(tmp_path):
     # records before the checkpoint's step, and its train record (its evaluation is redone); a torn last line dropped
-    lines = ['{"step": 2, "loss": 1.0}', '{"step": 2, "val_loss": 1.0}', '{"step": 4, "loss": 0.9}',
-             '{"step": 4, "val_loss": 0.9}', '{"step": 5, "loss": 0.8}', '{"step": 6, "lo']
+    lines = [
+        '{"step": 2, "loss": 1.0}',
+        '{"step": 2, "val_loss": 1.0}',
+        '{"step": 4, "loss": 0.9}',
+        '{"step": 4, "val_loss": 0.9}',
+        '{"step": 5, "loss": 0.8}',
+        '{"step": 6, "lo',
+    ]
     (tmp_path / "log.jsonl").write_text("\n".join(lines))
     assert checkpoint.log_until(str(tmp_path / "log.jsonl"), 4) == "".join(line + "\n" for line in lines[:3])
 
 
 # --- resuming a cell ----------------------------------------------------------------------------------
+
 
 def test_resume_equals_uninterrupted_line_for_line(shards, tmp_path, monkeypatch):
     # eval_interval (checkpoints) not a multiple of log_interval: a resumed interval holds steps from
@@ -146,6 +188,7 @@ def test_resume_equals_uninterrupted_line_for_line(shards, tmp_path, monkeypatch
 def stopped(shards, tmp_path_factory):
     """A cell as if killed after its last checkpoint (result.json gone), and its whole log."""
     import report
+
     real, report.main = report.main, lambda argv: None
     try:
         out = tmp_path_factory.mktemp("stopped") / "o"
@@ -161,8 +204,11 @@ def copy_of(stopped, tmp_path, shards):
     """A copy of the stopped grid, its cell folder, and the arguments that resume it."""
     out = tmp_path / "o"
     shutil.copytree(stopped[0], out)
-    return out, out / "attnres" / "seed0", tiny(shards, out, "--max_iters=4", "--eval_interval=2", "--log_interval=1",
-                                                "--arms=attnres")
+    return (
+        out,
+        out / "attnres" / "seed0",
+        tiny(shards, out, "--max_iters=4", "--eval_interval=2", "--log_interval=1", "--arms=attnres"),
+    )
 
 
 def older_checkpoint():
@@ -171,10 +217,14 @@ def older_checkpoint():
     return older.getvalue()
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda good: good[:1000], "ckpt.pt is unreadable, truncated or empty"),
-    (lambda good: b"", "ckpt.pt is unreadable, truncated or empty"),
-    (lambda good: older_checkpoint(), "ckpt.pt was written by an older train.py")])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda good: good[:1000], "ckpt.pt is unreadable, truncated or empty"),
+        (lambda good: b"", "ckpt.pt is unreadable, truncated or empty"),
+        (lambda good: older_checkpoint(), "ckpt.pt was written by an older train.py"),
+    ],
+)
 def test_a_damaged_checkpoint_is_one_line(stopped, shards, tmp_path, damage, message):
     out, cell, args = copy_of(stopped, tmp_path, shards)
     (cell / "ckpt.pt").write_bytes(damage((cell / "ckpt.pt").read_bytes()))
@@ -193,7 +243,7 @@ def test_a_missing_log_is_one_line(stopped, shards, tmp_path):
 def test_a_log_damaged_before_its_last_line_is_one_line(stopped, shards, tmp_path):
     out, cell, args = copy_of(stopped, tmp_path, shards)
     text = (cell / "log.jsonl").read_text()
-    (cell / "log.jsonl").write_text(text[:len(text) // 2] + "\n" + text[len(text) // 2:][:7])
+    (cell / "log.jsonl").write_text(text[: len(text) // 2] + "\n" + text[len(text) // 2 :][:7])
     with pytest.raises(DataError, match="log.jsonl line .* is not a log record"):
         train.main(args)
 
@@ -214,8 +264,17 @@ def test_a_changed_resume_is_recorded_and_unpairs(shards, tmp_path):
     with pytest.raises(ConfigError, match=r"learning_rate \(0.01 -> 0.02\)"):
         train.main(tiny(shards, out, "--max_iters=6", "--eval_interval=3", "--learning_rate=2e-2"))
     # the same change to one arm only, opted in: recorded in its cell, and the seed is not paired
-    train.main(tiny(shards, out, "--max_iters=6", "--eval_interval=3", "--learning_rate=2e-2", "--arms=attnres",
-                    "--allow_changes=True"))
+    train.main(
+        tiny(
+            shards,
+            out,
+            "--max_iters=6",
+            "--eval_interval=3",
+            "--learning_rate=2e-2",
+            "--arms=attnres",
+            "--allow_changes=True",
+        )
+    )
     train.main(tiny(shards, out, "--max_iters=6", "--eval_interval=3", "--arms=rd_attnres", "--allow_changes=True"))
     changed, same = result(out, "attnres"), result(out, "rd_attnres")
     assert changed["pairing"]["changes"] == [{"step": 6, "changed": {"learning_rate": [0.01, 0.02]}}]
@@ -243,10 +302,21 @@ def test_a_checkpoint_copied_from_another_cell_is_not_resumed(two_seeds):
 
 def test_a_checkpoint_made_with_other_settings_is_not_resumed(two_seeds, shards, tmp_path):
     cells, args = two_seeds
-    train.main(tiny(shards, tmp_path / "other", "--max_iters=2", "--eval_interval=2", "--arms=attnres", "--seeds=1",
-                    "--learning_rate=2e-2"))
+    train.main(
+        tiny(
+            shards,
+            tmp_path / "other",
+            "--max_iters=2",
+            "--eval_interval=2",
+            "--arms=attnres",
+            "--seeds=1",
+            "--learning_rate=2e-2",
+        )
+    )
     shutil.copy(tmp_path / "other" / "attnres" / "seed1" / "ckpt.pt", cells / "seed1" / "ckpt.pt")
-    with pytest.raises(ConfigError, match=r"seed1/ckpt.pt was made with other settings: learning_rate \(0.02 -> 0.01\); rerun"):
+    with pytest.raises(
+        ConfigError, match=r"seed1/ckpt.pt was made with other settings: learning_rate \(0.02 -> 0.01\); rerun"
+    ):
         train.main(args)
 
 
@@ -258,8 +328,14 @@ def test_a_checkpoint_past_a_lowered_max_iters_is_not_trained_on_forever(two_see
 
 def test_muon_trains_and_resumes_exactly(shards, tmp_path, monkeypatch):
     # Muon's momentum and AdamW's moments both go through the checkpoint: a killed run resumes line for line
-    args = ["--max_iters=8", "--eval_interval=3", "--log_interval=2", "--arms=dar", "--optimizer=muon",
-            "--activation_checkpointing=True"]
+    args = [
+        "--max_iters=8",
+        "--eval_interval=3",
+        "--log_interval=2",
+        "--arms=dar",
+        "--optimizer=muon",
+        "--activation_checkpointing=True",
+    ]
     train.main(tiny(shards, tmp_path / "whole", *args))
     losses = logged(tmp_path / "whole", "dar")
     assert losses[-1] < losses[0] - 0.5  # it learns
@@ -272,7 +348,9 @@ def test_muon_trains_and_resumes_exactly(shards, tmp_path, monkeypatch):
     assert without_timings(resumed) == without_timings(whole)
     # another optimizer cannot take over the checkpoint: one line
     os.remove(tmp_path / "killed" / "dar" / "seed0" / "result.json")
-    with pytest.raises(ConfigError, match="ckpt.pt was trained with optimizer='muon', whose state 'adamw' cannot take over"):
+    with pytest.raises(
+        ConfigError, match="ckpt.pt was trained with optimizer='muon', whose state 'adamw' cannot take over"
+    ):
         train.main(tiny(shards, tmp_path / "killed", *args[:-2], "--allow_changes=True"))
 
 
@@ -308,10 +386,15 @@ def test_fsdp_killed_and_resumed_equals_one_process(shards, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     train.main(tiny(shards, tmp_path / "single", *args))
     np.testing.assert_allclose(logged(tmp_path / "fsdp", "attnres"), logged(tmp_path / "single", "attnres"), rtol=1e-5)
-    np.testing.assert_allclose(logged(tmp_path / "fsdp", "attnres", key="val_loss"),
-                               logged(tmp_path / "single", "attnres", key="val_loss"), rtol=1e-6)
+    np.testing.assert_allclose(
+        logged(tmp_path / "fsdp", "attnres", key="val_loss"),
+        logged(tmp_path / "single", "attnres", key="val_loss"),
+        rtol=1e-6,
+    )
     # the checkpoint gathered on rank 0 is a one-process checkpoint: the same names, the same optimizer layout
-    fsdp, single = (torch.load(tmp_path / d / "attnres" / "seed0" / "ckpt.pt", weights_only=True) for d in ("fsdp", "single"))
+    fsdp, single = (
+        torch.load(tmp_path / d / "attnres" / "seed0" / "ckpt.pt", weights_only=True) for d in ("fsdp", "single")
+    )
     assert fsdp["model"].keys() == single["model"].keys()
     layout = lambda ckpt: [(g["params"], g["lr"], g["weight_decay"]) for g in ckpt["optimizer"]["param_groups"]]
     assert layout(fsdp) == layout(single)

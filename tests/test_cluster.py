@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import launch
+import cells
 import train
 from cells import PREEMPTED, Preempted, stop_on_signals
 from common import ConfigError, DataError
@@ -60,7 +61,9 @@ def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tm
     os.kill(worker, signal.SIGUSR2)
     assert [job.result() for job in jobs] == [None] * 3  # a worker that failed raises here, with its output
     outputs = [job.stdout() for job in jobs]
-    assert re.search(r"stopped by a signal: \[\w+ seed\d\] checkpointed at step [1-5]", warned.stdout()), warned.stdout()
+    assert re.search(r"stopped by a signal: \[\w+ seed\d\] checkpointed at step [1-5]", warned.stdout()), (
+        warned.stdout()
+    )
     assert "Requeued job" in warned.stdout(), warned.stdout()
     cells = [(arm, seed) for seed in (0, 1, 2) for arm in ("attnres", "rd_attnres")]
     for arm, seed in cells:  # each started by one worker (which says its size then; a resume does not)
@@ -72,8 +75,11 @@ def test_workers_share_a_grid_and_train_each_cell_once_as_one_process(shards, tm
 
 
 def test_a_launch_that_cannot_run_is_one_line_before_anything_is_submitted(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"^nodes=2 with gpus_per_node=0: a CPU worker is one process on one node; "
-                                          r"use --nodes=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^nodes=2 with gpus_per_node=0: a CPU worker is one process on one node; "
+        r"use --nodes=1",
+    ):
         launch.split_args(["--nodes=2", "--gpus_per_node=0"])
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: not a SLURM login node
     with pytest.raises(ConfigError, match=r"^cluster=slurm but this machine has no sbatch .*--cluster=local$"):
@@ -85,14 +91,20 @@ def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_
     # train.py mid-evaluation or mid-compile past the wait: the hook requeues before SLURM's kill at the time
     # limit, which would end the worker unrequeued; the cell resumes from its last checkpoint
     worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path), 0.5)
-    worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                      preexec_fn=launch.leave_stops_to_train, start_new_session=True)  # SIGTERM unheeded
+    worker.process = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        preexec_fn=launch.leave_stops_to_train,
+        start_new_session=True,
+    )  # SIGTERM unheeded
     try:
         started = time.time()
         requeued = worker.checkpoint()
         assert time.time() - started < 10 and worker.process.poll() is None
         assert requeued.function.train_args == worker.train_args and requeued.function.process is None
-        assert "train.py did not stop within 0.5 s of the warning; requeued without its checkpoint" in capsys.readouterr().out
+        assert (
+            "train.py did not stop within 0.5 s of the warning; requeued without its checkpoint"
+            in capsys.readouterr().out
+        )
     finally:
         worker.process.kill()
         worker.process.wait()
@@ -101,11 +113,14 @@ def test_a_warned_worker_whose_run_does_not_stop_in_time_is_requeued_anyway(tmp_
 def test_a_warning_that_comes_while_train_py_is_still_starting_is_not_lost(tmp_path):
     # train.py ignores a stop until it handles them (importing torch takes seconds, on a cluster's shared disk more):
     # the worker sends it again until the run checkpoints and exits, within the warning's wait
-    starting = "import signal, sys, time; time.sleep(1.5); signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); " \
-               "time.sleep(60)"
+    starting = (
+        "import signal, sys, time; time.sleep(1.5); signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); "
+        "time.sleep(60)"
+    )
     worker = launch.Worker(["--arms=attnres"], 1, 0, str(tmp_path), 20)
-    worker.process = subprocess.Popen([sys.executable, "-c", starting], preexec_fn=launch.leave_stops_to_train,
-                                      start_new_session=True)
+    worker.process = subprocess.Popen(
+        [sys.executable, "-c", starting], preexec_fn=launch.leave_stops_to_train, start_new_session=True
+    )
     try:
         started = time.time()
         worker.checkpoint()
@@ -118,16 +133,30 @@ def test_a_warning_that_comes_while_train_py_is_still_starting_is_not_lost(tmp_p
 def test_a_worker_started_while_the_bundled_corpus_is_prepared_waits_for_it(shards, tmp_path, monkeypatch, capsys):
     corpus = str(tmp_path / "shakespeare_bytes")
     monkeypatch.setitem(BUNDLED, corpus, "bytes")  # a bundled corpus of its own, prepared here
-    slow = ("import sys, time; import data.prepare as P; real = P.prepare_locked; "
-            "P.prepare_locked = lambda *a: (time.sleep(3), real(*a))[1]; P.prepare_bundled(sys.argv[1], 'bytes', quiet=True)")
+    slow = (
+        "import sys, time; import data.prepare as P; real = P.prepare_locked; "
+        "P.prepare_locked = lambda *a: (time.sleep(3), real(*a))[1]; P.prepare_bundled(sys.argv[1], 'bytes', quiet=True)"  # noqa: E501
+    )
     preparer = subprocess.Popen([sys.executable, "-c", slow, corpus], cwd=ROOT, env=ENV)
     while not os.path.exists(os.path.join(corpus, "lock")):
         assert preparer.poll() is None
         time.sleep(0.05)
-    train.main(tiny(shards, tmp_path / "o", "--arms=attnres", f"--data_dir={corpus}", "--vocab_size=None",
-                    "--max_iters=2", "--eval_interval=2"))
+    train.main(
+        tiny(
+            shards,
+            tmp_path / "o",
+            "--arms=attnres",
+            f"--data_dir={corpus}",
+            "--vocab_size=None",
+            "--max_iters=2",
+            "--eval_interval=2",
+        )
+    )
     assert preparer.wait() == 0
-    assert f"waiting for {corpus}: being prepared by pid {preparer.pid} on {socket.gethostname()}" in capsys.readouterr().out
+    assert (
+        f"waiting for {corpus}: being prepared by pid {preparer.pid} on {socket.gethostname()}"
+        in capsys.readouterr().out
+    )
     assert result(tmp_path / "o", "attnres")["status"] == "finished"
 
 
@@ -139,6 +168,7 @@ def stopped_at_random_step(argv, monkeypatch, signum, max_iters, seed=0):
         if step == at:
             os.kill(os.getpid(), signum)
         return real(step, cell)
+
     monkeypatch.setattr(train, "learning_rate_at", signalled)
     with stop_on_signals(), pytest.raises(Preempted, match=rf"\[attnres seed{seed}\] checkpointed at step {at + 1}$"):
         train.main(argv)
@@ -148,7 +178,8 @@ def stopped_at_random_step(argv, monkeypatch, signum, max_iters, seed=0):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_checkpoints_at_a_step_boundary_and_the_same_command_resumes_as_never_stopped(
-        shards, tmp_path, monkeypatch, signum):
+    shards, tmp_path, monkeypatch, signum
+):
     handler = signal.getsignal(signum)
     # checkpoints every 4 steps, log lines every 3: a stop lands between both, or on one
     args = ["--arms=attnres", "--max_iters=10", "--eval_interval=4", "--log_interval=3"]
@@ -169,9 +200,15 @@ STEPS = 16
 def torchrun(out_dir, shards, where=("--standalone",), wait=True):
     """train.py on 2 CPU processes for STEPS steps: 2 ranks, or 1 on each of two 'nodes' (where: a
     2-node rendezvous, started twice)."""
-    command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node=" + ("1" if len(where) > 1 else "2"),
-               "train.py", *tiny(shards, out_dir, "--arms=attnres", f"--max_iters={STEPS}", "--eval_interval=5",
-                                 "--log_interval=3")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        "--nproc_per_node=" + ("1" if len(where) > 1 else "2"),
+        "train.py",
+        *tiny(shards, out_dir, "--arms=attnres", f"--max_iters={STEPS}", "--eval_interval=5", "--log_interval=3"),
+    ]
     proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc.communicate(timeout=300) + (proc.returncode,) if wait else proc
 
@@ -193,10 +230,13 @@ def two_nodes(shards, tmp_path_factory):
 
 def test_two_nodes_equal_one_process(two_nodes, shards, tmp_path):
     # as 2 ranks on one machine equal one process (test_train.py): the world size rounds a step differently
-    train.main(tiny(shards, tmp_path, "--arms=attnres", f"--max_iters={STEPS}", "--eval_interval=5", "--log_interval=3"))
+    train.main(
+        tiny(shards, tmp_path, "--arms=attnres", f"--max_iters={STEPS}", "--eval_interval=5", "--log_interval=3")
+    )
     np.testing.assert_allclose(logged(two_nodes, "attnres"), logged(tmp_path, "attnres"), rtol=1e-5)
-    np.testing.assert_allclose(logged(two_nodes, "attnres", key="val_loss"), logged(tmp_path, "attnres", key="val_loss"),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        logged(two_nodes, "attnres", key="val_loss"), logged(tmp_path, "attnres", key="val_loss"), rtol=1e-6
+    )
     assert result(two_nodes, "attnres")["config"]["world_size"] == 2
 
 
@@ -224,7 +264,9 @@ def test_two_ranks_stopped_by_a_signal_resume_as_never_stopped(two_nodes, shards
 def test_status_lists_each_cell_and_the_hours_spent_and_left(shards, tmp_path, monkeypatch):
     args = tiny(shards, tmp_path, "--arms=attnres,rd_attnres", "--seeds=0,1")
     train.main(tiny(shards, tmp_path, "--arms=attnres", "--seeds=0"))  # finished
-    stop = stopped_at_random_step(tiny(shards, tmp_path, "--arms=attnres", "--seeds=1"), monkeypatch, signal.SIGTERM, 8, seed=1)
+    stop = stopped_at_random_step(
+        tiny(shards, tmp_path, "--arms=attnres", "--seeds=1"), monkeypatch, signal.SIGTERM, 8, seed=1
+    )
     training = tmp_path / "rd_attnres" / "seed0"  # a live process holds it and has logged step 3
     training.mkdir(parents=True)
     (training / "lock").write_text(f"{os.getppid()} {socket.gethostname()}")
@@ -233,7 +275,9 @@ def test_status_lists_each_cell_and_the_hours_spent_and_left(shards, tmp_path, m
     assert [line for _, _, line in status["cells"]] == [
         f"finished, val_loss {result(tmp_path, 'attnres', 0)['val_loss']:.4f}",
         f"training: {socket.gethostname()} pid {os.getppid()}, step 3/8, 1m15s left",
-        f"resumable at step {stop}", "pending"]
+        f"resumable at step {stop}",
+        "pending",
+    ]
     finished = result(tmp_path, "attnres", 0)["wall_time_s"]
     resumable = launch.checkpoint_summary(str(tmp_path / "attnres" / "seed1" / "ckpt.pt"))["wall_time_s"]
     assert status["spent_s"] == pytest.approx(finished + resumable)
@@ -259,8 +303,10 @@ def test_the_report_is_written_once_and_again_only_after_a_newer_result(shards, 
     train.main(args)
     written = os.path.getmtime(tmp_path / "report.md")
     train.main(args)  # a rerun of the finished grid, or a worker that starts after the last one finished
-    assert f"{tmp_path / 'report.md'} is up to date with every result; python report.py {tmp_path} writes it again" \
+    assert (
+        f"{tmp_path / 'report.md'} is up to date with every result; python report.py {tmp_path} writes it again"
         in capsys.readouterr().out
+    )
     assert os.path.getmtime(tmp_path / "report.md") == written
     later = written + 10  # a result (or downstream.json) newer than the report: written again
     os.utime(tmp_path / "attnres" / "seed0" / "result.json", (later, later))
@@ -268,11 +314,22 @@ def test_the_report_is_written_once_and_again_only_after_a_newer_result(shards, 
     assert os.path.getmtime(tmp_path / "report.md") > written and not (tmp_path / "report.lock").exists()
 
 
-def test_a_worker_waits_for_the_tuning_cells_of_others_and_takes_over_a_dead_ones(shards, tmp_path, monkeypatch, capsys):
+def test_a_worker_waits_for_the_tuning_cells_of_others_and_takes_over_a_dead_ones(
+    shards, tmp_path, monkeypatch, capsys
+):
     import tune
+
     # the rates are chosen from every tuning cell: another worker holds one, and dies while this one waits
-    args = tiny(shards, tmp_path, "--arms=attnres", "--tune_learning_rates=1e-3,1e-2", "--tune_seeds=1000,1001",
-                "--tune_iters=3", "--max_iters=4", "--eval_interval=2")
+    args = tiny(
+        shards,
+        tmp_path,
+        "--arms=attnres",
+        "--tune_learning_rates=1e-3,1e-2",
+        "--tune_seeds=1000,1001",
+        "--tune_iters=3",
+        "--max_iters=4",
+        "--eval_interval=2",
+    )
     held = tmp_path / "tune" / tune.tuning_arm("attnres", 1e-2) / "seed1001"
     held.mkdir(parents=True)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -281,6 +338,7 @@ def test_a_worker_waits_for_the_tuning_cells_of_others_and_takes_over_a_dead_one
     def the_other_worker_dies(seconds):  # the wait between looks at the others' cells
         other.kill()
         other.wait()
+
     monkeypatch.setattr(train, "time", SimpleNamespace(sleep=the_other_worker_dies, monotonic=time.monotonic))
     train.main(args)
     out = capsys.readouterr().out
@@ -290,10 +348,20 @@ def test_a_worker_waits_for_the_tuning_cells_of_others_and_takes_over_a_dead_one
 
 
 def test_a_worker_waiting_on_a_tuning_cell_of_a_silent_worker_on_another_host_gives_up_saying_how_to_free_it(
-        shards, tmp_path, monkeypatch):
+    shards, tmp_path, monkeypatch
+):
     import tune
-    args = tiny(shards, tmp_path, "--arms=attnres", "--tune_learning_rates=1e-3,1e-2", "--tune_seeds=1000,1001",
-                "--tune_iters=3", "--max_iters=4", "--eval_interval=2")
+
+    args = tiny(
+        shards,
+        tmp_path,
+        "--arms=attnres",
+        "--tune_learning_rates=1e-3,1e-2",
+        "--tune_seeds=1000,1001",
+        "--tune_iters=3",
+        "--max_iters=4",
+        "--eval_interval=2",
+    )
     held = tmp_path / "tune" / tune.tuning_arm("attnres", 1e-2) / "seed1000"
     held.mkdir(parents=True)
     (held / "lock").write_text("12 another-host")  # its lock cannot be checked from here
@@ -308,14 +376,20 @@ def test_a_worker_waiting_on_a_tuning_cell_of_a_silent_worker_on_another_host_gi
             logged_at.append(clock())
             (held / "log.jsonl").write_text(json.dumps(dict(step=len(logged_at))) + "\n")
             os.utime(held / "log.jsonl", (len(logged_at), len(logged_at)))  # a coarse clock's mtime changes too
+
     monkeypatch.setattr(train, "time", SimpleNamespace(sleep=wait, monotonic=clock))
+    monkeypatch.setattr(cells, "time", SimpleNamespace(sleep=wait, monotonic=clock))  # stalled's clock
     with pytest.raises(DataError) as err:
         train.main(args)
     gave_up = clock()
-    assert str(err.value) == (f"[{tune.tuning_arm('attnres', 1e-2)} seed1000] is held by pid 12 on another-host, and its "
-                              f"log and checkpoint have not changed in {train.WAIT_GIVE_UP_S // 60} minutes; if that "
-                              f"worker is gone: rm {held / 'lock'}, and run the same command again")
-    assert train.WAIT_GIVE_UP_S <= gave_up - logged_at[-1] < train.WAIT_GIVE_UP_S + 2 * 600  # a change restarts the count
+    assert str(err.value) == (
+        f"[{tune.tuning_arm('attnres', 1e-2)} seed1000] is held by pid 12 on another-host, and its "
+        f"log and checkpoint have not changed in {cells.WAIT_GIVE_UP_S // 60} minutes; if that "
+        f"worker is gone: rm {held / 'lock'}, and run the same command again"
+    )
+    assert (
+        cells.WAIT_GIVE_UP_S <= gave_up - logged_at[-1] < cells.WAIT_GIVE_UP_S + 2 * 600
+    )  # a change restarts the count
     assert not (tmp_path / "attnres").exists()  # the grid waits for the rates
 
 
@@ -323,8 +397,10 @@ def test_the_state_of_a_cell_whose_result_lacks_a_field_is_one_line(tmp_path):
     good = dict(status="finished", steps=10, val_loss=2.5, wall_time_s=3.0, config=dict(world_size=2))
     (tmp_path / "result.json").write_text(json.dumps(good))
     assert launch.cell_state(str(tmp_path), 10) == ("finished", "finished, val_loss 2.5000", 6.0, 10)
-    for broken, why in ((dict(good, config=None), "'NoneType' object is not subscriptable"),
-                        ({k: v for k, v in good.items() if k != "wall_time_s"}, "no 'wall_time_s'")):
+    for broken, why in (
+        (dict(good, config=None), "'NoneType' object is not subscriptable"),
+        ({k: v for k, v in good.items() if k != "wall_time_s"}, "no 'wall_time_s'"),
+    ):
         (tmp_path / "result.json").write_text(json.dumps(broken))
         with pytest.raises(DataError, match=rf"result.json is not a result train.py writes \({why}\); move it aside"):
             launch.cell_state(str(tmp_path), 10)
@@ -341,7 +417,8 @@ def fake_slurm(tmp_path, monkeypatch, sbatch="echo 'Submitted batch job 7'", sin
 
 
 def test_cpu_workers_ask_for_one_process_s_threads_and_a_request_no_node_meets_is_refused_at_submit(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     fake_slurm(tmp_path, monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = f"--out_dir={tmp_path / 'grid'}"
@@ -352,69 +429,119 @@ def test_cpu_workers_ask_for_one_process_s_threads_and_a_request_no_node_meets_i
     gpu, _ = launch.split_args([])
     params = launch.slurm_parameters(gpu, "grid")
     assert (params["cpus_per_task"], params["gres"]) == (64, "gpu:8")
-    for flags, need in ((["--gpus_per_node=0", "--cpus_per_task=8"], "8 CPUs, 0 GPUs"), ([], "64 CPUs, 8 GPUs"),
-                        (["--gpus_per_node=0", "--mem=32G"], "1 CPUs, 0 GPUs, 32G")):
-        with pytest.raises(ConfigError, match=rf"^no node of the default partition has {need} \(sinfo: 2 CPUs, "
-                                              rf"24105 MB, 0 GPUs\): ask for less .* or choose another --partition$"):
+    for flags, need in (
+        (["--gpus_per_node=0", "--cpus_per_task=8"], "8 CPUs, 0 GPUs"),
+        ([], "64 CPUs, 8 GPUs"),
+        (["--gpus_per_node=0", "--mem=32G"], "1 CPUs, 0 GPUs, 32G"),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^no node of the default partition has {need} \(sinfo: 2 CPUs, "
+            rf"24105 MB, 0 GPUs\): ask for less .* or choose another --partition$",
+        ):
             launch.main([*flags, out, "--arms=attnres"])
     assert os.listdir(tmp_path) == ["bin"]  # nothing submitted, nothing written
 
 
 def test_a_site_s_resources_pass_through_a_dry_run_submits_nothing_and_sbatch_s_refusal_is_one_line(
-        tmp_path, monkeypatch, capsys):
-    fake_slurm(tmp_path, monkeypatch, sbatch="echo 'sbatch: error: Invalid generic resource (gres) specification' >&2; "
-                                             "exit 1", sinfo="echo '64|512000|gpu:a100:8(S:0-1)|gpu*'")
+    tmp_path, monkeypatch, capsys
+):
+    fake_slurm(
+        tmp_path,
+        monkeypatch,
+        sbatch="echo 'sbatch: error: Invalid generic resource (gres) specification' >&2; exit 1",
+        sinfo="echo '64|512000|gpu:a100:8(S:0-1)|gpu*'",
+    )
     site = tmp_path / "site.py"  # launch.py's keys in a config file of their own, as the paper configs are written
-    site.write_text('account = "myproj"\nqos = "high"\ngres = "gpu:a100:8"\nmem = "400G"\nconstraint = "ib"\n'
-                    'exclusive = True\nsbatch = ["--mail-type=END"]\nworkers = 2\n'
-                    'setup = ["module load cuda/12.1", "source ~/venv/bin/activate"]\n')
+    site.write_text(
+        'account = "myproj"\nqos = "high"\ngres = "gpu:a100:8"\nmem = "400G"\nconstraint = "ib"\n'
+        'exclusive = True\nsbatch = ["--mail-type=END"]\nworkers = 2\n'
+        'setup = ["module load cuda/12.1", "source ~/venv/bin/activate"]\n'
+    )
     args = [str(site), f"--out_dir={tmp_path / 'grid'}", "--arms=attnres,standard", "--seeds=0,1"]
     launch.main([*args, "--dry_run"])
     script = capsys.readouterr().out
-    for line in ("#SBATCH --account=myproj", "#SBATCH --qos=high", "#SBATCH --gres=gpu:a100:8", "#SBATCH --mem=400G",
-                 "#SBATCH --constraint=ib", "#SBATCH --exclusive", "#SBATCH --mail-type=END", "#SBATCH --array=0-1%2",
-                 "#SBATCH --cpus-per-task=64", "#SBATCH --signal=USR2@300", "\nmodule load cuda/12.1\n",
-                 "\nsource ~/venv/bin/activate\n", "# task 0: attnres seed0, attnres seed1",
-                 "# task 1: standard seed0, standard seed1", "# dry run: nothing submitted"):
+    for line in (
+        "#SBATCH --account=myproj",
+        "#SBATCH --qos=high",
+        "#SBATCH --gres=gpu:a100:8",
+        "#SBATCH --mem=400G",
+        "#SBATCH --constraint=ib",
+        "#SBATCH --exclusive",
+        "#SBATCH --mail-type=END",
+        "#SBATCH --array=0-1%2",
+        "#SBATCH --cpus-per-task=64",
+        "#SBATCH --signal=USR2@300",
+        "\nmodule load cuda/12.1\n",
+        "\nsource ~/venv/bin/activate\n",
+        "# task 0: attnres seed0, attnres seed1",
+        "# task 1: standard seed0, standard seed1",
+        "# dry run: nothing submitted",
+    ):
         assert line in script, (line, script)
     assert sorted(os.listdir(tmp_path)) == ["bin", "site.py"]
-    with pytest.raises(ConfigError, match=r"^sbatch refused the array: sbatch: error: Invalid generic resource "
-                                          r"\(gres\) specification; nothing was submitted$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^sbatch refused the array: sbatch: error: Invalid generic resource "
+        r"\(gres\) specification; nothing was submitted$",
+    ):
         launch.main(args)
     assert "sbatch: error" not in capsys.readouterr().err  # said once, in the error
     assert not os.path.exists(tmp_path / "grid_launch")  # no stray pickle, no script
     (tmp_path / "mixed.py").write_text("workers = 3\nmax_iters = 5\n")
     with pytest.raises(ConfigError, match=r"^a config file sets launch.py's key 'workers' beside train.py's: give"):
         launch.main([str(tmp_path / "mixed.py"), f"--out_dir={tmp_path / 'grid'}", "--dry_run"])
-    for bad, why in ((["--sbatch=-A x"], r"sbatch option '-A x': give a long option"),
-                     (["--gres=gpu:a100:4"], r"gres='gpu:a100:4' with gpus_per_node=8: give one gpu entry"),
-                     (["--warn_s=7200", "--time_min=60"], r"warn_s=7200: the warning comes")):
+    for bad, why in (
+        (["--sbatch=-A x"], r"sbatch option '-A x': give a long option"),
+        (["--gres=gpu:a100:4"], r"gres='gpu:a100:4' with gpus_per_node=8: give one gpu entry"),
+        (["--warn_s=7200", "--time_min=60"], r"warn_s=7200: the warning comes"),
+    ):
         with pytest.raises(ConfigError, match=rf"^{why}"):
             launch.main([*bad, *args[1:], "--dry_run"])
 
 
 def test_a_config_train_py_would_refuse_at_the_workers_world_size_is_refused_before_anything_is_queued(
-        tmp_path, monkeypatch):
-    fake_slurm(tmp_path, monkeypatch, sbatch="echo submitted >> $0.calls; echo 'Submitted batch job 7'",
-               sinfo="echo '64|512000|gpu:8|gpu*'")
+    tmp_path, monkeypatch
+):
+    fake_slurm(
+        tmp_path,
+        monkeypatch,
+        sbatch="echo submitted >> $0.calls; echo 'Submitted batch job 7'",
+        sinfo="echo '64|512000|gpu:8|gpu*'",
+    )
     out = f"--out_dir={tmp_path / 'grid'}"
-    for args, why in ((["--max_iters=0"], r"max_iters=0 must be at least 1"),
-                      (["--arms=attnres,standrad"], r"arms has no entry standrad \(did you mean standard\?\)"),
-                      (["--batch_size=4", "--gradient_accumulation_steps=1"], r".*over 8 processes"),  # 8 GPUs
-                      (["--tune_learning_rates=-1e-3"], r".*"), (["--max_iter=10"], r"unknown config key 'max_iter'")):
+    for args, why in (
+        (["--max_iters=0"], r"max_iters=0 must be at least 1"),
+        (["--arms=attnres,standrad"], r"arms has no entry standrad \(did you mean standard\?\)"),
+        (["--batch_size=4", "--gradient_accumulation_steps=1"], r".*over 8 processes"),  # 8 GPUs
+        (["--tune_learning_rates=-1e-3"], r".*"),
+        (["--max_iter=10"], r"unknown config key 'max_iter'"),
+    ):
         with pytest.raises(ConfigError, match=f"^{why}"):
             launch.main([out, "--arms=attnres", *args])
     assert not (tmp_path / "bin" / "sbatch.calls").exists() and not (tmp_path / "grid_launch").exists()
 
 
 def test_a_failed_worker_is_reported_with_its_log_and_the_exit_is_not_zero_also_from_outside_the_checkout(
-        shards, tmp_path):
+    shards, tmp_path
+):
     out = tmp_path / "grid"
     (out / "attnres").mkdir(parents=True)
     (out / "attnres" / "seed0").write_text("a file where the cell's folder should be")  # train.py fails there
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), "--cluster=local", "--gpus_per_node=0",
-                           *tiny(shards, out, "--arms=attnres", "--max_iters=2", "--eval_interval=2")],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch.py"),
+            "--cluster=local",
+            "--gpus_per_node=0",
+            *tiny(shards, out, "--arms=attnres", "--max_iters=2", "--eval_interval=2"),
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     logs = tmp_path / "grid_launch"
     task = launch.read_arrays(str(logs))[-1]["tasks"][0]
     log = logs / f"{task}_0_log.out"
@@ -426,8 +553,14 @@ def test_a_failed_worker_is_reported_with_its_log_and_the_exit_is_not_zero_also_
 
 def write_result(cell, wall_time_s, steps=8, **fields):
     cell.mkdir(parents=True, exist_ok=True)
-    (cell / "result.json").write_text(json.dumps(dict(dict(status="finished", steps=steps, val_loss=2.0, config=dict(
-        world_size=1), wall_time_s=wall_time_s), **fields)))
+    (cell / "result.json").write_text(
+        json.dumps(
+            dict(
+                dict(status="finished", steps=steps, val_loss=2.0, config=dict(world_size=1), wall_time_s=wall_time_s),
+                **fields,
+            )
+        )
+    )
 
 
 def test_status_reports_an_unreadable_file_in_its_row_another_host_s_lock_and_each_arm_s_own_rate(tmp_path):
@@ -447,63 +580,92 @@ def test_status_reports_an_unreadable_file_in_its_row_another_host_s_lock_and_ea
     status = launch.grid_status(launch.train_config(args))
     rows = dict(((arm, seed), text) for arm, seed, text in status["cells"])
     assert rows["attnres", 1].startswith(f"unreadable: {tmp_path / 'attnres' / 'seed1' / 'result.json'} cannot be read")
-    assert rows["standard", 1] == (f"unreadable: {tmp_path / 'standard' / 'seed1' / 'result.json'} is not a result "
-                                   f"train.py writes (wall_time_s is '3.5', not a number); move it aside to train the "
-                                   f"cell again")
-    assert rows["rd_attnres", 0] == (f"unreadable: {tmp_path / 'rd_attnres' / 'seed0' / 'ckpt.pt'} is not a checkpoint "
-                                     f"train.py writes (no 'step'); delete it to train the cell from scratch")
+    assert rows["standard", 1] == (
+        f"unreadable: {tmp_path / 'standard' / 'seed1' / 'result.json'} is not a result "
+        f"train.py writes (wall_time_s is '3.5', not a number); move it aside to train the "
+        f"cell again"
+    )
+    assert rows["rd_attnres", 0] == (
+        f"unreadable: {tmp_path / 'rd_attnres' / 'seed0' / 'ckpt.pt'} is not a checkpoint "
+        f"train.py writes (no 'step'); delete it to train the cell from scratch"
+    )
     assert rows["rd_attnres", 1] == "training: another-host pid 12, step 5/8, 0m30s left"
     # left at each arm's own rate: attnres 1 s a step, standard 0.25, rd_attnres (none finished) every arm's 12/24
     assert status["left_s"] == pytest.approx(8 * 1.0 * 2 + 8 * 0.25 * 1 + 8 * 0.5 * 3)
     assert status["spent_s"] == pytest.approx(12.0)
     text = launch.status_text(status, "process-hours")
-    assert text.startswith(f"{tmp_path}: 9 cells: 3 finished, 0 diverged, 1 training, 0 resumable, 2 pending, "
-                           f"3 unreadable\n")
+    assert text.startswith(
+        f"{tmp_path}: 9 cells: 3 finished, 0 diverged, 1 training, 0 resumable, 2 pending, 3 unreadable\n"
+    )
 
 
 def test_status_lists_the_tuning_cells_first_and_counts_their_hours(tmp_path):
     import tune
-    args = [f"--out_dir={tmp_path}", "--arms=attnres", "--seeds=0", "--tune_learning_rates=1e-3,1e-2",
-            "--tune_seeds=1000,1001", "--tune_iters=4", "--max_iters=8", "--warmup_iters=2"]
+
+    args = [
+        f"--out_dir={tmp_path}",
+        "--arms=attnres",
+        "--seeds=0",
+        "--tune_learning_rates=1e-3,1e-2",
+        "--tune_seeds=1000,1001",
+        "--tune_iters=4",
+        "--max_iters=8",
+        "--warmup_iters=2",
+    ]
     write_result(tmp_path / "tune" / tune.tuning_arm("attnres", 1e-3) / "seed1000", 360.0, steps=4)
     status = launch.grid_status(launch.train_config(args))
     low, high = tune.tuning_arm("attnres", 1e-3), tune.tuning_arm("attnres", 1e-2)
-    assert [(arm, seed) for arm, seed, _ in status["cells"]] == [(low, 1000), (high, 1000), (low, 1001), (high, 1001),
-                                                                  ("attnres", 0)]
+    assert [(arm, seed) for arm, seed, _ in status["cells"]] == [
+        (low, 1000),
+        (high, 1000),
+        (low, 1001),
+        (high, 1001),
+        ("attnres", 0),
+    ]
     assert status["spent_s"] == 360.0 and status["kinds"] == ["finished"] + ["pending"] * 4
     assert status["left_s"] == pytest.approx(90.0 * (3 * 4 + 8))  # at the tuning cell's rate, 90 s a step
     assert "process-hours: 0.10 spent, 0.50 left at the rate measured on 1 cell(s)" in launch.status_text(
-        status, "process-hours")
+        status, "process-hours"
+    )
 
 
 def test_status_asks_squeue_once_for_the_whole_array_and_shows_each_task_s_state_and_reason(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     calls = tmp_path / "squeue.calls"
-    rows = "7_0|RUNNING|None|node3\n7_1|PENDING|BeginTime|\n7_2|PENDING|PartitionConfig|\n7_3|PENDING|JobHeldUser|\n" \
-           "9|PENDING|Resources|"
+    rows = (
+        "7_0|RUNNING|None|node3\n7_1|PENDING|BeginTime|\n7_2|PENDING|PartitionConfig|\n7_3|PENDING|JobHeldUser|\n"
+        "9|PENDING|Resources|"
+    )
     fake_slurm(tmp_path, monkeypatch)
     (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nprintf '{rows}\\n'\n")
     (tmp_path / "bin" / "squeue").chmod(0o755)
     logs = tmp_path / "grid_launch"
     logs.mkdir()
-    arrays = [dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)], argv=[]),
-              dict(cluster="slurm", job_id="9", tasks=["9"], argv=[])]
+    arrays = [
+        dict(cluster="slurm", job_id="7", tasks=[f"7_{i}" for i in range(5)], argv=[]),
+        dict(cluster="slurm", job_id="9", tasks=["9"], argv=[]),
+    ]
     (logs / launch.ARRAYS).write_text(json.dumps(arrays))
     (logs / "7_0_0_log.out").write_text("[attnres seed0] step 3/8 | loss 4.0\n")
     launch.main([f"--out_dir={tmp_path / 'grid'}", "--arms=attnres", "--status"])
     out = capsys.readouterr().out
     # one call for every task of both arrays (a launch again adds an array)
     assert calls.read_text().splitlines() == ["--noheader --array --jobs=7,9 --format=%i|%T|%r|%N"]
-    for line in ("  task 7_0: RUNNING on node3, last on [attnres seed0]",
-                 "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job (AuthInfo's cred_expire",
-                 "  task 7_2: PENDING (PartitionConfig: no node of the partition fits the request",
-                 "  task 7_3: PENDING (JobHeldUser: held: scontrol release JOBID)",
-                 "  task 7_4: not in the queue, ended without a result", "  task 9: PENDING (Resources: waiting"):
+    for line in (
+        "  task 7_0: RUNNING on node3, last on [attnres seed0]",
+        "  task 7_1: PENDING (BeginTime: requeued: SLURM holds a requeued job (AuthInfo's cred_expire",
+        "  task 7_2: PENDING (PartitionConfig: no node of the partition fits the request",
+        "  task 7_3: PENDING (JobHeldUser: held: scontrol release JOBID)",
+        "  task 7_4: not in the queue, ended without a result",
+        "  task 9: PENDING (Resources: waiting",
+    ):
         assert line in out, (line, out)
 
 
 def test_a_submitted_worker_carries_the_project_s_requeue_limit_not_submitit_s_default(tmp_path, monkeypatch):
     import pickle
+
     fake_slurm(tmp_path, monkeypatch, sinfo="echo '64|512000|gpu:8|gpu*'")  # sbatch says: Submitted batch job 7
     jobs = launch.launch(*launch.split_args(["--workers=2", f"--out_dir={tmp_path / 'grid'}", "--arms=attnres"]))
     for job in jobs:  # what a requeue reruns: a worker's time limits are counted down from the project's value

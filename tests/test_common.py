@@ -32,13 +32,18 @@ def finished_pid():
 def test_write_json_that_fails_leaves_no_tmp_and_is_one_line(tmp_path, monkeypatch):
     path = tmp_path / "result.json"
     common.write_json(str(path), {"a": 1})
+
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
+
     with monkeypatch.context() as m:
         m.setattr(json, "dump", full_disk)
         with pytest.raises(common.DataError) as err:
             common.write_json(str(path), {"a": 2})
-    assert str(err.value) == f"cannot write {path} (No space left on device); free disk space or check the permissions of {tmp_path}"
+    assert (
+        str(err.value)
+        == f"cannot write {path} (No space left on device); free disk space or check the permissions of {tmp_path}"
+    )
     assert os.listdir(tmp_path) == ["result.json"] and json.loads(path.read_text()) == {"a": 1}  # the old file stays
     (tmp_path / "file").write_text("x")
     with pytest.raises(common.DataError, match=r"cannot write .*file/x.json \(Not a directory\); free disk space"):
@@ -71,13 +76,14 @@ def test_write_json_is_strict_and_its_temporary_is_this_process_own(tmp_path, mo
     assert json.loads(path.read_text()) == {"a": 2} and (tmp_path / "result.json.tmp").read_text() == "another writer's"
 
 
-
 def test_write_text_is_atomic_and_takes_the_path_first(tmp_path, monkeypatch):
     path = tmp_path / "report.md"
     common.write_text(str(path), "# first\n")
     assert path.read_text() == "# first\n"
     monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(28, "No space left on device")))
-    with pytest.raises(common.DataError, match=r"^cannot write .*report.md \(No space left on device\); free disk space"):
+    with pytest.raises(
+        common.DataError, match=r"^cannot write .*report.md \(No space left on device\); free disk space"
+    ):
         common.write_text(str(path), "# second\n")
     assert path.read_text() == "# first\n" and os.listdir(tmp_path) == ["report.md"]
 
@@ -86,8 +92,11 @@ def test_a_symlink_planted_at_a_temporary_is_never_followed(tmp_path, monkeypatc
     victim = tmp_path / "victim"
     victim.write_text("precious")
     path, lock = tmp_path / "result.json", tmp_path / "lock"
-    for planted in (common.temporary_name(str(path)), common.temporary_name(str(lock)),
-                    str(tmp_path / f".write_test.{os.getpid()}.tmp")):  # the probe name check_writable used
+    for planted in (
+        common.temporary_name(str(path)),
+        common.temporary_name(str(lock)),
+        str(tmp_path / f".write_test.{os.getpid()}.tmp"),
+    ):  # the probe name check_writable used
         os.symlink(victim, planted)
     common.write_json(str(path), {"a": 1})
     with common.pid_lock(str(lock), "busy"):
@@ -98,28 +107,37 @@ def test_a_symlink_planted_at_a_temporary_is_never_followed(tmp_path, monkeypatc
     # the temporary is created exclusively: one that is not removed first (a race) stops the write
     monkeypatch.setattr(common, "remove_stale_temporaries", lambda path: None)
     os.symlink(victim, common.temporary_name(str(path)))
-    with pytest.raises(common.DataError, match=r"^cannot write .*result.json: .*result.json\.\d+\..*\.tmp is in the way "
-                                               r"\(not a file this process made\); remove it$"):
+    with pytest.raises(
+        common.DataError,
+        match=r"^cannot write .*result.json: .*result.json\.\d+\..*\.tmp is in the way "
+        r"\(not a file this process made\); remove it$",
+    ):
         common.write_json(str(path), {"a": 2})
     assert victim.read_text() == "precious" and json.loads(path.read_text()) == {"a": 1}
 
 
 def test_a_killed_writers_temporaries_are_removed_by_the_next_write_of_that_path(tmp_path):
     dead, host = finished_pid(), HOST
-    stale = [tmp_path / f"result.json.{dead}.{host}.tmp",  # a writer killed mid-write
-             tmp_path / f"result.json.{os.getpid()}.{host}.tmp",  # an earlier process that had this pid
-             tmp_path / f"lock.{dead}.{host}.tmp"]  # a pid_lock killed before linking its lock
-    kept = [tmp_path / f"result.json.{os.getppid()}.{host}.tmp",  # a live writer's
-            tmp_path / f"result.json.{dead}.another-host.tmp",  # another host's: its pid cannot be checked here
-            tmp_path / f"other.json.{dead}.{host}.tmp",  # another path's
-            tmp_path / f"result.json.backup.{dead}.{host}.tmp"]  # not the pattern
+    stale = [
+        tmp_path / f"result.json.{dead}.{host}.tmp",  # a writer killed mid-write
+        tmp_path / f"result.json.{os.getpid()}.{host}.tmp",  # an earlier process that had this pid
+        tmp_path / f"lock.{dead}.{host}.tmp",
+    ]  # a pid_lock killed before linking its lock
+    kept = [
+        tmp_path / f"result.json.{os.getppid()}.{host}.tmp",  # a live writer's
+        tmp_path / f"result.json.{dead}.another-host.tmp",  # another host's: its pid cannot be checked here
+        tmp_path / f"other.json.{dead}.{host}.tmp",  # another path's
+        tmp_path / f"result.json.backup.{dead}.{host}.tmp",
+    ]  # not the pattern
     for p in stale + kept:
         p.write_text("partial")
     (tmp_path / f"result.json.{dead + 1}.{host}.tmp").mkdir()  # a folder is nobody's temporary: left, no error
     common.write_json(str(tmp_path / "result.json"), {"a": 1})
     with common.pid_lock(str(tmp_path / "lock"), "busy"):
         pass
-    assert sorted(os.listdir(tmp_path)) == sorted([p.name for p in kept] + ["result.json", f"result.json.{dead + 1}.{host}.tmp"])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [p.name for p in kept] + ["result.json", f"result.json.{dead + 1}.{host}.tmp"]
+    )
 
 
 TERMINATED_MID_WRITE = """
@@ -154,8 +172,13 @@ print("not reached")
 
 def test_a_write_killed_just_after_creating_its_temporary_leaves_none(tmp_path):
     import signal
-    proc = subprocess.run([sys.executable, "-c", TERMINATED_ONCE_CREATED.format(root=ROOT), str(tmp_path / "report.md")],
-                          capture_output=True, text=True, timeout=60)
+
+    proc = subprocess.run(
+        [sys.executable, "-c", TERMINATED_ONCE_CREATED.format(root=ROOT), str(tmp_path / "report.md")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -signal.SIGTERM and proc.stdout == ""
     assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "old"
 
@@ -163,15 +186,22 @@ def test_a_write_killed_just_after_creating_its_temporary_leaves_none(tmp_path):
 @pytest.mark.parametrize("name", ["TERM", "HUP"])
 def test_a_write_killed_by_sigterm_or_sighup_leaves_no_temporary(tmp_path, name):
     import signal
-    proc = subprocess.run([sys.executable, "-c", TERMINATED_MID_WRITE.format(root=ROOT, name=name),
-                           str(tmp_path / "report.md")], capture_output=True, text=True, timeout=60)
+
+    proc = subprocess.run(
+        [sys.executable, "-c", TERMINATED_MID_WRITE.format(root=ROOT, name=name), str(tmp_path / "report.md")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -getattr(signal, f"SIG{name}") and proc.stdout == ""  # it died of the signal
     assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "old"
     # a handler someone installed (train.py's stop at a step boundary) is kept, in force while writing too
     seen, hangup = [], signal.getsignal(signal.SIGHUP)  # SIG_IGN under nohup
     before = signal.signal(signal.SIGTERM, lambda *a: seen.append(a[0]))
     try:
-        common.write_atomic(str(tmp_path / "x"), lambda tmp: (os.kill(os.getpid(), signal.SIGTERM), open(tmp, "w").close()))
+        common.write_atomic(
+            str(tmp_path / "x"), lambda tmp: (os.kill(os.getpid(), signal.SIGTERM), open(tmp, "w").close())
+        )
         assert seen == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -203,28 +233,36 @@ def test_a_lock_that_is_not_a_file_is_one_line_at_once(tmp_path, kind):
     else:
         os.mkfifo(lock)
     # a subprocess with a timeout: the lock loop must end, not spin
-    proc = subprocess.run([sys.executable, "-c", LOCK.format(root=ROOT), str(lock)], capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOCK.format(root=ROOT), str(lock)], capture_output=True, text=True, timeout=30
+    )
     what = {"folder": "a folder", "fifo": "not a file"}.get(kind, "a symlink")
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == f"error: {lock} is {what}, not a lock (a file holding a pid and a host); remove it\n"
-    assert os.path.lexists(lock) and sorted(os.listdir(tmp_path)) == sorted(["lock"] + ["real"] * (kind == "symlink to a lock"))
+    assert os.path.lexists(lock) and sorted(os.listdir(tmp_path)) == sorted(
+        ["lock"] + ["real"] * (kind == "symlink to a lock")
+    )
 
 
 def test_a_lock_held_by_a_dead_process_is_taken_over_and_a_live_one_is_not(tmp_path):
     lock = tmp_path / "lock"
-    for dead in (f"{finished_pid()} {HOST}", f"{finished_pid()} {HOST}\n"):  # a newline (echo, an editor): still this host's
+    for dead in (
+        f"{finished_pid()} {HOST}",
+        f"{finished_pid()} {HOST}\n",
+    ):  # a newline (echo, an editor): still this host's
         lock.write_text(dead)
         with common.pid_lock(str(lock), "busy"):
             assert lock.read_text() == f"{os.getpid()} {HOST}"
         assert not lock.exists()
-    for holder in (f"{os.getppid()} {HOST}", "12 another-host", f"{10 ** 30} {HOST}"):  # 10**30: no pid is that large
+    for holder in (f"{os.getppid()} {HOST}", "12 another-host", f"{10**30} {HOST}"):  # 10**30: no pid is that large
         lock.write_text(holder)
-        if holder.startswith(str(10 ** 30)):
+        if holder.startswith(str(10**30)):
             with common.pid_lock(str(lock), "busy"):  # no such process: stale
                 pass
             continue
-        with pytest.raises(common.DataError, match=rf"^busy by pid {holder.split()[0]} on {holder.split()[1]}; wait for it"):
+        with pytest.raises(
+            common.DataError, match=rf"^busy by pid {holder.split()[0]} on {holder.split()[1]}; wait for it"
+        ):
             with common.pid_lock(str(lock), "busy"):
                 pass
         assert lock.read_text() == holder and os.listdir(tmp_path) == ["lock"]
@@ -263,6 +301,7 @@ def test_two_workers_taking_over_one_stale_lock_leave_it_to_the_first(tmp_path, 
     def stale_first_read(path):
         reads.append(path)
         return tuple(dead.split()) if len(reads) == 1 else read_lock(path)
+
     monkeypatch.setattr(common, "read_lock", stale_first_read)
     with pytest.raises(common.LockHeld, match=rf"^busy by pid {os.getppid()} on {HOST}; wait for it"):
         common.take_lock(str(lock), "busy")
@@ -280,14 +319,20 @@ def test_check_writable_makes_the_folder_and_leaves_nothing_in_it(tmp_path):
     for bad in (tmp_path / "file", tmp_path / "file" / "sub"):
         with pytest.raises(common.DataError) as err:
             common.check_writable(str(bad), "choose another --out_dir")
-        assert str(err.value).startswith(f"cannot write into {bad} (") and str(err.value).endswith("); choose another --out_dir")
+        assert str(err.value).startswith(f"cannot write into {bad} (") and str(err.value).endswith(
+            "); choose another --out_dir"
+        )
 
 
 def test_read_json_is_strict(tmp_path):
     path = tmp_path / "x.json"
-    for text, why in (('{"loss": NaN}', "NaN is not JSON"), ('[Infinity]', "Infinity is not JSON"),
-                      ('[-Infinity]', "-Infinity is not JSON"), ('{"a": 1', "Expecting"),
-                      ("[" * 100_000 + "]" * 100_000, "nested too deeply to read")):
+    for text, why in (
+        ('{"loss": NaN}', "NaN is not JSON"),
+        ('[Infinity]', "Infinity is not JSON"),
+        ('[-Infinity]', "-Infinity is not JSON"),
+        ('{"a": 1', "Expecting"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+    ):
         path.write_text(text)
         with pytest.raises(ValueError, match=why):
             common.read_json(str(path))
@@ -328,8 +373,10 @@ def test_a_cell_is_trained_by_one_process_at_a_time(shards, tmp_path, capsys):
     lock.write_text(f"{os.getppid()} {host}")
     train.main(tiny(shards, tmp_path / "o", "--arms=attnres"))
     out = capsys.readouterr().out
-    assert f"[attnres seed0] being trained by pid {os.getppid()} on {host}: left to it (if that process is gone, " \
-           f"rm {lock} and run again)" in out, "a reused pid would hold the cell without naming its lock"
+    assert (
+        f"[attnres seed0] being trained by pid {os.getppid()} on {host}: left to it (if that process is gone, "
+        f"rm {lock} and run again)" in out
+    ), "a reused pid would hold the cell without naming its lock"
     assert "the last worker to finish writes the report" in out
     assert sorted(os.listdir(cell)) == ["lock"] and not os.path.exists(tmp_path / "o" / "report.md")
 
@@ -346,8 +393,10 @@ def test_a_worker_restarted_with_its_old_pid_trains_the_cell_and_a_garbage_lock_
     (other / "attnres" / "seed0" / "lock").write_text("\x1b]0;pwned\x07 x")
     train.main(tiny(shards, other, "--arms=attnres", "--max_iters=2", "--eval_interval=2"))
     out = capsys.readouterr().out
-    assert "being trained by a lock naming no process ('\\x1b]0;pwned\\x07 x'): left to it (if that process is " \
-           f"gone, rm {other / 'attnres' / 'seed0' / 'lock'} and run again)" in out, out
+    assert (
+        "being trained by a lock naming no process ('\\x1b]0;pwned\\x07 x'): left to it (if that process is "
+        f"gone, rm {other / 'attnres' / 'seed0' / 'lock'} and run again)" in out
+    ), out
     assert "\x1b" not in out
 
 

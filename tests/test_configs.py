@@ -35,10 +35,26 @@ def tiny_overrides(path, shards, out_dir):
     """Sizes, lengths and paths only: a step of 8 sequences, 2 micro-batches per rank (accumulation),
     both schedule phases (1 warmup step), one block of the config's attnres_block_size."""
     layers = settings_of(path).get("attnres_block_size", 4) // 2
-    base = {"data_dir": shards, "out_dir": str(out_dir), "seeds": "0", "n_layer": layers, "n_head": 2, "n_embd": 32,
-            "block_size": 16, "vocab_size": 64, "batch_size": 2, "gradient_accumulation_steps": 4,
-            "max_iters": STEPS, "warmup_iters": 1, "eval_interval": STEPS, "log_interval": 1, "eval_tokens": 65,
-            "eval_batch_size": 2, "device": "cpu", "compile": False}
+    base = {
+        "data_dir": shards,
+        "out_dir": str(out_dir),
+        "seeds": "0",
+        "n_layer": layers,
+        "n_head": 2,
+        "n_embd": 32,
+        "block_size": 16,
+        "vocab_size": 64,
+        "batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "max_iters": STEPS,
+        "warmup_iters": 1,
+        "eval_interval": STEPS,
+        "log_interval": 1,
+        "eval_tokens": 65,
+        "eval_batch_size": 2,
+        "device": "cpu",
+        "compile": False,
+    }
     tuning = {"tune_iters": STEPS, "tune_seeds": "1,2"} if settings_of(path).get("tune_learning_rates") else {}
     return base | tuning
 
@@ -60,6 +76,7 @@ def run_config(path, shards, tmp_path_factory, monkeypatch, **extra):
             assert proc.returncode == 0, f"{path} {extra}: {proc.stderr[-3000:]}"
         else:
             import report
+
             monkeypatch.setattr(report, "main", lambda argv: None)
             train.main(argv)
         RUNS[key] = out_dir
@@ -85,7 +102,9 @@ def test_config_trains_at_a_tiny_size(path, shards, tmp_path_factory, monkeypatc
         if settings.get("tune_learning_rates"):
             assert recorded["learning_rate"] in settings["tune_learning_rates"], (path, arm)
         assert {k: recorded["model"][k] for k in arm_settings} == arm_settings, (path, arm)
-        assert recorded["world_size"] == (2 if settings.get("fsdp") else 1) and recorded["fsdp"] == settings.get("fsdp", False)
+        assert recorded["world_size"] == (2 if settings.get("fsdp") else 1) and recorded["fsdp"] == settings.get(
+            "fsdp", False
+        )
 
 
 def test_fsdp_with_activation_checkpointing_equals_ddp(shards, tmp_path_factory, monkeypatch):
@@ -98,5 +117,6 @@ def test_fsdp_with_activation_checkpointing_equals_ddp(shards, tmp_path_factory,
     ddp = run_config(path, shards, tmp_path_factory, monkeypatch, fsdp=False)
     for arm in settings["arms"]:
         np.testing.assert_allclose(logged(fsdp, arm), logged(ddp, arm), rtol=1e-5, err_msg=arm)
-        np.testing.assert_allclose(logged(fsdp, arm, key="val_loss"), logged(ddp, arm, key="val_loss"), rtol=1e-6,
-                                   err_msg=arm)
+        np.testing.assert_allclose(
+            logged(fsdp, arm, key="val_loss"), logged(ddp, arm, key="val_loss"), rtol=1e-6, err_msg=arm
+        )

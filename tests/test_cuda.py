@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from data.shards import write_shard
-from helpers import (ROUTED, STARTS_AS_STANDARD, make, naive_depth_read, randomize_routing, rel_err, tokens,
-                     two_phase_read)
+from helpers import STARTS_AS_STANDARD, make, naive_depth_read, randomize_routing, rel_err, tokens, two_phase_read
 from model import RESIDUALS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -105,14 +104,46 @@ def test_torchrun_two_gpus_equals_one(tmp_path):
     stream = (np.arange(60_000) % 17 + np.random.default_rng(0).integers(0, 3, 60_000)).astype(np.uint16)
     write_shard(str(tmp_path / "val_000000.bin"), stream[:3000])
     write_shard(str(tmp_path / "train_000001.bin"), stream[3000:])
-    args = [f"--data_dir={tmp_path}", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
-            "--vocab_size=64", "--batch_size=4", "--gradient_accumulation_steps=2", "--max_iters=6",
-            "--eval_interval=3", "--eval_tokens=1000", "--compile=False", "--seeds=0", "--arms=rd_attnres",
-            "--dtype=float32", "--device=cuda"]
+    args = [
+        f"--data_dir={tmp_path}",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--vocab_size=64",
+        "--batch_size=4",
+        "--gradient_accumulation_steps=2",
+        "--max_iters=6",
+        "--eval_interval=3",
+        "--eval_tokens=1000",
+        "--compile=False",
+        "--seeds=0",
+        "--arms=rd_attnres",
+        "--dtype=float32",
+        "--device=cuda",
+    ]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     subprocess.run([sys.executable, "train.py", *args, f"--out_dir={one}"], cwd=ROOT, check=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "train.py", *args, f"--out_dir={two}"], cwd=ROOT, check=True)
-    losses = [[r["val_loss"] for r in map(json.loads, open(os.path.join(d, "rd_attnres", "seed0", "log.jsonl")))
-               if "val_loss" in r] for d in (one, two)]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train.py",
+            *args,
+            f"--out_dir={two}",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
+    losses = [
+        [
+            r["val_loss"]
+            for r in map(json.loads, open(os.path.join(d, "rd_attnres", "seed0", "log.jsonl")))
+            if "val_loss" in r
+        ]
+        for d in (one, two)
+    ]
     assert np.allclose(losses[0], losses[1], rtol=1e-4)

@@ -56,8 +56,9 @@ class Bigram(nn.Module):
         logits = self.table[idx]
         if targets is None:
             return logits[:, [-1]], None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=reduction)
+        loss = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction
+        )
         return logits, loss.view(targets.shape) if reduction == "none" else loss
 
 
@@ -81,8 +82,13 @@ def write_bundle(root, tasks, baselines=None, yaml_text=None):
     os.makedirs(os.path.join(root, "eval_data", "group"), exist_ok=True)
     lines = ["icl_tasks:"]
     for t in tasks:
-        lines += ["-", f"  label: {t['label']}", f"  dataset_uri: group/{t['label']}.jsonl",
-                  f"  num_fewshot: [{t.get('fewshot', 0)}]", f"  icl_task_type: {t['kind']}"]
+        lines += [
+            "-",
+            f"  label: {t['label']}",
+            f"  dataset_uri: group/{t['label']}.jsonl",
+            f"  num_fewshot: [{t.get('fewshot', 0)}]",
+            f"  icl_task_type: {t['kind']}",
+        ]
         if "delimiter" in t:
             lines.append(f"  continuation_delimiter: {json.dumps(t['delimiter'])} # between context and answer")
         with open(os.path.join(root, "eval_data", "group", f"{t['label']}.jsonl"), "w") as f:
@@ -98,7 +104,9 @@ def write_bundle(root, tasks, baselines=None, yaml_text=None):
 
 
 def evaluate(model, bundle_dir, block_size=1024, max_per_task=None, rank=0, world=1, batch_tokens=4096):
-    tasks = downstream.encode_tasks(downstream.load_bundle(bundle_dir, max_per_task).tasks, BYTES, block_size, rank, world)
+    tasks = downstream.encode_tasks(
+        downstream.load_bundle(bundle_dir, max_per_task).tasks, BYTES, block_size, rank, world
+    )
     return downstream.evaluate_tasks(model, tasks, "cpu", nullcontext(), world, batch_tokens)
 
 
@@ -158,27 +166,50 @@ def core_yaml(tmp_path, text, encoding="utf-8"):
 def test_core_yaml_reader_reads_the_bundles_layout(tmp_path, encoding):
     tasks = downstream.read_core_yaml(core_yaml(tmp_path, REAL_LAYOUT, encoding))
     assert tasks == [
-        dict(label="hellaswag_zeroshot", dataset_uri="language_understanding/hellaswag.jsonl", num_fewshot=[0],
-             icl_task_type="multiple_choice"),
-        dict(label="jeopardy", dataset_uri="world_knowledge/jeopardy_all.jsonl", num_fewshot=[10],
-             icl_task_type="language_modeling", continuation_delimiter="\nAnswer: ", has_categories=True),
-        dict(label="winograd", dataset_uri="language_understanding/winograd_wsc.jsonl", num_fewshot=[0],
-             icl_task_type="schema", continuation_delimiter=" it's # not a comment",
-             metric_names=["InContextLearningMultipleChoiceAccuracy", "a, b"]),
-        dict(label="boolq", dataset_uri="reading_comprehension/boolq.jsonl", num_fewshot=[10],
-             icl_task_type="multiple_choice", continuation_delimiter="\nAnswer: \u00e9\t"),
+        dict(
+            label="hellaswag_zeroshot",
+            dataset_uri="language_understanding/hellaswag.jsonl",
+            num_fewshot=[0],
+            icl_task_type="multiple_choice",
+        ),
+        dict(
+            label="jeopardy",
+            dataset_uri="world_knowledge/jeopardy_all.jsonl",
+            num_fewshot=[10],
+            icl_task_type="language_modeling",
+            continuation_delimiter="\nAnswer: ",
+            has_categories=True,
+        ),
+        dict(
+            label="winograd",
+            dataset_uri="language_understanding/winograd_wsc.jsonl",
+            num_fewshot=[0],
+            icl_task_type="schema",
+            continuation_delimiter=" it's # not a comment",
+            metric_names=["InContextLearningMultipleChoiceAccuracy", "a, b"],
+        ),
+        dict(
+            label="boolq",
+            dataset_uri="reading_comprehension/boolq.jsonl",
+            num_fewshot=[10],
+            icl_task_type="multiple_choice",
+            continuation_delimiter="\nAnswer: \u00e9\t",
+        ),
     ]
 
 
-@pytest.mark.parametrize("text, match", [
-    ('icl_tasks:\n-\n  label: "open\n', r"core.yaml line 4 is not YAML \(found unexpected end of stream\)$"),
-    ("icl_tasks:\n-\n\tlabel: x\n", r"core.yaml line 3 is not YAML"),
-    ("icl_tasks: [a]\n", r"core.yaml lists no tasks: it needs 'icl_tasks:' followed by one '-' mapping per task"),
-    ("icl_tasks:\n", r"core.yaml lists no tasks"),
-    ("other: 1\n", r"core.yaml lists no tasks"),
-    ("- 1\n", r"core.yaml lists no tasks"),
-    ("icl_tasks: " + "[" * 100_000 + "\n", r"core.yaml (line 1 is not YAML|is nested too deeply)"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('icl_tasks:\n-\n  label: "open\n', r"core.yaml line 4 is not YAML \(found unexpected end of stream\)$"),
+        ("icl_tasks:\n-\n\tlabel: x\n", r"core.yaml line 3 is not YAML"),
+        ("icl_tasks: [a]\n", r"core.yaml lists no tasks: it needs 'icl_tasks:' followed by one '-' mapping per task"),
+        ("icl_tasks:\n", r"core.yaml lists no tasks"),
+        ("other: 1\n", r"core.yaml lists no tasks"),
+        ("- 1\n", r"core.yaml lists no tasks"),
+        ("icl_tasks: " + "[" * 100_000 + "\n", r"core.yaml (line 1 is not YAML|is nested too deeply)"),
+    ],
+)
 def test_core_yaml_errors_are_one_line(tmp_path, text, match):
     with pytest.raises(DataError, match=match) as e:
         downstream.read_core_yaml(core_yaml(tmp_path, text))
@@ -187,6 +218,7 @@ def test_core_yaml_errors_are_one_line(tmp_path, text, match):
 
 # -----------------------------------------------------------------------------
 # prompts
+
 
 def task_of(kind, items, fewshot=0, delimiter=" "):
     return downstream.Task("t", kind, fewshot, delimiter, 0.25, items)
@@ -201,13 +233,17 @@ def test_prompts_are_assembled_exactly():
     mc = [dict(query=f"Q{i}", choices=[f"a{i}", f"b{i}"], gold=i % 2) for i in range(3)]
     first, second = fewshot_order(0, 3, 2)
     shot = {j: f"Q{j}\nA: {['a', 'b'][j % 2]}{j}\n\n" for j in range(3)}
-    assert downstream.prompts(task_of("multiple_choice", mc, 2, "\nA: "), 0) == \
-        [shot[first] + shot[second] + "Q0\nA: a0", shot[first] + shot[second] + "Q0\nA: b0"]
+    assert downstream.prompts(task_of("multiple_choice", mc, 2, "\nA: "), 0) == [
+        shot[first] + shot[second] + "Q0\nA: a0",
+        shot[first] + shot[second] + "Q0\nA: b0",
+    ]
 
     schema = [dict(context_options=[f"x{i}", f"y{i}"], continuation=f"c{i}", gold=1) for i in range(3)]
-    first, = fewshot_order(1, 3, 1)
-    assert downstream.prompts(task_of("schema", schema, 1), 1) == \
-        [f"y{first} c{first}\n\nx1 c1", f"y{first} c{first}\n\ny1 c1"]
+    (first,) = fewshot_order(1, 3, 1)
+    assert downstream.prompts(task_of("schema", schema, 1), 1) == [
+        f"y{first} c{first}\n\nx1 c1",
+        f"y{first} c{first}\n\ny1 c1",
+    ]
 
     # contexts lose their surrounding whitespace; the context alone ends without any (the delimiter's
     # trailing space then belongs to the continuation)
@@ -220,8 +256,11 @@ def test_a_language_modelling_item_scores_exactly_its_continuation(tokenizer):
     # the scored span decodes to the continuation (with the delimiter's space), and what comes before it to the
     # context alone: its first token scored (issue #41: skipping it raised LM accuracy and CORE, and no test saw it)
     tok = get_tokenizer(tokenizer)
-    items = [dict(context=" The capital of France is\n", continuation="Paris, on the Seine"),
-             dict(context="2 + 2 =", continuation=" 4 (four)"), dict(context="Grass is", continuation="green and lush")]
+    items = [
+        dict(context=" The capital of France is\n", continuation="Paris, on the Seine"),
+        dict(context="2 + 2 =", continuation=" 4 (four)"),
+        dict(context="Grass is", continuation="green and lush"),
+    ]
     for delimiter in (" ", "\nAnswer: "):
         task = task_of("language_modeling", items, 1, delimiter)
         (encoded,) = downstream.encode_tasks([task], tok, 1024)
@@ -258,7 +297,11 @@ def test_tasks_are_shuffled_with_a_fixed_seed_and_max_per_task_cuts_before_the_d
     assert short.items == 5 and sorted(short.sequences) == list(range(5))
     assert all(e in expected[:5] for i in range(5) for e in downstream.fewshot_examples(cut.tasks[0], i))
     assert any(short.sequences[i] != full.sequences[i] for i in range(5))
-    assert downstream.load_bundle(bundle, 20).tasks[0].items == downstream.load_bundle(bundle, 99).tasks[0].items == expected
+    assert (
+        downstream.load_bundle(bundle, 20).tasks[0].items
+        == downstream.load_bundle(bundle, 99).tasks[0].items
+        == expected
+    )
     with pytest.raises(DataError, match=r"max_per_task=2 leaves too few items for lm's 2 few-shot examples"):
         downstream.load_bundle(bundle, 2)
 
@@ -274,22 +317,30 @@ def nanochat_reference(model, data, kind, num_fewshot, delimiter, max_per_task, 
     per item, each item's correctness).
     """
     from jinja2 import Template
+
     data = list(data)
     random.Random(1337).shuffle(data)
     data = data[:max_per_task] if max_per_task > 0 else data
-    shot = {"multiple_choice": "{{ e.query }}{{ d }}{{ e.choices[e.gold] }}",
-            "schema": "{{ e.context_options[e.gold] }}{{ d }}{{ e.continuation }}",
-            "language_modeling": "{{ e.context | trim }}{{ d }}{{ e.continuation }}"}[kind]
-    tail = {"multiple_choice": "{{ item.query }}{{ d }}{{ option }}",
-            "schema": "{{ option }}{{ d }}{{ item.continuation }}",
-            "language_modeling": "{{ item.context | trim }}{{ d }}{% if option %}{{ item.continuation }}{% endif %}"}[kind]
+    shot = {
+        "multiple_choice": "{{ e.query }}{{ d }}{{ e.choices[e.gold] }}",
+        "schema": "{{ e.context_options[e.gold] }}{{ d }}{{ e.continuation }}",
+        "language_modeling": "{{ e.context | trim }}{{ d }}{{ e.continuation }}",
+    }[kind]
+    tail = {
+        "multiple_choice": "{{ item.query }}{{ d }}{{ option }}",
+        "schema": "{{ option }}{{ d }}{{ item.continuation }}",
+        "language_modeling": "{{ item.context | trim }}{{ d }}{% if option %}{{ item.continuation }}{% endif %}",
+    }[kind]
     template = Template("{% for e in shots %}" + shot + "\n\n{% endfor %}" + tail)
     sequences, right = [], []
     for i, item in enumerate(data):
         others = [j for j in range(len(data)) if j != i]
         shots = [data[j] for j in random.Random(1234 + i).sample(others, num_fewshot)] if num_fewshot else []
-        options = {"multiple_choice": item.get("choices"), "schema": item.get("context_options"),
-                   "language_modeling": [False, True]}[kind]
+        options = {
+            "multiple_choice": item.get("choices"),
+            "schema": item.get("context_options"),
+            "language_modeling": [False, True],
+        }[kind]
         texts = [template.render(shots=shots, d=delimiter, item=item, option=o) for o in options]
         if kind == "language_modeling":
             texts[0] = texts[0].strip()
@@ -301,7 +352,7 @@ def nanochat_reference(model, data, kind, num_fewshot, delimiter, max_per_task, 
             suffix = downstream_free_common([t[::-1] for t in tokens])
             spans = [(len(t) - suffix, len(t)) for t in tokens]
         else:
-            assert tokens[1][:len(tokens[0])] == tokens[0]
+            assert tokens[1][: len(tokens[0])] == tokens[0]
             tokens, spans = [tokens[1]], [(len(tokens[0]), len(tokens[1]))]
         crops = [max(0, len(t) - block_size) for t in tokens]
         tokens = [t[c:] for t, c in zip(tokens, crops)]
@@ -314,9 +365,9 @@ def nanochat_reference(model, data, kind, num_fewshot, delimiter, max_per_task, 
         losses = F.cross_entropy(logits.float().transpose(1, 2), torch.roll(ids, -1, 1), reduction="none")
         if kind == "language_modeling":
             s, e = spans[0]
-            right.append(bool((logits[0, s - 1:e - 1].argmax(-1) == ids[0, s:e]).all()))
+            right.append(bool((logits[0, s - 1 : e - 1].argmax(-1) == ids[0, s:e]).all()))
         else:
-            means = [losses[r, s - 1:e - 1].mean().item() for r, (s, e) in enumerate(spans)]
+            means = [losses[r, s - 1 : e - 1].mean().item() for r, (s, e) in enumerate(spans)]
             right.append(means.index(min(means)) == item["gold"])
     return sequences, right
 
@@ -333,14 +384,39 @@ def reference_tasks(n=12):
     """A task of each type the bundle uses, few-shot, with items of varied lengths; some prompts exceed block 96."""
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
     return [
-        dict(label="mc", kind="multiple_choice", fewshot=3, delimiter="\nAnswer: ",
-             items=[dict(query=f"Question {i}: which {words[i % 6]}?", choices=[words[(i + k) % 6] for k in range(2 + i % 3)],
-                         gold=i % (2 + i % 3)) for i in range(n)]),
-        dict(label="schema", kind="schema", fewshot=2,
-             items=[dict(context_options=[f"The {w} fell" for w in words[i % 3:i % 3 + 3]], continuation=f"because of {i}.",
-                         gold=i % 3) for i in range(n)]),
-        dict(label="lm", kind="language_modeling", fewshot=2,
-             items=[dict(context=f" Count {i} then say ", continuation=f"{words[i % 6]}") for i in range(n)]),
+        dict(
+            label="mc",
+            kind="multiple_choice",
+            fewshot=3,
+            delimiter="\nAnswer: ",
+            items=[
+                dict(
+                    query=f"Question {i}: which {words[i % 6]}?",
+                    choices=[words[(i + k) % 6] for k in range(2 + i % 3)],
+                    gold=i % (2 + i % 3),
+                )
+                for i in range(n)
+            ],
+        ),
+        dict(
+            label="schema",
+            kind="schema",
+            fewshot=2,
+            items=[
+                dict(
+                    context_options=[f"The {w} fell" for w in words[i % 3 : i % 3 + 3]],
+                    continuation=f"because of {i}.",
+                    gold=i % 3,
+                )
+                for i in range(n)
+            ],
+        ),
+        dict(
+            label="lm",
+            kind="language_modeling",
+            fewshot=2,
+            items=[dict(context=f" Count {i} then say ", continuation=f"{words[i % 6]}") for i in range(n)],
+        ),
     ]
 
 
@@ -351,8 +427,9 @@ def test_core_equals_an_independent_reimplementation_of_nanochats(tmp_path, max_
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=96, vocab_size=257))
     tasks = reference_tasks()
     bundle = write_bundle(tmp_path, tasks, baselines=dict(mc=40, schema=33, lm=0))
-    text = torch.tensor(([EOT] + list(" ".join(f"{i['query']} {i['choices'][i['gold']]}" for i in tasks[0]["items"])
-                                       .encode()))[:97])
+    text = torch.tensor(
+        ([EOT] + list(" ".join(f"{i['query']} {i['choices'][i['gold']]}" for i in tasks[0]["items"]).encode()))[:97]
+    )
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-2)
     for _ in range(30):
         opt.zero_grad()
@@ -364,8 +441,9 @@ def test_core_equals_an_independent_reimplementation_of_nanochats(tmp_path, max_
     for task, spec in zip(downstream.encode_tasks(loaded.tasks, BYTES, 96), tasks):
         with open(os.path.join(bundle, "eval_data", "group", f"{spec['label']}.jsonl")) as f:
             data = [json.loads(line) for line in f]
-        sequences, right = nanochat_reference(gpt, data, spec["kind"], spec["fewshot"], spec.get("delimiter", " "),
-                                              max_per_task, 96)
+        sequences, right = nanochat_reference(
+            gpt, data, spec["kind"], spec["fewshot"], spec.get("delimiter", " "), max_per_task, 96
+        )
         assert [task.sequences[i] for i in range(task.items)] == sequences, spec["label"]  # prompts, cuts, spans
         assert ours["tasks"][spec["label"]]["correct"] == sum(right), spec["label"]
     assert ours["truncated"] > 0  # the crop was exercised
@@ -374,6 +452,7 @@ def test_core_equals_an_independent_reimplementation_of_nanochats(tmp_path, max_
 
 # -----------------------------------------------------------------------------
 # scoring, by task type, against hand-computed losses
+
 
 def test_multiple_choice_takes_the_lowest_mean_loss_not_the_sum(tmp_path):
     # after "Q " the choices "ab" and "xyzw": uniform bytes cost log 257 each, but x->y, y->z, z->w are cheap.
@@ -386,17 +465,27 @@ def test_multiple_choice_takes_the_lowest_mean_loss_not_the_sum(tmp_path):
     items = [dict(query="Q", choices=["ab", "xyzw"], gold=1), dict(query="Q", choices=["ab", "xyzw"], gold=0)]
     bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=items)], baselines=dict(mc=50))
     scores = evaluate(model, bundle)
-    assert accuracy_part(scores)["mc"] == dict(icl_task_type="multiple_choice", items=2, correct=1, accuracy=0.5,
-                                               random_baseline=0.5, centered=0.0)
+    assert accuracy_part(scores)["mc"] == dict(
+        icl_task_type="multiple_choice", items=2, correct=1, accuracy=0.5, random_baseline=0.5, centered=0.0
+    )
     # the scored span is the choice (after the shared "Q "), and its mean loss is the reference's
     task = encoded(bundle)
     assert [tokens for tokens, _, _ in task.sequences[0]] == [[EOT, *b"Q ab"], [EOT, *b"Q xyzw"]]  # a new document
-    losses, _, _ = downstream.forward_batch(model, [(0, c, *s, None) for c, s in enumerate(task.sequences[0])], "cpu",
-                                            nullcontext())
+    losses, _, _ = downstream.forward_batch(
+        model, [(0, c, *s, None) for c, s in enumerate(task.sequences[0])], "cpu", nullcontext()
+    )
     assert losses == pytest.approx([mean_ab, mean_xyzw], rel=1e-6)
     # a uniform model ties every choice: the first wins, as in nanochat
-    tie = write_bundle(tmp_path / "tie", [dict(label="mc", kind="multiple_choice", items=[
-        dict(query="Q", choices=["ab", "cd", "ef"], gold=g) for g in (0, 0, 1, 2)])])
+    tie = write_bundle(
+        tmp_path / "tie",
+        [
+            dict(
+                label="mc",
+                kind="multiple_choice",
+                items=[dict(query="Q", choices=["ab", "cd", "ef"], gold=g) for g in (0, 0, 1, 2)],
+            )
+        ],
+    )
     assert evaluate(bigram(), tie)["tasks"]["mc"]["correct"] == 2
 
 
@@ -404,40 +493,48 @@ def test_schema_takes_the_context_under_which_the_continuation_is_likeliest(tmp_
     # options "ab" / "cd" before the shared " zz": only the first token of the shared suffix (" ",
     # after b or d) differs, and b -> " " is favoured
     model = bigram(("b ", 4.0))
-    items = [dict(context_options=["ab", "cd"], continuation="zz", gold=0),
-             dict(context_options=["ab", "cd"], continuation="zz", gold=1),
-             dict(context_options=["cd", "ab"], continuation="zz", gold=1)]
+    items = [
+        dict(context_options=["ab", "cd"], continuation="zz", gold=0),
+        dict(context_options=["ab", "cd"], continuation="zz", gold=1),
+        dict(context_options=["cd", "ab"], continuation="zz", gold=1),
+    ]
     bundle = write_bundle(tmp_path, [dict(label="s", kind="schema", items=items)], baselines=dict(s=50))
     task = encoded(bundle)
     assert all(tokens[start:end] == list(b" zz") for item in task.sequences.values() for tokens, start, end in item)
-    assert accuracy_part(evaluate(model, bundle))["s"] == dict(icl_task_type="schema", items=3, correct=2,
-                                                               accuracy=2 / 3, random_baseline=0.5,
-                                                               centered=(2 / 3 - 0.5) / 0.5)
+    assert accuracy_part(evaluate(model, bundle))["s"] == dict(
+        icl_task_type="schema", items=3, correct=2, accuracy=2 / 3, random_baseline=0.5, centered=(2 / 3 - 0.5) / 0.5
+    )
 
 
 def test_language_modeling_needs_every_greedy_token(tmp_path):
     # greedy after "Q:" is " abc" (each next byte favoured); " abd" misses only its last token
     model = bigram((": ", 5.0), (" a", 5.0), ("ab", 5.0), ("bc", 5.0))
-    items = [dict(context="Q", continuation=" abc"), dict(context="Q", continuation=" abd"),
-             dict(context="Q", continuation=" xbc")]
-    bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=items, delimiter=":")],
-                          baselines=dict(lm=0))
-    assert accuracy_part(evaluate(model, bundle))["lm"] == dict(icl_task_type="language_modeling", items=3, correct=1,
-                                                                accuracy=1 / 3, random_baseline=0.0, centered=1 / 3)
+    items = [
+        dict(context="Q", continuation=" abc"),
+        dict(context="Q", continuation=" abd"),
+        dict(context="Q", continuation=" xbc"),
+    ]
+    bundle = write_bundle(
+        tmp_path, [dict(label="lm", kind="language_modeling", items=items, delimiter=":")], baselines=dict(lm=0)
+    )
+    assert accuracy_part(evaluate(model, bundle))["lm"] == dict(
+        icl_task_type="language_modeling", items=3, correct=1, accuracy=1 / 3, random_baseline=0.0, centered=1 / 3
+    )
 
 
 def test_centered_accuracy_and_core(tmp_path):
     model = bigram(("xy", 3.0), ("yz", 3.0), ("zw", 3.0))
     mc = [dict(query="Q", choices=["ab", "xyzw"], gold=1)] * 3 + [dict(query="Q", choices=["ab", "xyzw"], gold=0)]
     lm = [dict(context="Q", continuation=" q")] * 2
-    bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=mc),
-                                     dict(label="lm", kind="language_modeling", items=lm)],
-                          baselines=dict(mc=25, lm=0))
+    bundle = write_bundle(
+        tmp_path,
+        [dict(label="mc", kind="multiple_choice", items=mc), dict(label="lm", kind="language_modeling", items=lm)],
+        baselines=dict(mc=25, lm=0),
+    )
     scores = evaluate(model, bundle)
     assert scores["tasks"]["mc"]["accuracy"] == 0.75 and scores["tasks"]["lm"]["accuracy"] == 0.0
     assert scores["tasks"]["mc"]["centered"] == pytest.approx((0.75 - 0.25) / 0.75)
     assert scores["core"] == pytest.approx(((0.75 - 0.25) / 0.75 + 0.0) / 2) and scores["truncated"] == 0
-
 
 
 def test_bits_per_byte_is_the_right_answers_loss_over_its_bytes(tmp_path):
@@ -451,9 +548,14 @@ def test_bits_per_byte_is_the_right_answers_loss_over_its_bytes(tmp_path):
     mc = [dict(query="Q", choices=["ab", "xyzw"], gold=1), dict(query="Q", choices=["ab", "xyzw"], gold=0)]
     schema = [dict(context_options=["ab", "cd"], continuation="zz", gold=g) for g in (0, 1)]
     lm = [dict(context="Q", continuation=" ab\u00e9")]  # the last character is two UTF-8 bytes
-    bundle = write_bundle(tmp_path, [dict(label="mc", kind="multiple_choice", items=mc),
-                                     dict(label="s", kind="schema", items=schema),
-                                     dict(label="lm", kind="language_modeling", items=lm, delimiter=":")])
+    bundle = write_bundle(
+        tmp_path,
+        [
+            dict(label="mc", kind="multiple_choice", items=mc),
+            dict(label="s", kind="schema", items=schema),
+            dict(label="lm", kind="language_modeling", items=lm, delimiter=":"),
+        ],
+    )
     scores = evaluate(model, bundle)
     bpb = {label: t["bits_per_byte"] for label, t in scores["tasks"].items()}
     assert bpb["mc"] == pytest.approx((loss(" xyzw", "Q") + loss(" ab", "Q")) / math.log(2) / 8, rel=1e-6)
@@ -470,10 +572,15 @@ def test_bits_per_byte_is_the_right_answers_loss_over_its_bytes(tmp_path):
         assert gpt2.decode(tokens[start:]) == " " + task.golds[index] * "xyzw" + (1 - task.golds[index]) * "ab"
         assert n_bytes == len(gpt2.decode(tokens[start:]).encode())
 
+
 def test_answers_cut_to_nothing_are_one_line(tmp_path):
     # block_size 1 keeps only each sequence's end-of-text token: no answer byte to divide by
-    bundle = write_bundle(tmp_path, [dict(label="lm", kind="language_modeling", items=[dict(context="Q", continuation="ab")])])
-    with pytest.raises(DataError, match=r"^task lm: its right answers keep 0 bytes .*; score a model of a longer block_size$"):
+    bundle = write_bundle(
+        tmp_path, [dict(label="lm", kind="language_modeling", items=[dict(context="Q", continuation="ab")])]
+    )
+    with pytest.raises(
+        DataError, match=r"^task lm: its right answers keep 0 bytes .*; score a model of a longer block_size$"
+    ):
         evaluate(bigram(("ab", 3.0)), bundle, block_size=1)
     assert evaluate(bigram(("ab", 3.0)), bundle, block_size=2)["tasks"]["lm"]["bits_per_byte"] > 0
 
@@ -497,8 +604,11 @@ def test_long_sequences_lose_their_oldest_tokens_and_are_counted(tmp_path):
 def test_a_padded_batch_scores_each_row_as_alone():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=257)).eval()
-    rows = [(0, 0, [EOT, 1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 10, 1), (0, 1, [EOT, 1, 2, 9], 2, 4, None),
-            (1, 0, [EOT, 5, 5], 1, 3, 2)]
+    rows = [
+        (0, 0, [EOT, 1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 10, 1),
+        (0, 1, [EOT, 1, 2, 9], 2, 4, None),
+        (1, 0, [EOT, 5, 5], 1, 3, 2),
+    ]
     with torch.no_grad():
         together = downstream.forward_batch(gpt, rows, "cpu", nullcontext())
         alone = [downstream.forward_batch(gpt, [row], "cpu", nullcontext()) for row in rows]
@@ -515,24 +625,40 @@ def test_batch_size_does_not_change_the_result(tmp_path):
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=64, vocab_size=257))
     bundle = write_bundle(tmp_path, mixed_tasks())
-    assert evaluate(gpt, bundle, batch_tokens=1) == evaluate(gpt, bundle, batch_tokens=10 ** 6)
+    assert evaluate(gpt, bundle, batch_tokens=1) == evaluate(gpt, bundle, batch_tokens=10**6)
     assert gpt.training  # the model's mode is restored
 
 
 def mixed_tasks(n=7):
     """One small task of each type, items of varied lengths and answers."""
     return [
-        dict(label="mc", kind="multiple_choice", fewshot=1, delimiter="\nA: ",
-             items=[dict(query="q" * (1 + i), choices=["yes", "no", "maybe"][:2 + i % 2], gold=i % 2) for i in range(n)]),
-        dict(label="schema", kind="schema", fewshot=2,
-             items=[dict(context_options=[f"a{i}", "bb" * i], continuation=" ends", gold=i % 2) for i in range(n)]),
-        dict(label="lm", kind="language_modeling", fewshot=1,
-             items=[dict(context=f"say {i}", continuation=f" {i % 3}") for i in range(n)]),
+        dict(
+            label="mc",
+            kind="multiple_choice",
+            fewshot=1,
+            delimiter="\nA: ",
+            items=[
+                dict(query="q" * (1 + i), choices=["yes", "no", "maybe"][: 2 + i % 2], gold=i % 2) for i in range(n)
+            ],
+        ),
+        dict(
+            label="schema",
+            kind="schema",
+            fewshot=2,
+            items=[dict(context_options=[f"a{i}", "bb" * i], continuation=" ends", gold=i % 2) for i in range(n)],
+        ),
+        dict(
+            label="lm",
+            kind="language_modeling",
+            fewshot=1,
+            items=[dict(context=f"say {i}", continuation=f" {i % 3}") for i in range(n)],
+        ),
     ]
 
 
 # -----------------------------------------------------------------------------
 # ranks
+
 
 def rank_worker(rank, bundle, rendezvous, out):
     torch.set_num_threads(1)
@@ -549,8 +675,9 @@ def rank_worker(rank, bundle, rendezvous, out):
 def test_two_ranks_equal_one_process(tmp_path):
     bundle = write_bundle(tmp_path / "bundle", mixed_tasks(n=7))  # 7 items: the ranks take 4 and 3
     # forked, not spawned: the ranks need not import torch again
-    mp.start_processes(rank_worker, args=(bundle, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
-                       start_method="fork")
+    mp.start_processes(
+        rank_worker, args=(bundle, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, start_method="fork"
+    )
     model = bigram(("xy", 3.0), ("a ", 2.0), ("es", 1.0))
     single = evaluate(model, bundle, batch_tokens=64)
     ranks = []
@@ -565,6 +692,7 @@ def test_two_ranks_equal_one_process(tmp_path):
 
 # -----------------------------------------------------------------------------
 # bad bundles
+
 
 def test_bad_bundles_are_one_line_naming_the_file(tmp_path):
     good = [dict(label="mc", kind="multiple_choice", items=[dict(query="q", choices=["a", "b"], gold=0)] * 3)]
@@ -586,8 +714,10 @@ def test_bad_bundles_are_one_line_naming_the_file(tmp_path):
     refused(folder, r"group/mc.jsonl line 4 is not JSON")
     folder = bundle([dict(good[0], items=good[0]["items"] + [dict(query="q", choices=["a", "b"], gold=2)])])
     refused(folder, r"group/mc.jsonl line 4 is not a multiple_choice item: it needs query")
-    refused(bundle([dict(good[0], kind="question_answering")]),
-            r"core.yaml: task 1 \(mc\): unknown icl_task_type 'question_answering'")
+    refused(
+        bundle([dict(good[0], kind="question_answering")]),
+        r"core.yaml: task 1 \(mc\): unknown icl_task_type 'question_answering'",
+    )
     folder = bundle()
     with open(os.path.join(folder, "eval_meta_data.csv"), "w") as f:
         f.write("Eval Task,Random baseline\nother,25\n")
@@ -596,11 +726,17 @@ def test_bad_bundles_are_one_line_naming_the_file(tmp_path):
         f.write("Eval Task,Random baseline\nmc,100\n")
     refused(folder, r"eval_meta_data.csv line 2: the random baseline of mc must be a percent")
     refused(bundle([dict(good[0], fewshot=3)]), r"mc asks for 3 few-shot examples but holds 3 items")
-    refused(bundle([dict(good[0], delimiter="\ud800")]),
-            r"task 1 \(mc\): continuation_delimiter holds a lone surrogate escape")
-    for line, match in [("[" * 100_000 + "\n", r"group/mc.jsonl line 4 is nested too deeply to be a task item"),
-                        ('{"query": "q\\ud800", "choices": ["a", "b"], "gold": 0}\n',
-                         r"group/mc.jsonl line 4 holds a lone surrogate escape")]:
+    refused(
+        bundle([dict(good[0], delimiter="\ud800")]),
+        r"task 1 \(mc\): continuation_delimiter holds a lone surrogate escape",
+    )
+    for line, match in [
+        ("[" * 100_000 + "\n", r"group/mc.jsonl line 4 is nested too deeply to be a task item"),
+        (
+            '{"query": "q\\ud800", "choices": ["a", "b"], "gold": 0}\n',
+            r"group/mc.jsonl line 4 holds a lone surrogate escape",
+        ),
+    ]:
         folder = bundle()
         with open(os.path.join(folder, "eval_data", "group", "mc.jsonl"), "a") as f:
             f.write(line)
@@ -633,6 +769,7 @@ def test_bundle_sha256_covers_every_file_and_its_name(tmp_path):
 # -----------------------------------------------------------------------------
 # download
 
+
 def zipped(source, path):
     with zipfile.ZipFile(path, "w") as z:
         for folder, _, names in os.walk(source):
@@ -653,8 +790,11 @@ def test_download_unpacks_once_and_offline_is_one_line(tmp_path, capsys):
     assert "is there already" in capsys.readouterr().out
 
     elsewhere = str(tmp_path / "data" / "other")
-    with pytest.raises(DataError, match=r"cannot download http://127.0.0.1:9/eval_bundle.zip \(.*\); without a "
-                                        r"network, fetch .* elsewhere and unzip it so that .*/other/core.yaml exists"):
+    with pytest.raises(
+        DataError,
+        match=r"cannot download http://127.0.0.1:9/eval_bundle.zip \(.*\); without a "
+        r"network, fetch .* elsewhere and unzip it so that .*/other/core.yaml exists",
+    ):
         downstream.download(elsewhere, "http://127.0.0.1:9/eval_bundle.zip", timeout=5)
     (tmp_path / "junk.zip").write_text("not a zip")
     with pytest.raises(DataError, match=r"junk.zip is not a readable zip"):
@@ -668,16 +808,30 @@ def test_download_unpacks_once_and_offline_is_one_line(tmp_path, capsys):
 # -----------------------------------------------------------------------------
 # the command line on cells
 
+
 def save_cell(cell_dir, seed, step, vocab_size=257):
     """A cell as train.py leaves it (ckpt.pt, config.json, result.json), with an untrained tiny byte model."""
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab_size)
     torch.manual_seed(seed)
     gpt = GPT(config)
-    record = dict(arm="attnres", seed=seed, data_dir="data/shakespeare_bytes", tokenizer="bytes",
-                  model=dataclasses.asdict(config))
+    record = dict(
+        arm="attnres", seed=seed, data_dir="data/shakespeare_bytes", tokenizer="bytes", model=dataclasses.asdict(config)
+    )
     os.makedirs(cell_dir)
-    torch.save(dict(model=gpt.state_dict(), optimizer={}, step=step, rng=[], data_hash="", config=record, loss_sum=0.0,
-                    step_last=0, wall_time_s=0.0), os.path.join(cell_dir, "ckpt.pt"))
+    torch.save(
+        dict(
+            model=gpt.state_dict(),
+            optimizer={},
+            step=step,
+            rng=[],
+            data_hash="",
+            config=record,
+            loss_sum=0.0,
+            step_last=0,
+            wall_time_s=0.0,
+        ),
+        os.path.join(cell_dir, "ckpt.pt"),
+    )
     for name, obj in (("config.json", record), ("result.json", dict(val_loss=1.0))):
         with open(os.path.join(cell_dir, name), "w") as f:
             json.dump(obj, f)
@@ -694,8 +848,17 @@ def test_cli_writes_downstream_json_into_every_cell(tmp_path):
         cell = tmp_path / "out" / "attnres" / f"seed{seed}"
         with open(cell / "downstream.json") as f:
             got = json.load(f, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
-        assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "dtype", "step", "core", "bits_per_byte",
-                             "truncated", "tasks"]
+        assert list(got) == [
+            "bundle_sha256",
+            "max_per_task",
+            "scoring_code",
+            "dtype",
+            "step",
+            "core",
+            "bits_per_byte",
+            "truncated",
+            "tasks",
+        ]
         assert (got["bundle_sha256"], got["max_per_task"], got["step"], got["dtype"]) == (sha, 5, 3 + seed, "float32")
         assert got["scoring_code"] == downstream.scoring_code()
         assert {k: got[k] for k in ("core", "bits_per_byte", "truncated", "tasks")} == evaluate(gpt, bundle, 32, 5)
@@ -720,14 +883,30 @@ def test_the_cli_says_when_the_code_changed_since_the_cell_trained(tmp_path, cap
     assert "code differs" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, code, message", [
-    ("model.py", ("base=10000.0", "base=10001.0"), ("must be in [0, 1)", "must lie in [0, 1)")),
-    ("downstream.py", ("SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234", "SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1235"),
-     ("holds no items", "has no items")),
-    ("data/shards.py", ("vocab_size, eot = 257, 256", "vocab_size, eot = 257, 255"), ("restore it from git", "restore it")),
-    ("checkpoint.py", ('map_location=device, weights_only=True', 'map_location=device, weights_only=False'),
-     ("use the code that trained it", "use other code"))])
-def test_the_scoring_code_covers_the_forward_weights_and_tokens_not_messages(tmp_path, monkeypatch, name, code, message):
+@pytest.mark.parametrize(
+    "name, code, message",
+    [
+        ("model.py", ("base=10000.0", "base=10001.0"), ("must be in [0, 1)", "must lie in [0, 1)")),
+        (
+            "downstream.py",
+            ("SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234", "SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1235"),
+            ("holds no items", "has no items"),
+        ),
+        (
+            "data/shards.py",
+            ("vocab_size, eot = 257, 256", "vocab_size, eot = 257, 255"),
+            ("restore it from git", "restore it"),
+        ),
+        (
+            "checkpoint.py",
+            ('map_location=device, weights_only=True', 'map_location=device, weights_only=False'),
+            ("use the code that trained it", "use other code"),
+        ),
+    ],
+)
+def test_the_scoring_code_covers_the_forward_weights_and_tokens_not_messages(
+    tmp_path, monkeypatch, name, code, message
+):
     # downstream.json's scoring_code: a change to what computes a score is another code, a reworded message is not
     for file in downstream.SCORING_FILES:
         os.makedirs(os.path.dirname(tmp_path / file), exist_ok=True)
@@ -750,8 +929,14 @@ def test_cli_refusals_are_one_line(tmp_path):
     bundle = write_bundle(tmp_path / "bundle", mixed_tasks())
     save_cell(tmp_path / "out" / "attnres" / "seed0", 0, step=2)
     os.makedirs(tmp_path / "out" / "attnres" / "seed1")  # begun, no checkpoint yet
-    proc = subprocess.run([sys.executable, "downstream.py", str(tmp_path / "out"), f"--bundle={bundle}"], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "downstream.py", str(tmp_path / "out"), f"--bundle={bundle}"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: 1 cell(s) have no ckpt.pt yet") and "seed1" in proc.stderr
     assert not os.path.exists(tmp_path / "out" / "attnres" / "seed0" / "downstream.json")
@@ -768,6 +953,7 @@ def test_cli_refusals_are_one_line(tmp_path):
 # -----------------------------------------------------------------------------
 # during training: train.py's downstream_bundle, downstream_interval, downstream_max_per_task
 
+
 @pytest.fixture(scope="module")
 def byte_shards(tmp_path_factory):
     """A byte-token corpus without a manifest (a model on it reads the tasks' text): validation and train shards."""
@@ -779,9 +965,17 @@ def byte_shards(tmp_path_factory):
 
 
 def with_core(shards, out_dir, bundle, *extra):
-    """train.py's arguments for a tiny byte-token grid (both arms, 8 steps) evaluated on bundle's first 5 items a task."""
-    return tiny(shards, out_dir, "--vocab_size=320", "--arms=attnres,rd_attnres", f"--downstream_bundle={bundle}",
-                "--downstream_max_per_task=5", *extra)
+    """train.py's arguments for a tiny byte-token grid (both arms, 8 steps) evaluated on bundle's first 5 items
+    a task."""
+    return tiny(
+        shards,
+        out_dir,
+        "--vocab_size=320",
+        "--arms=attnres,rd_attnres",
+        f"--downstream_bundle={bundle}",
+        "--downstream_max_per_task=5",
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -804,8 +998,17 @@ def test_training_writes_the_downstream_json_the_cli_computes(core_grid, arm, tm
     cell = tmp_path / arm
     shutil.copytree(out / arm / "seed0", cell)
     got = read(cell / "downstream.json")
-    assert list(got) == ["bundle_sha256", "max_per_task", "scoring_code", "dtype", "step", "core", "bits_per_byte",
-                         "truncated", "tasks"]
+    assert list(got) == [
+        "bundle_sha256",
+        "max_per_task",
+        "scoring_code",
+        "dtype",
+        "step",
+        "core",
+        "bits_per_byte",
+        "truncated",
+        "tasks",
+    ]
     assert (got["bundle_sha256"], got["max_per_task"], got["step"]) == (downstream.bundle_sha256(bundle), 5, 8)
     assert read(cell / "result.json")["steps"] == 8 and all(t["items"] == 5 for t in got["tasks"].values())
     # logged at every downstream_interval after step 0 and at the end, the last one as written
@@ -820,8 +1023,9 @@ def test_training_writes_the_downstream_json_the_cli_computes(core_grid, arm, tm
     assert read(cell / "downstream.json") == got
 
 
-def test_the_downstream_evaluation_changes_no_training_and_the_report_pairs_it(core_grid, byte_shards, tmp_path,
-                                                                               monkeypatch, capsys):
+def test_the_downstream_evaluation_changes_no_training_and_the_report_pairs_it(
+    core_grid, byte_shards, tmp_path, monkeypatch, capsys
+):
     out, bundle = core_grid
     off = tiny(byte_shards, tmp_path / "off", "--vocab_size=320", "--arms=attnres,rd_attnres")
     train.main(off)
@@ -845,8 +1049,17 @@ def test_downstream_max_per_task_0_scores_every_item_and_the_report_takes_it(byt
     # the edge value of the setting (issue #41: 0 once reached downstream.json as 0, which the report refused)
     bundle = write_bundle(tmp_path / "bundle", mixed_tasks())  # 7 items a task
     out = tmp_path / "o"
-    train.main(with_core(byte_shards, out, bundle, "--downstream_max_per_task=0", "--max_iters=2", "--eval_interval=2",
-                         "--arms=attnres"))
+    train.main(
+        with_core(
+            byte_shards,
+            out,
+            bundle,
+            "--downstream_max_per_task=0",
+            "--max_iters=2",
+            "--eval_interval=2",
+            "--arms=attnres",
+        )
+    )
     got = read(out / "attnres" / "seed0" / "downstream.json")
     assert got["max_per_task"] is None and [t["items"] for t in got["tasks"].values()] == [7, 7, 7]
     report = (out / "report.md").read_text()
@@ -887,27 +1100,42 @@ def test_bad_downstream_settings_are_one_line(byte_shards, tmp_path):
     base = dict(train.DEFAULTS, vocab_size=320, tokenizer="bytes")
     bundle = write_bundle(tmp_path / "bundle", mixed_tasks())
     for override, message in [
-            (dict(downstream_interval=10), "downstream_interval=10 must be 0 (each cell's last step only) or a "
-                                           "multiple of eval_interval=25"),
-            (dict(downstream_interval=-25), "downstream_interval=-25 must be 0"),
-            (dict(downstream_max_per_task=-1), "downstream_max_per_task=-1 must be at least 1, or 0 for every item"),
-            (dict(downstream_bundle=str(tmp_path / "nowhere")), "nowhere holds no core.yaml; get the CORE bundle with "
-                                                                "python downstream.py --download --bundle="),
-            (dict(downstream_bundle=bundle, tokenizer="gpt2"), "vocab_size=320 is below the 50257 ids of the data's "
-                                                               "gpt2 tokenizer")]:
+        (
+            dict(downstream_interval=10),
+            "downstream_interval=10 must be 0 (each cell's last step only) or a multiple of eval_interval=25",
+        ),
+        (dict(downstream_interval=-25), "downstream_interval=-25 must be 0"),
+        (dict(downstream_max_per_task=-1), "downstream_max_per_task=-1 must be at least 1, or 0 for every item"),
+        (
+            dict(downstream_bundle=str(tmp_path / "nowhere")),
+            "nowhere holds no core.yaml; get the CORE bundle with python downstream.py --download --bundle=",
+        ),
+        (
+            dict(downstream_bundle=bundle, tokenizer="gpt2"),
+            "vocab_size=320 is below the 50257 ids of the data's gpt2 tokenizer",
+        ),
+    ]:
         with pytest.raises(ConfigError) as e:
             records.check_config(dict(base, **override), 1)
         assert message in str(e.value) and "\n" not in str(e.value)
     records.check_config(dict(base, downstream_bundle=bundle, downstream_interval=50, downstream_max_per_task=0), 1)
     with open(os.path.join(bundle, "eval_data", "group", "lm.jsonl"), "a") as f:
         f.write("{not json\n")
-    proc = subprocess.run([sys.executable, "train.py", *with_core(byte_shards, tmp_path / "o", bundle)], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "train.py", *with_core(byte_shards, tmp_path / "o", bundle)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and "lm.jsonl line 8 is not JSON" in proc.stderr
     assert not os.path.exists(tmp_path / "o")  # before anything is written
-    for line, match in [("[" * 100_000, "line 8 is nested too deeply"), ('{"context": "\\udfff", "continuation": "x"}',
-                                                                          "line 8 holds a lone surrogate escape")]:
+    for line, match in [
+        ("[" * 100_000, "line 8 is nested too deeply"),
+        ('{"context": "\\udfff", "continuation": "x"}', "line 8 holds a lone surrogate escape"),
+    ]:
         bad = write_bundle(tmp_path / f"bad{len(match)}", mixed_tasks())
         with open(os.path.join(bad, "eval_data", "group", "lm.jsonl"), "a") as f:
             f.write(line + "\n")

@@ -46,11 +46,29 @@ def write_cell(folder, seed=0, tokenizer="bytes", code=CODE, **overrides):
     randomize_routing(gpt)
     for moe in gpt.moes().values():
         moe.expert_bias.copy_(torch.randn(moe.expert_bias.shape))
-    record = dict(arm=config.residual, seed=seed, data_dir="data/x", tokenizer=tokenizer, model=dataclasses.asdict(config),
-                  code=code)
+    record = dict(
+        arm=config.residual,
+        seed=seed,
+        data_dir="data/x",
+        tokenizer=tokenizer,
+        model=dataclasses.asdict(config),
+        code=code,
+    )
     os.makedirs(folder)
-    torch.save(dict(model=gpt.state_dict(), optimizer={}, step=7, rng=[], data_hash="", config=record, loss_sum=0.0,
-                    step_last=0, wall_time_s=0.0), os.path.join(folder, "ckpt.pt"))
+    torch.save(
+        dict(
+            model=gpt.state_dict(),
+            optimizer={},
+            step=7,
+            rng=[],
+            data_hash="",
+            config=record,
+            loss_sum=0.0,
+            step_last=0,
+            wall_time_s=0.0,
+        ),
+        os.path.join(folder, "ckpt.pt"),
+    )
     return gpt.eval()
 
 
@@ -83,8 +101,14 @@ def test_the_folder_and_its_tokenizer(tmp_path, tokenizer, capsys):
     out = tmp_path / "hf"
     export.main([str(tmp_path / "cell"), f"--out={out}"])
     assert f"step 7 -> {out} (standard, {tokenizer} tokens)" in capsys.readouterr().out
-    assert sorted(os.listdir(out)) == ["config.json", "model.py", "model.safetensors", "modeling_nanodepth.py",
-                                       "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "model.py",
+        "model.safetensors",
+        "modeling_nanodepth.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sorted(os.listdir(tmp_path)) == ["cell", "hf"]  # no temporary left
     with open(out / "config.json") as f:
         config = json.load(f)
@@ -92,7 +116,12 @@ def test_the_folder_and_its_tokenizer(tmp_path, tokenizer, capsys):
     ours = get_tokenizer(tokenizer)
     assert config["bos_token_id"] == config["eos_token_id"] == ours.eot
     theirs = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
-    for text in ["ROMEO:\nBut soft!  What light", " caf\u00e9 \u4e2d\u6587 \U0001f600 ", "it's 12,345.6 -- ok", "\n\n\t x"]:
+    for text in [
+        "ROMEO:\nBut soft!  What light",
+        " caf\u00e9 \u4e2d\u6587 \U0001f600 ",
+        "it's 12,345.6 -- ok",
+        "\n\n\t x",
+    ]:
         ids = theirs(text).input_ids
         assert ids == [ours.eot] + ours.encode(text).tolist(), (tokenizer, text)  # a new document, as in training
         assert theirs.decode(ids[1:]) == text
@@ -148,17 +177,23 @@ def test_the_exported_models_loss_with_labels_is_the_projects_and_its_length_the
 def test_code_changed_since_training_is_refused_or_recorded(tmp_path):
     """The folder carries today's model.py: a cell whose scheme's code changed since it trained exports
     other logits than it computed, so export refuses it, or records the changes under --allow_changes=True."""
-    old = dict(CODE, definitions=dict(CODE["definitions"], GPT="0" * 16, DualAttnRes="0" * 16),
-               git_commit="abcdef1234567890")
+    old = dict(
+        CODE, definitions=dict(CODE["definitions"], GPT="0" * 16, DualAttnRes="0" * 16), git_commit="abcdef1234567890"
+    )
     write_cell(tmp_path / "cell", residual="attnres", code=old)
-    with pytest.raises(UserError, match=r"cell: the code differs from the one the cell was trained with \(GPT\), so .*"
-                                        r"trained with \(git commit abcdef123456\), or add --allow_changes=True"):
+    with pytest.raises(
+        UserError,
+        match=r"cell: the code differs from the one the cell was trained with \(GPT\), so .*"
+        r"trained with \(git commit abcdef123456\), or add --allow_changes=True",
+    ):
         export.main([str(tmp_path / "cell"), f"--out={tmp_path / 'hf'}"])
     assert sorted(os.listdir(tmp_path)) == ["cell"]
     export.main([str(tmp_path / "cell"), f"--out={tmp_path / 'hf'}", "--allow_changes=True"])
     with open(tmp_path / "hf" / "config.json") as f:
         assert json.load(f)["nanodepth"]["code_changes"] == ["GPT"]  # not DualAttnRes: dar's, not attnres's
-    write_cell(tmp_path / "dar", residual="dar", code=dict(old, definitions=dict(CODE["definitions"], DualAttnRes="0" * 16)))
+    write_cell(
+        tmp_path / "dar", residual="dar", code=dict(old, definitions=dict(CODE["definitions"], DualAttnRes="0" * 16))
+    )
     with pytest.raises(UserError, match=r"trained with \(DualAttnRes\)"):
         export.main([str(tmp_path / "dar"), f"--out={tmp_path / 'hf2'}"])
 
@@ -168,12 +203,21 @@ def test_a_killed_export_leaves_no_temporary(tmp_path):
     (its writer gone) the next export removes."""
     write_cell(tmp_path / "cell")
     out = tmp_path / "hf"
-    killed = subprocess.run([sys.executable, "-c", f"""import os, signal, sys
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"""import os, signal, sys
 sys.path.insert(0, {ROOT!r})
 import export
 export.hf_tokenizer = lambda *args: os.kill(os.getpid(), signal.SIGTERM)  # after the weights are written
-export.export({str(tmp_path / "cell")!r}, {str(out)!r})"""], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+export.export({str(tmp_path / "cell")!r}, {str(out)!r})""",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert killed.returncode == -signal.SIGTERM, killed.stderr
     assert sorted(os.listdir(tmp_path)) == ["cell"]
     stale = tmp_path / f"hf.999999999.{socket.gethostname()}.tmp"  # no process has that pid
@@ -194,7 +238,8 @@ target_delimiter: " "
 doc_to_text: "{{context}}"
 doc_to_target: "{{continuation}}"
 target_delimiter: ""
-"""}
+""",
+}
 
 
 def test_lm_eval_on_a_local_task_computes_the_projects_log_likelihoods(tmp_path, monkeypatch):
@@ -202,21 +247,32 @@ def test_lm_eval_on_a_local_task_computes_the_projects_log_likelihoods(tmp_path,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     lm_eval = pytest.importorskip("lm_eval", reason="pip install -r requirements-extras.txt")
     from lm_eval.tasks import TaskManager
+
     gpt = write_cell(tmp_path / "cell", residual="rd_attnres", block_size=64)
     export.main([str(tmp_path / "cell"), f"--out={tmp_path / 'hf'}"])
-    items = dict(nanodepth_mc=[dict(query=f"Question {i}: is {i} odd?", choices=["yes", "no", "it is caf\u00e9"],
-                                    gold=i % 2) for i in range(4)],
-                 nanodepth_lm=[dict(context=f"Count: {i}, {i + 1},", continuation=f" {i + 2}") for i in range(4)])
+    items = dict(
+        nanodepth_mc=[
+            dict(query=f"Question {i}: is {i} odd?", choices=["yes", "no", "it is caf\u00e9"], gold=i % 2)
+            for i in range(4)
+        ],
+        nanodepth_lm=[dict(context=f"Count: {i}, {i + 1},", continuation=f" {i + 2}") for i in range(4)],
+    )
     for name, spec in LOCAL_TASKS.items():  # a task of lm-evaluation-harness: a yaml naming a local jsonl
         with open(tmp_path / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(item) + "\n" for item in items[name])
         (tmp_path / f"{name}.yaml").write_text(
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / name}.jsonl\n"
-            f"  cache_dir: {tmp_path / 'cache'}\ntest_split: test\n{spec}")
+            f"  cache_dir: {tmp_path / 'cache'}\ntest_split: test\n{spec}"
+        )
     out = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32",
-        tasks=list(LOCAL_TASKS), task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
-        log_samples=True, device="cpu", batch_size=3)
+        model="hf",
+        model_args=f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32",
+        tasks=list(LOCAL_TASKS),
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        log_samples=True,
+        device="cpu",
+        batch_size=3,
+    )
     bytes_ = get_tokenizer("bytes")
     compared = 0
     for name in LOCAL_TASKS:
@@ -226,8 +282,9 @@ def test_lm_eval_on_a_local_task_computes_the_projects_log_likelihoods(tmp_path,
                 # continuation, the continuation's summed loss (what bits per byte divides)
                 tokens = [bytes_.eot] + bytes_.encode(context + continuation).tolist()
                 start = 1 + len(context.encode())
-                _, greedy, (loss,) = downstream.forward_batch(gpt, [(0, 0, tokens, start, len(tokens), start)], "cpu",
-                                                              torch.no_grad())
+                _, greedy, (loss,) = downstream.forward_batch(
+                    gpt, [(0, 0, tokens, start, len(tokens), start)], "cpu", torch.no_grad()
+                )
                 assert log_likelihood == pytest.approx(-loss, rel=1e-5, abs=1e-5), (name, context, continuation)
                 assert is_greedy == greedy[0]
                 compared += 1

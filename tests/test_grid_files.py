@@ -25,8 +25,9 @@ RESULT = dict(arm="std", seed=0, status="finished", val_loss=3.0, diverged_at=No
 def test_the_paths_of_a_grid():
     assert grid_files.cell_dir("out", "std", 3) == os.path.join("out", "std", "seed3")
     assert grid_files.choice_path("out") == os.path.join("out", "tune", "choice.json")
-    assert grid_files.CELL_NAME.fullmatch("seed12") and not grid_files.CELL_NAME.fullmatch("seed01"), \
+    assert grid_files.CELL_NAME.fullmatch("seed12") and not grid_files.CELL_NAME.fullmatch("seed01"), (
         "a cell folder is seed<k> with k as written by train.py (no leading zero)"
+    )
 
 
 def test_the_files_a_report_reads_include_the_tuning_choice(tmp_path):
@@ -38,14 +39,18 @@ def test_the_files_a_report_reads_include_the_tuning_choice(tmp_path):
     for name in ("config.json", "tune/choice.json", "std/seed0/downstream.json"):
         (out / name).write_text("{}")
     assert sorted(grid_files.report_inputs(str(out), [("std", 0)])) == sorted(
-        str(out / name) for name in ("std/seed0/result.json", "std/seed0/downstream.json", "config.json",
-                                     "tune/choice.json")), "a changed choice or downstream result dates the report"
+        str(out / name)
+        for name in ("std/seed0/result.json", "std/seed0/downstream.json", "config.json", "tune/choice.json")
+    ), "a changed choice or downstream result dates the report"
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"arm": "std", "se', "is unreadable or damaged"),  # truncated
-    ("[1, 2]", "holds list, not a train.py record"),  # the wrong shape
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"arm": "std", "se', "is unreadable or damaged"),  # truncated
+        ("[1, 2]", "holds list, not a train.py record"),  # the wrong shape
+    ],
+)
 def test_the_strict_reader_refuses_a_damaged_record_in_one_line(tmp_path, text, message):
     path = tmp_path / "result.json"
     path.write_text(text)
@@ -72,8 +77,10 @@ def test_describe_done_reads_a_finished_and_a_diverged_result(tmp_path):
     path.write_text(json.dumps(RESULT))
     assert grid_files.describe_done(str(path), []) == "val_loss 3.0000"
     path.write_text(json.dumps(dict(RESULT, status="diverged", val_loss=None, diverged_at=4)))
-    assert grid_files.describe_done(str(path), ["lr"]) == \
-        "diverged at step 4 (recorded with other settings: lr; not retrained)"
+    assert (
+        grid_files.describe_done(str(path), ["lr"])
+        == "diverged at step 4 (recorded with other settings: lr; not retrained)"
+    )
 
 
 def test_the_lenient_readers_say_why_and_never_raise(tmp_path):
@@ -96,8 +103,10 @@ def test_a_cells_result_read_leniently_is_a_reason_never_a_traceback(tmp_path):
     cell = tmp_path / "std" / "seed0"
     cell.mkdir(parents=True)
     assert grid_files.cell_result(str(cell)) == (None, None), "no result yet: nothing to say"
-    for text, why in (('{"arm": "std", "se', "not JSON"), (json.dumps(dict(RESULT, wall_time_s="12")),
-                                                           'wall_time_s is "12", not a finite number')):
+    for text, why in (
+        ('{"arm": "std", "se', "not JSON"),
+        (json.dumps(dict(RESULT, wall_time_s="12")), 'wall_time_s is "12", not a finite number'),
+    ):
         (cell / "result.json").write_text(text)
         assert grid_files.cell_result(str(cell)) == (None, why)
     (cell / "result.json").write_text(json.dumps(RESULT))
@@ -127,15 +136,26 @@ def test_the_tuning_folder_its_rows_and_its_choice(tmp_path):
     assert rows[1]["val_loss"] == {"1000": 2.5, "1001": 2.6} and rows[1]["initial_loss"] == {"1000": 5.8, "1001": 5.8}
     rate, reason = grid_files.stable_choice(rows)
     assert rate == 1e-2 and reason.startswith("the lowest mean, 0.5000 below 0.001 on every seed"), reason
-    record = dict(tune_seeds=[1000, 1001], seeds=[0], tune_iters=10, max_iters=40, learning_rates=[1e-3, 1e-2],
-                  min_lr_ratio=0.1, tuning_text=dict(first_token=100, tokens=100), test_tokens=100,
-                  table={"std": {"0.001": rows[0], "0.01": rows[1]}}, choice={"std": rate}, reason={"std": reason})
+    record = dict(
+        tune_seeds=[1000, 1001],
+        seeds=[0],
+        tune_iters=10,
+        max_iters=40,
+        learning_rates=[1e-3, 1e-2],
+        min_lr_ratio=0.1,
+        tuning_text=dict(first_token=100, tokens=100),
+        test_tokens=100,
+        table={"std": {"0.001": rows[0], "0.01": rows[1]}},
+        choice={"std": rate},
+        reason={"std": reason},
+    )
     assert grid_files.read_tuning(str(out)) == (None, None), "no choice.json: no tuning"
     with open(grid_files.choice_path(str(out)), "w") as f:
         json.dump(record, f)
     assert grid_files.read_tuning(str(out)) == (record, None)
     assert set(grid_files.tuning_results(str(out), record)) == {
-        (f"std-lr{r}", s) for r in ("0.001", "0.01") for s in (1000, 1001)}
+        (f"std-lr{r}", s) for r in ("0.001", "0.01") for s in (1000, 1001)
+    }
     with open(grid_files.choice_path(str(out)), "w") as f:
         json.dump(dict(record, choice={"std": 1e-3}), f)
     assert grid_files.read_tuning(str(out))[1].startswith("choice.std is 0.001, not the tuning rule's 0.01")
@@ -148,13 +168,17 @@ def test_the_tuning_folder_its_rows_and_its_choice(tmp_path):
 
 def test_the_same_rates_in_another_order_are_the_same_setting():
     assert grid_files.as_compared("tune_learning_rates", [3e-3, 1e-3]) == grid_files.as_compared(
-        "tune_learning_rates", [1e-3, 3e-3])
-    assert grid_files.as_compared("seeds", [1, 0]) != grid_files.as_compared("seeds", [0, 1]), \
+        "tune_learning_rates", [1e-3, 3e-3]
+    )
+    assert grid_files.as_compared("seeds", [1, 0]) != grid_files.as_compared("seeds", [0, 1]), (
         "only an unordered setting compares unordered"
+    )
 
 
 def test_grid_files_and_report_import_without_torch():
-    code = "import sys, grid_files, report, paired_stats; print(sorted(m for m in ('torch', 'model', 'records', " \
-           "'tune') if m in sys.modules))"
+    code = (
+        "import sys, grid_files, report, paired_stats; print(sorted(m for m in ('torch', 'model', 'records', "
+        "'tune') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

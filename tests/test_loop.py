@@ -29,10 +29,26 @@ def no_report(monkeypatch):
 
 def small(shards, out_dir, *extra):
     """train.py's arguments for one tiny cell (attnres, seed 0) on shards; extra override."""
-    return [f"--data_dir={shards}", f"--out_dir={out_dir}", "--arms=attnres", "--seeds=0", "--n_layer=2",
-            "--n_head=2", "--n_embd=32", "--block_size=16", "--vocab_size=64", "--eval_interval=4",
-            "--log_interval=1", "--eval_tokens=1000", "--compile=False", "--warmup_iters=2", "--learning_rate=1e-2",
-            "--min_lr=1e-3", "--device=cpu", *extra]
+    return [
+        f"--data_dir={shards}",
+        f"--out_dir={out_dir}",
+        "--arms=attnres",
+        "--seeds=0",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--vocab_size=64",
+        "--eval_interval=4",
+        "--log_interval=1",
+        "--eval_tokens=1000",
+        "--compile=False",
+        "--warmup_iters=2",
+        "--learning_rate=1e-2",
+        "--min_lr=1e-3",
+        "--device=cpu",
+        *extra,
+    ]
 
 
 def weights(out_dir, arm="attnres"):
@@ -81,13 +97,26 @@ def test_each_parameter_steps_at_the_schedules_rate_times_its_scale(optimizer, s
             before = [(p, g["lr"], p.detach().clone()) for g in cell.optimizer.param_groups for p in g["params"]]
             real_step()
             steps.append([(p, lr, old, p.detach().clone()) for p, lr, old in before])
+
         cell.optimizer.step = step
         return cell
+
     real_open = train.open_cell
     monkeypatch.setattr(train, "open_cell", open_and_watch)
-    train.main(small(shards, tmp_path / "o", f"--optimizer={optimizer}", "--max_iters=4", "--n_experts=4",
-                     "--moe_top_k=2", "--routing_lr_scale=30", "--moe_router_lr_scale=0.25", "--batch_size=4",
-                     *(["--muon_learning_rate=0.05"] if optimizer == "muon" else [])))  # AdamW refuses it as unused
+    train.main(
+        small(
+            shards,
+            tmp_path / "o",
+            f"--optimizer={optimizer}",
+            "--max_iters=4",
+            "--n_experts=4",
+            "--moe_top_k=2",
+            "--routing_lr_scale=30",
+            "--moe_router_lr_scale=0.25",
+            "--batch_size=4",
+            *(["--muon_learning_rate=0.05"] if optimizer == "muon" else []),
+        )
+    )  # AdamW refuses it as unused
     (cell,) = opened
     s, model = cell.settings, cell.model
     scales = {expected_scale(model, p, s) for p, *_ in steps[0]}
@@ -125,8 +154,10 @@ def test_every_accepted_change_survives_later_resumes(shards, tmp_path, monkeypa
     killed_at_step(3, monkeypatch, args)
     killed_at_step(5, monkeypatch, args + ["--learning_rate=2e-2", "--allow_changes=True"])
     train.main(args + ["--learning_rate=3e-2", "--allow_changes=True"])
-    changes = [dict(step=2, changed=dict(learning_rate=[0.01, 0.02])),
-               dict(step=4, changed=dict(learning_rate=[0.02, 0.03]))]
+    changes = [
+        dict(step=2, changed=dict(learning_rate=[0.01, 0.02])),
+        dict(step=4, changed=dict(learning_rate=[0.02, 0.03])),
+    ]
     done = result(tmp_path / "o", "attnres")
     assert done["steps"] == 6 and done["pairing"]["changes"] == changes and done["config"]["changes"] == changes
 
@@ -140,6 +171,7 @@ def test_each_rank_draws_its_own_dropout_masks_and_each_arm_the_same(shards, tmp
         cell = real_open(*a, **k)
         states[int(os.environ["RANK"]), cell.settings.arm] = torch.get_rng_state()
         return None  # as if done: nothing trains
+
     real_open = train.open_cell
     monkeypatch.setattr(train, "open_cell", open_and_stop)
     for rank in (0, 1):

@@ -12,33 +12,37 @@ import torch
 import machine
 from common import ConfigError
 
-ONE_PROCESS = machine.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(),
-                              peak_flops=None, fsdp=False)
+ONE_PROCESS = machine.Runtime(
+    world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None, fsdp=False
+)
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("requested, world, local_rank, cuda, mps, expected", [
-    ("auto", 1, 0, 0, False, "cpu"),
-    ("auto", 1, 0, 0, True, "mps"),
-    ("auto", 1, 0, 1, True, "cuda:0"),  # one process: an indexed device, as torch.cuda.set_device needs
-    ("auto", 4, 3, 8, False, "cuda:3"),  # torchrun: the process's own GPU
-    ("cuda", 1, 0, 2, False, "cuda:0"),
-    ("cuda", 1, 1, 2, False, "cuda:1"),  # torchrun --nproc_per_node=1 on a later local rank
-    ("cuda", 2, 1, 2, False, "cuda:1"),
-    ("cuda:1", 1, 0, 2, False, "cuda:1"),
-    ("cpu", 1, 0, 8, True, "cpu"),
-    ("cpu", 2, 1, 0, False, "cpu"),
-    ("mps", 1, 0, 0, True, "mps"),
-    ("cuda", 1, 0, 0, False, "sees no CUDA GPU"),
-    ("cuda:0", 1, 0, 0, True, "sees no CUDA GPU"),
-    ("cuda:1", 2, 0, 2, False, "names one GPU for 2 processes"),
-    ("cuda:2", 1, 0, 2, False, "cuda:2 does not exist"),
-    ("cuda", 4, 3, 2, False, "cuda:3 does not exist"),
-    ("mps", 1, 0, 1, False, "sees no MPS device"),
-    ("gpu", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
-    ("cpu:0", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
-    ("cuda:x", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
-])
+@pytest.mark.parametrize(
+    "requested, world, local_rank, cuda, mps, expected",
+    [
+        ("auto", 1, 0, 0, False, "cpu"),
+        ("auto", 1, 0, 0, True, "mps"),
+        ("auto", 1, 0, 1, True, "cuda:0"),  # one process: an indexed device, as torch.cuda.set_device needs
+        ("auto", 4, 3, 8, False, "cuda:3"),  # torchrun: the process's own GPU
+        ("cuda", 1, 0, 2, False, "cuda:0"),
+        ("cuda", 1, 1, 2, False, "cuda:1"),  # torchrun --nproc_per_node=1 on a later local rank
+        ("cuda", 2, 1, 2, False, "cuda:1"),
+        ("cuda:1", 1, 0, 2, False, "cuda:1"),
+        ("cpu", 1, 0, 8, True, "cpu"),
+        ("cpu", 2, 1, 0, False, "cpu"),
+        ("mps", 1, 0, 0, True, "mps"),
+        ("cuda", 1, 0, 0, False, "sees no CUDA GPU"),
+        ("cuda:0", 1, 0, 0, True, "sees no CUDA GPU"),
+        ("cuda:1", 2, 0, 2, False, "names one GPU for 2 processes"),
+        ("cuda:2", 1, 0, 2, False, "cuda:2 does not exist"),
+        ("cuda", 4, 3, 2, False, "cuda:3 does not exist"),
+        ("mps", 1, 0, 1, False, "sees no MPS device"),
+        ("gpu", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
+        ("cpu:0", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
+        ("cuda:x", 1, 0, 1, False, "choose auto, cpu, cuda, cuda:N or mps"),
+    ],
+)
 def test_resolve_device(requested, world, local_rank, cuda, mps, expected):
     if expected in ("cpu", "mps") or expected.startswith("cuda:") and " " not in expected:
         assert machine.resolve_device(requested, world, local_rank, cuda, mps) == expected
@@ -87,6 +91,7 @@ flags\t\t: fpu sse4_2 avx avx2 fma bmi2
 def test_the_machine_record_names_the_cpu_its_rounding_flags_and_the_torch_build(monkeypatch):
     import io
     import records
+
     monkeypatch.setattr(machine, "open", lambda path, *a: io.StringIO(CPUINFO), raising=False)
     m = machine.machine_record(ONE_PROCESS)
     assert m["cpu"] == "AMD EPYC 7B13" and m["cpu_flags"] == ["avx2", "fma"]  # avx, sse4_2, bmi2 round as the rest
@@ -95,6 +100,7 @@ def test_the_machine_record_names_the_cpu_its_rounding_flags_and_the_torch_build
 
     def no_cpuinfo(path, *a):  # not Linux
         raise FileNotFoundError(path)
+
     monkeypatch.setattr(machine, "open", no_cpuinfo, raising=False)
     assert machine.machine_record(ONE_PROCESS)["cpu"] and machine.machine_record(ONE_PROCESS)["cpu_flags"] == []
     # provenance, not a setting: a cell resumed or rerun on another machine is no change
@@ -112,13 +118,20 @@ with machine.exit_without_finalizing():
 """
 
 
-@pytest.mark.parametrize("end, status, stderr", [("pass", 0, ""), ("sys.exit('error: one line')", 1, "error: one line\n")])
+@pytest.mark.parametrize(
+    "end, status, stderr", [("pass", 0, ""), ("sys.exit('error: one line')", 1, "error: one line\n")]
+)
 def test_a_torchrun_process_ends_without_interpreter_finalization(end, status, stderr, monkeypatch):
     # under torchrun FSDP2 leaves gloo threads running past destroy_process_group: a process must not
     # finalize beside them (machine.exit_without_finalizing), and ends with the status sys.exit gives
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", ENDING.format(root=root, end=end)], capture_output=True, text=True,
-                          env={**os.environ, "WORLD_SIZE": "2"}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENDING.format(root=root, end=end)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WORLD_SIZE": "2"},
+        timeout=120,
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (status, "ran\n", stderr)  # no atexit: not finalized
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # alone, as usual: sys.exit reaches the interpreter
     with pytest.raises(SystemExit, match="error: one line"), machine.exit_without_finalizing():
@@ -128,10 +141,16 @@ def test_a_torchrun_process_ends_without_interpreter_finalization(end, status, s
 def test_torchrun_shows_each_ranks_own_error(tmp_path):
     # a failed multi-process test shows what each rank said, not only the launcher's summary
     from helpers import torchrun
+
     script = tmp_path / "fails.py"
-    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
-                      "if dist.get_rank() == 1:\n    raise SystemExit('rank 1 stops here')\ndist.barrier()\n")
+    script.write_text(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n    raise SystemExit('rank 1 stops here')\ndist.barrier()\n"
+    )
     proc = torchrun(str(script), [])
     assert proc.returncode != 0
     tail = proc.stderr[-2000:]
-    assert "--- rank 1 stderr ---\nrank 1 stops here\n" in tail and "Connection closed by peer" in tail.split("--- rank 0")[1]
+    assert (
+        "--- rank 1 stderr ---\nrank 1 stops here\n" in tail
+        and "Connection closed by peer" in tail.split("--- rank 0")[1]
+    )

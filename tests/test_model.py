@@ -17,11 +17,38 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from helpers import (ROUTED, STARTS_AS_STANDARD, TINY, VARIANTS, logits_of, make, naive_depth_read, randomize_routing,
-                     rel_err, tokens, two_phase_read)
-from model import (GPT, RESIDUALS, CausalSelfAttention, DualAttnRes, GPTConfig, History, HyperConnections,
-                   StandardResidual, Streams, depth_read, depth_read_extend, depth_read_sealed, depth_weights_extend,
-                   depth_weights_sealed, is_routing, js_divergence, sinkhorn)
+from helpers import (
+    ROUTED,
+    STARTS_AS_STANDARD,
+    TINY,
+    VARIANTS,
+    logits_of,
+    make,
+    naive_depth_read,
+    randomize_routing,
+    rel_err,
+    tokens,
+    two_phase_read,
+)
+from model import (
+    GPT,
+    RESIDUALS,
+    CausalSelfAttention,
+    DualAttnRes,
+    GPTConfig,
+    History,
+    HyperConnections,
+    StandardResidual,
+    Streams,
+    depth_read,
+    depth_read_extend,
+    depth_read_sealed,
+    depth_weights_extend,
+    depth_weights_sealed,
+    is_routing,
+    js_divergence,
+    sinkhorn,
+)
 
 
 @pytest.mark.parametrize("variant", STARTS_AS_STANDARD)
@@ -33,7 +60,8 @@ def test_zero_init_equals_standard(variant):
     assert all(is_routing(k) for k in missing), "a scheme keeps its parameters under GPT.residual"
     idx = tokens()
     assert rel_err(logits_of(model, idx), logits_of(standard, idx)) < 1e-5, (
-        f"{variant} is not `standard` at init: make its routing parameters start at the identity")
+        f"{variant} is not `standard` at init: make its routing parameters start at the identity"
+    )
 
 
 def test_default_eps_shifts_zero_init_but_not_much():
@@ -58,8 +86,10 @@ def test_shared_init_is_bit_identical_across_variants(variant):
     for n in reference:
         assert torch.equal(shared[n], reference[n]), f"{n}: a scheme must not draw from the shared RNG"
     # what is drawn after the model (data order, dropout) is paired too
-    assert torch.equal(rng, reference_rng), (f"building {variant} moved the global RNG: draw only in the scheme's "
-                                             f"__init__ (GPT builds it under a generator of its own)")
+    assert torch.equal(rng, reference_rng), (
+        f"building {variant} moved the global RNG: draw only in the scheme's "
+        f"__init__ (GPT builds it under a generator of its own)"
+    )
     assert not torch.equal(make("standard", seed=6).lm_head.weight, reference["transformer.wte.weight"])
 
 
@@ -237,6 +267,7 @@ def test_jsd_is_token_wise_not_of_averages():
 
 # --- a slow, obviously-correct AttnRes written straight from the paper's equations --------------
 
+
 def reference_logits(model, idx):
     cfg, res = model.config, model.residual
     S, L = cfg.attnres_block_size, cfg.n_layer
@@ -289,12 +320,14 @@ def test_causality(variant):
     idx = tokens(B=1)
     t = 9
     changed = idx.clone()
-    changed[:, t + 1:] = (changed[:, t + 1:] + 1) % TINY["vocab_size"]
+    changed[:, t + 1 :] = (changed[:, t + 1 :] + 1) % TINY["vocab_size"]
     with torch.no_grad():
         a, b = logits_of(model, idx), logits_of(model, changed)
-    assert torch.equal(a[:, : t + 1], b[:, : t + 1]), (f"{variant} lets a position see later tokens: a read or "
-                                                       f"write mixes over the sequence axis (mix over depth only)")
-    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:]), f"{variant}'s logits ignore the tokens"
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1]), (
+        f"{variant} lets a position see later tokens: a read or "
+        f"write mixes over the sequence axis (mix over depth only)"
+    )
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :]), f"{variant}'s logits ignore the tokens"
 
 
 def test_the_depth_read_stays_fp32_under_bf16_autocast():
@@ -318,7 +351,8 @@ def test_bf16_autocast_diagnostics_are_fp32(variant):
         assert v.dtype == torch.float32, f"{variant} notes {name} in {v.dtype} under autocast: compute it in fp32"
     for name, w in weights.items():  # bf16 softmax would be off by ~1e-3
         assert (w.sum(-1) - 1).abs().max().item() < 1e-6, (
-            f"{variant}'s depth weights {name} do not sum to 1 under bf16 autocast: compute the softmax in fp32")
+            f"{variant}'s depth weights {name} do not sum to 1 under bf16 autocast: compute the softmax in fp32"
+        )
 
 
 def stream_under_autocast(model, idx):
@@ -349,7 +383,8 @@ def test_the_stream_stays_fp32_under_bf16_autocast(variant):
     assert autocast.dtype == torch.float32, f"{variant}'s stream is {autocast.dtype} under autocast; keep it fp32"
     assert rel_err(autocast, fp32) < 1e-5, (
         f"{variant} rounds the residual stream under bf16 autocast (a depth mix written as a matmul or einsum "
-        f"runs in bf16): mix the stream by sums of products, or in fp32 with torch.autocast(..., enabled=False)")
+        f"runs in bf16): mix the stream by sums of products, or in fp32 with torch.autocast(..., enabled=False)"
+    )
 
 
 def test_a_scheme_that_rounds_the_stream_is_caught(monkeypatch):
@@ -388,8 +423,10 @@ def test_every_routing_parameter_gets_a_gradient(variant):
             if r in dead:  # dead rows may carry rounding noise (DAR's fusion at sublayer 0 mixes two equal reads)
                 assert grad_norm[r] < 1e-8, f"{name}[{r}] gets a gradient: remove it from {variant}'s dead_rows()"
             else:
-                assert grad_norm[r] > 0, (f"{name}[{r}] gets no gradient with random routing: a bug, or "
-                                          f"declare it in {variant}'s dead_rows() if no gradient can reach it")
+                assert grad_norm[r] > 0, (
+                    f"{name}[{r}] gets no gradient with random routing: a bug, or "
+                    f"declare it in {variant}'s dead_rows() if no gradient can reach it"
+                )
 
 
 def rows_that_never_learn(model, steps=3):
@@ -406,15 +443,20 @@ def rows_that_never_learn(model, steps=3):
             if p.grad is not None:
                 learned[name] |= p.grad.reshape(p.size(0), -1).abs().amax(1) > 0
         optimizer.step()
-    return [(name, r) for name, rows in learned.items() for r in range(len(rows))
-            if not rows[r] and r not in dead_rows(model, name)]
+    return [
+        (name, r)
+        for name, rows in learned.items()
+        for r in range(len(rows))
+        if not rows[r] and r not in dead_rows(model, name)
+    ]
 
 
 @pytest.mark.parametrize("variant", ROUTED)
 def test_every_routing_parameter_learns_from_the_init(variant):
     assert rows_that_never_learn(make(variant)) == [], (
         "these (parameter, row) never get a gradient from the init: an init that multiplies two zeros, "
-        "or rows to declare in dead_rows()")
+        "or rows to declare in dead_rows()"
+    )
 
 
 def test_a_route_that_cannot_learn_is_caught(toy_schemes):
@@ -432,10 +474,12 @@ def one_phase_read(sources, queries, key_gain, eps, keys=None):
 @pytest.mark.parametrize("separate_keys", [False, True])  # DAR addresses a stream by the other's keys
 def test_depth_read_equals_naive_reference_with_gradients(read, separate_keys):
     g = torch.Generator().manual_seed(0)
-    make_inputs = lambda dtype: ([torch.randn(2, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(4)],
-                                 [torch.randn(2, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(4)],
-                                 torch.randn(2, 8, generator=g).to(dtype).requires_grad_(),
-                                 (torch.rand(8, generator=g) + 0.5).to(dtype).requires_grad_())
+    make_inputs = lambda dtype: (
+        [torch.randn(2, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(4)],
+        [torch.randn(2, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(4)],
+        torch.randn(2, 8, generator=g).to(dtype).requires_grad_(),
+        (torch.rand(8, generator=g) + 0.5).to(dtype).requires_grad_(),
+    )
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         sources, keys, queries, gain = make_inputs(dtype)
         keys = keys if separate_keys else None
@@ -457,8 +501,9 @@ def test_depth_read_extend_weights_and_logsumexp_are_the_full_reads():
     sources = [torch.randn(2, 3, 8, generator=g, dtype=torch.float64) for _ in range(4)]
     directions = torch.randn(2, 8, generator=g, dtype=torch.float64)
     full = depth_read(sources, sources, directions, 1e-6)
-    extended = depth_read_extend(depth_read(sources[:-1], sources[:-1], directions, 1e-6), sources[-1], sources[-1],
-                                 directions, 1e-6)
+    extended = depth_read_extend(
+        depth_read(sources[:-1], sources[:-1], directions, 1e-6), sources[-1], sources[-1], directions, 1e-6
+    )
     for a, b in ((extended.weights, full.weights), (extended.lse, full.lse), *zip(extended.outputs, full.outputs)):
         assert (a - b).abs().max() < 1e-13
 
@@ -466,7 +511,10 @@ def test_depth_read_extend_weights_and_logsumexp_are_the_full_reads():
 def test_weights_only_reads_equal_the_full_reads_weights():
     g = torch.Generator().manual_seed(1)
     sources = [torch.randn(2, 3, 8, generator=g, dtype=torch.float64) for _ in range(4)]
-    directions = {0: torch.randn(2, 8, generator=g, dtype=torch.float64), 1: torch.randn(1, 8, generator=g, dtype=torch.float64)}
+    directions = {
+        0: torch.randn(2, 8, generator=g, dtype=torch.float64),
+        1: torch.randn(1, 8, generator=g, dtype=torch.float64),
+    }
     full = depth_read_sealed(sources, sources, directions, 1e-6)
     weights_only = depth_weights_sealed(sources, directions, 1e-6)
     for k in directions:
@@ -498,8 +546,11 @@ def test_dar_read_equals_two_naive_reads_with_gradients(dar_keys):
     streams = [[x] + blocks for blocks in own]
     keys = streams[::-1] if dar_keys == "reciprocal" else streams
     pi = scheme.fusion[k].softmax(-1)
-    slow = sum(pi[s] * naive_depth_read(streams[s], scheme.query[k, s:s + 1], scheme.key_gain[k], scheme.eps,
-                                        keys=keys[s])[0] for s in (0, 1))
+    slow = sum(
+        pi[s]
+        * naive_depth_read(streams[s], scheme.query[k, s : s + 1], scheme.key_gain[k], scheme.eps, keys=keys[s])[0]
+        for s in (0, 1)
+    )
     assert (fused - slow).abs().max() < 1e-12 * slow.abs().max()
     w = torch.randn_like(slow)
     inputs = [x, *own[0], *own[1], scheme.query, scheme.key_gain, scheme.fusion]
@@ -509,10 +560,14 @@ def test_dar_read_equals_two_naive_reads_with_gradients(dar_keys):
 
 def test_depth_read_compiles_fullgraph_with_its_backward():
     torch._dynamo.reset()
-    make_inputs = lambda: ([torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3)],
-                           torch.randn(2, 8, generator=torch.Generator().manual_seed(9)).requires_grad_())
+    make_inputs = lambda: (
+        [torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3)],
+        torch.randn(2, 8, generator=torch.Generator().manual_seed(9)).requires_grad_(),
+    )
     eager_inputs, compiled_inputs = make_inputs(), make_inputs()
-    read = lambda sources, q: sum(o.sum() * (r + 1) for r, o in enumerate(two_phase_read(sources, q, torch.ones(8), 1e-6)))
+    read = lambda sources, q: sum(
+        o.sum() * (r + 1) for r, o in enumerate(two_phase_read(sources, q, torch.ones(8), 1e-6))
+    )
     eager = read(*eager_inputs)
     compiled = torch.compile(read, fullgraph=True)(*compiled_inputs)
     assert torch.allclose(compiled, eager, atol=1e-5)
@@ -528,38 +583,46 @@ def test_depth_read_gradcheck(read):
     keys = [torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(4)]
     queries = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
     gain = torch.rand(8, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *a: tuple(read(list(a[:4]), a[8], a[9], 1e-6, list(a[4:8]))),
-                                    (*sources, *keys, queries, gain))
+    assert torch.autograd.gradcheck(
+        lambda *a: tuple(read(list(a[:4]), a[8], a[9], 1e-6, list(a[4:8]))), (*sources, *keys, queries, gain)
+    )
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(residual="bogus"), "standard, attnres, rd_attnres"),
-    (dict(residual="rd_attnres", rd_control="bogus"), "none, dup, param, fixed_v"),
-    (dict(residual="attnres", rd_control="dup"), "needs residual='rd_attnres'"),
-    (dict(residual="attnres", attnres_block_size=3), "valid: 1, 2, 4, 8"),
-    (dict(residual="attnres", attnres_block_size=6), "valid: 1, 2, 4, 8"),
-    (dict(n_embd=30, n_head=4), "heads of even size"),
-    (dict(n_embd=36, n_head=4), "heads of even size"),
-    (dict(residual="dar", dar_keys="other"), "reciprocal, self"),
-    (dict(residual="attnres", dar_keys="self"), "needs residual='dar'"),
-    (dict(residual="dar", dar_start="bogus"), "unknown dar_start 'bogus'; choose one of distinct, copy"),
-    (dict(residual="standard", dar_start="copy"), "needs residual='dar'"),
-    (dict(residual="standard", hc_streams=2), "needs residual='hc' or 'mhc'"),
-    (dict(residual="mhc", hc_streams=1), "at least 2"),
-    (dict(residual="dar", attnres_block_size=5), "valid: 1, 2, 4, 8"),
-    *[(dict(**{name: 0}), f"{name}=0 must be a positive integer")
-      for name in ("n_head", "n_layer", "block_size", "n_embd", "vocab_size", "attnres_block_size", "hc_streams")],
-    (dict(n_layer=-2), "n_layer=-2 must be a positive integer"),
-    (dict(n_layer=2.0), "n_layer=2.0 must be a positive integer"),
-    (dict(n_layer=True), "n_layer=True must be a positive integer"),
-    (dict(dropout=-0.1), "dropout=-0.1 must be in [0, 1)"),
-    (dict(dropout=1.0), "dropout=1.0 must be in [0, 1)"),
-    (dict(dropout=float("nan")), "dropout=nan must be in [0, 1)"),
-    (dict(norm_eps=0.0), "norm_eps=0.0 must be > 0"),
-    (dict(norm_eps=-1e-6), "norm_eps=-1e-06 must be > 0"),
-    *[(dict(routing_lr_scale=v), f"routing_lr_scale={v!r} must be a finite number > 0")
-      for v in (0.0, -1.0, float("nan"), float("inf"))],
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(residual="bogus"), "standard, attnres, rd_attnres"),
+        (dict(residual="rd_attnres", rd_control="bogus"), "none, dup, param, fixed_v"),
+        (dict(residual="attnres", rd_control="dup"), "needs residual='rd_attnres'"),
+        (dict(residual="attnres", attnres_block_size=3), "valid: 1, 2, 4, 8"),
+        (dict(residual="attnres", attnres_block_size=6), "valid: 1, 2, 4, 8"),
+        (dict(n_embd=30, n_head=4), "heads of even size"),
+        (dict(n_embd=36, n_head=4), "heads of even size"),
+        (dict(residual="dar", dar_keys="other"), "reciprocal, self"),
+        (dict(residual="attnres", dar_keys="self"), "needs residual='dar'"),
+        (dict(residual="dar", dar_start="bogus"), "unknown dar_start 'bogus'; choose one of distinct, copy"),
+        (dict(residual="standard", dar_start="copy"), "needs residual='dar'"),
+        (dict(residual="standard", hc_streams=2), "needs residual='hc' or 'mhc'"),
+        (dict(residual="mhc", hc_streams=1), "at least 2"),
+        (dict(residual="dar", attnres_block_size=5), "valid: 1, 2, 4, 8"),
+        *[
+            (dict(**{name: 0}), f"{name}=0 must be a positive integer")
+            for name in ("n_head", "n_layer", "block_size", "n_embd", "vocab_size", "attnres_block_size", "hc_streams")
+        ],
+        (dict(n_layer=-2), "n_layer=-2 must be a positive integer"),
+        (dict(n_layer=2.0), "n_layer=2.0 must be a positive integer"),
+        (dict(n_layer=True), "n_layer=True must be a positive integer"),
+        (dict(dropout=-0.1), "dropout=-0.1 must be in [0, 1)"),
+        (dict(dropout=1.0), "dropout=1.0 must be in [0, 1)"),
+        (dict(dropout=float("nan")), "dropout=nan must be in [0, 1)"),
+        (dict(norm_eps=0.0), "norm_eps=0.0 must be > 0"),
+        (dict(norm_eps=-1e-6), "norm_eps=-1e-06 must be > 0"),
+        *[
+            (dict(routing_lr_scale=v), f"routing_lr_scale={v!r} must be a finite number > 0")
+            for v in (0.0, -1.0, float("nan"), float("inf"))
+        ],
+    ],
+)
 def test_bad_config_raises_one_line(kwargs, needle):
     with pytest.raises(ValueError) as err:
         GPTConfig(**{**TINY, **kwargs})
@@ -582,11 +645,13 @@ def test_optimizer_groups_scale_routing_and_keep_it_out_of_decay(variant):
     norms = {id(p) for name, p in model.named_parameters() if ".ln_" in name}
     assert norms
     assert bool(routing) == (model.residual.extra_params(model.config) > 0), (
-        f"{variant}: extra_params(config) and the scheme's nn.Parameters disagree on whether it has any")
+        f"{variant}: extra_params(config) and the scheme's nn.Parameters disagree on whether it has any"
+    )
     assert len(groups) == 3  # in every arm, so that every arm's optimizer state has one layout
     (scaled,) = [group for group in groups if group["lr_scale"] != 1.0]  # the routing group (empty for standard)
     assert {id(p) for p in scaled["params"]} == routing, (
-        f"{variant}: every parameter of the scheme (GPT.residual) is routing, at routing_lr_scale, never decayed")
+        f"{variant}: every parameter of the scheme (GPT.residual) is routing, at routing_lr_scale, never decayed"
+    )
     assert scaled["lr_scale"] == 3.0
     assert scaled["weight_decay"] == 0.0
     for group in groups:
@@ -604,8 +669,9 @@ def test_generate_and_flops():
     assert model.flops_per_token(16) == 6 * n + 12 * 4 * 32 * 16
 
 
-@pytest.mark.parametrize("variant", list(RESIDUALS) + ["attnres_full", "rd_attnres_dup", "rd_attnres_param",
-                                                       "rd_attnres_fixed_v"])
+@pytest.mark.parametrize(
+    "variant", list(RESIDUALS) + ["attnres_full", "rd_attnres_dup", "rd_attnres_param", "rd_attnres_fixed_v"]
+)
 def test_compile_fullgraph_matches_eager(variant):
     model = make(variant, n_layer=2)  # 2 layers: compile time grows with depth, the code paths do not
     randomize_routing(model)
@@ -615,10 +681,12 @@ def test_compile_fullgraph_matches_eager(variant):
     with torch.no_grad():
         assert rel_err(compiled(idx, idx)[0], model(idx, idx)[0]) < 1e-5, (
             f"{variant} compiled differs from eager: Python state that changes between calls (a counter, a "
-            f"cache) is baked into the graph; keep what varies in tensors or in the state start() returns")
+            f"cache) is baked into the graph; keep what varies in tensors or in the state start() returns"
+        )
 
 
 # --- DAR, HC, mHC -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_parameter_counts_as_each_scheme_states(variant):
@@ -626,7 +694,8 @@ def test_parameter_counts_as_each_scheme_states(variant):
     extra = model.num_params() - make("standard").num_params()
     assert extra == model.residual.extra_params(model.config), (
         f"{variant} has {extra} parameters beyond `standard`, but its extra_params(config) says "
-        f"{model.residual.extra_params(model.config)}: fix the formula (or the tensors)")
+        f"{model.residual.extra_params(model.config)}: fix the formula (or the tensors)"
+    )
 
 
 @pytest.mark.parametrize("variant", ["dar", "dar_full"])
@@ -704,7 +773,9 @@ def test_dar_distinct_start_streams_differ_at_init(block_size):
 
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_dar_copy_start_streams_are_copies_at_init(block_size):
-    cosines = make("dar", attnres_block_size=block_size, dar_start="copy").routing_diagnostics(tokens())["block_cosine"]["out"]
+    cosines = make("dar", attnres_block_size=block_size, dar_start="copy").routing_diagnostics(tokens())[
+        "block_cosine"
+    ]["out"]
     assert (cosines - 1).abs().max() < 1e-6
 
 
@@ -773,6 +844,7 @@ def test_hc_and_mhc_stream_mixing_in_fp32_under_autocast(variant):
 
 # --- the loss reductions ------------------------------------------------------------------------
 
+
 def test_loss_reductions_agree_with_cross_entropy():
     model = make("rd_attnres")
     randomize_routing(model)
@@ -795,6 +867,7 @@ def test_loss_reductions_agree_with_cross_entropy():
 
 # --- independent references for the attention and the stream updates -----------------------------
 
+
 def naive_attention(attn, x_q, x_k, x_v):
     """Causal self-attention with rotary embeddings, from the definitions, in float64: Q, K, V are
     W_Q x_q, W_K x_k, W_V x_v; per head of size D, q_t and k_t turn each channel pair (i, i + D/2)
@@ -804,12 +877,12 @@ def naive_attention(attn, x_q, x_k, x_v):
     H = attn.n_head
     D = C // H
     W = attn.c_attn.weight.double()
-    q, k, v = ((x.double() @ W[i * C:(i + 1) * C].T).view(B, T, H, D) for i, x in enumerate((x_q, x_k, x_v)))
+    q, k, v = ((x.double() @ W[i * C : (i + 1) * C].T).view(B, T, H, D) for i, x in enumerate((x_q, x_k, x_v)))
     angle = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-2 * torch.arange(D // 2).double() / D)
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # (T, 1, D/2): every head alike
 
     def rotate(x):
-        a, b = x[..., :D // 2], x[..., D // 2:]
+        a, b = x[..., : D // 2], x[..., D // 2 :]
         return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
     scores = torch.einsum("bthd,bshd->bhts", rotate(q), rotate(k)) / math.sqrt(D)
@@ -907,8 +980,9 @@ def test_dar_write_at_a_block_start_is_the_output_times_its_gate():
 def test_dar_reciprocal_keys_differ_from_own_keys(block_size):
     # with one scalar write gate per stream and blocks of 1, every source of stream 1 was a positive
     # multiple of stream 0's: RMS-normalised keys cannot tell them apart, and the two settings were one
-    models = [make("dar", attnres_block_size=block_size, dar_keys=keys, norm_eps=1e-12).double()
-              for keys in DualAttnRes.KEYS]
+    models = [
+        make("dar", attnres_block_size=block_size, dar_keys=keys, norm_eps=1e-12).double() for keys in DualAttnRes.KEYS
+    ]
     randomize_routing(models[0])
     models[1].load_state_dict(models[0].state_dict())
     idx = tokens()
@@ -987,13 +1061,19 @@ def test_denseformer_matches_its_definition():
 # --- the analysis switch (GPT.intervene) ---------------------------------------------------------
 
 INTERVENTIONS = {  # (variant, change, exact): at init each changes nothing; exact where no rounding enters
-    ("attnres", ("uniform", "mlp.2"), True), ("rd_attnres", ("uniform", "attn_v.2"), True),
-    ("rd_attnres", ("uniform", "attn.2"), True), ("rd_attnres", ("tie_value",), True),
-    ("dar", ("uniform", "out"), True), ("dar", ("own_keys",), True),  # zero queries: uniform whatever the keys
+    ("attnres", ("uniform", "mlp.2"), True),
+    ("rd_attnres", ("uniform", "attn_v.2"), True),
+    ("rd_attnres", ("uniform", "attn.2"), True),
+    ("rd_attnres", ("tie_value",), True),
+    ("dar", ("uniform", "out"), True),
+    ("dar", ("own_keys",), True),  # zero queries: uniform whatever the keys
     ("dar_copy", ("one_stream", 1), False),  # copies: either stream is the fused read (distinct streams are not)
-    ("hc", ("identity_mixing",), True), ("mhc", ("identity_mixing",), False),
-    ("rd_attnres", ("tie_value", 1), True), ("rd_attnres_mix", ("tie_value",), True),
-    ("rd_attnres_mix", ("uniform", "attn_v.2"), True), ("denseformer", ("identity_dwa", 2), True),
+    ("hc", ("identity_mixing",), True),
+    ("mhc", ("identity_mixing",), False),
+    ("rd_attnres", ("tie_value", 1), True),
+    ("rd_attnres_mix", ("tie_value",), True),
+    ("rd_attnres_mix", ("uniform", "attn_v.2"), True),
+    ("denseformer", ("identity_dwa", 2), True),
     ("denseformer", ("identity_dwa",), True),
     ("scaled_residual", ("identity_scales",), True),
 }
@@ -1048,7 +1128,8 @@ def test_listed_interventions_are_accepted_and_each_matters(variant):
             model.intervene(intervention)
             assert abs(model(idx, idx)[1].item() - before) > 1e-5, (
                 f"{variant}: intervention {intervention} does not change the loss with random routing parameters; "
-                f"make it change the routing or leave it out of interventions()")
+                f"make it change the routing or leave it out of interventions()"
+            )
         model.intervene()
 
 
@@ -1063,15 +1144,24 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(variant):
     ids = [id(p) for group in groups for p in group["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # every parameter exactly once
     # Muon: exactly the attention and MLP weights, by name
-    hidden = {id(p) for name, p in model.named_parameters() if name.endswith((".c_attn.weight", ".c_proj.weight",
-                                                                              ".c_fc.weight"))}
+    hidden = {
+        id(p)
+        for name, p in model.named_parameters()
+        if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight"))
+    }
     assert {id(p) for group in muon.param_groups for p in group["params"]} == hidden
     assert len(hidden) == 4 * TINY["n_layer"]
     # AdamW: the tied embedding (decayed), the norms and every routing parameter (never decayed), as under adamw
     routing = {id(p) for p in model.residual.parameters()}
     assert [{id(p) for p in g["params"]} for g in adamw.param_groups] == [
-        {id(model.lm_head.weight)}, {id(p) for n, p in model.named_parameters() if n.endswith("ln_1.weight")
-                                     or n.endswith("ln_2.weight") or n == "transformer.ln_f.weight"}, routing]
+        {id(model.lm_head.weight)},
+        {
+            id(p)
+            for n, p in model.named_parameters()
+            if n.endswith("ln_1.weight") or n.endswith("ln_2.weight") or n == "transformer.ln_f.weight"
+        },
+        routing,
+    ]
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0, 0.0]
     assert [g["lr_scale"] for g in groups] == [1.0, 1.0, 3.0, 20.0]
     for group in groups:
@@ -1087,7 +1177,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(variant):
     grad = p.grad.clone()
     optimizer.step()
     from torch.optim._muon import _zeropower_via_newtonschulz
-    update = _zeropower_via_newtonschulz(grad * (1 - 0.95 ** 2), (3.4445, -4.775, 2.0315), 5, 1e-7)
+
+    update = _zeropower_via_newtonschulz(grad * (1 - 0.95**2), (3.4445, -4.775, 2.0315), 5, 1e-7)
     expected = before[id(p)] * (1 - 0.02 * g["weight_decay"]) - 0.02 * math.sqrt(4) * update.float()
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
     optimizer.zero_grad(set_to_none=True)
@@ -1111,8 +1202,10 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(variant):
         return loss.detach(), grads
 
     (loss, grads), (loss_ac, grads_ac) = run(False), run(True)
-    fix = (f"{variant} computes otherwise under activation checkpointing: keep what a forward computes in the "
-           f"state start() and write() return, never on self (a sublayer is recomputed from its inputs alone)")
+    fix = (
+        f"{variant} computes otherwise under activation checkpointing: keep what a forward computes in the "
+        f"state start() and write() return, never on self (a sublayer is recomputed from its inputs alone)"
+    )
     assert torch.equal(loss, loss_ac), fix
     assert grads.keys() == grads_ac.keys(), fix
     for name in grads:
@@ -1121,9 +1214,11 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(variant):
     calls = []
     for block in model.transformer.h:
         for name in ("attention", "feedforward"):
+
             def counted(*args, sublayer=getattr(block, name)):
                 calls.append(sublayer)
                 return sublayer(*args)
+
             setattr(block, name, counted)
     model.activation_checkpointing = True
     loss = model(x, x)[1]
@@ -1133,6 +1228,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(variant):
 
 
 # --- scaled_residual -----------------------------------------------------------------------------
+
 
 def test_scaled_residual_is_bit_identical_to_standard_at_init():
     idx = tokens()
@@ -1157,6 +1253,7 @@ def test_scaled_residual_matches_its_definition():
 
 # --- diagnostics: what every scheme records --------------------------------------------------------
 
+
 def test_note_computes_nothing_when_not_recording():
     scheme = make("attnres").residual
     scheme.note("attn.1", lambda: pytest.fail("a diagnostic was computed while not recording"))
@@ -1179,8 +1276,10 @@ def test_routing_diagnostics_follow_the_naming_rules(variant):
     assert model.residual.record is None, "routing_diagnostics must switch recording off again"
     reads = {model.residual.name_of(k) for k in range(model.residual.output_read + 1)}
     for name, w in diag["weights"].items():
-        assert read_of(name) in reads, (f"depth weights {name!r}: name them name_of(k), plus '.s{{stream}}' or "
-                                        f"'attn_v.{{layer}}' for a second route; other quantities 'group/read name'")
+        assert read_of(name) in reads, (
+            f"depth weights {name!r}: name them name_of(k), plus '.s{{stream}}' or "
+            f"'attn_v.{{layer}}' for a second route; other quantities 'group/read name'"
+        )
         assert abs(w.sum().item() - 1) < 1e-5, f"depth weights {name!r} do not sum to 1"
     for group in set(diag) - {"weights", "entropy", "effective_sources", "qk_v_jsd"}:
         for name in diag[group]:

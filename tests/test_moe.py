@@ -41,7 +41,9 @@ def inputs(n=24, d=32, dtype=torch.float64, seed=1):
 
 
 def count(experts, n_experts):
-    return torch.zeros(n_experts, dtype=torch.long).scatter_add_(0, experts.flatten(), torch.ones_like(experts.flatten()))
+    return torch.zeros(n_experts, dtype=torch.long).scatter_add_(
+        0, experts.flatten(), torch.ones_like(experts.flatten())
+    )
 
 
 def mlp_of(expert, v):
@@ -54,7 +56,7 @@ def naive_moe(layer, x):
     out = []
     for v in x:
         s = torch.sigmoid(layer.router.weight @ v)
-        chosen = sorted(range(len(layer.experts)), key=lambda e: -(s[e] + layer.expert_bias[e]).item())[:layer.top_k]
+        chosen = sorted(range(len(layer.experts)), key=lambda e: -(s[e] + layer.expert_bias[e]).item())[: layer.top_k]
         gates = s[chosen] / s[chosen].sum()
         y = sum(g * mlp_of(layer.experts[e], v) for g, e in zip(gates, chosen))
         out.append(y + (mlp_of(layer.shared, v) if layer.shared is not None else 0))
@@ -62,6 +64,7 @@ def naive_moe(layer, x):
 
 
 # --- the layer against the dense MLP and the definition ---------------------------------------
+
 
 def test_one_expert_top1_equals_the_dense_mlp_exactly():
     config = GPTConfig(**TINY, n_experts=2)
@@ -132,8 +135,9 @@ def test_grouped_path_equals_the_loop_path():
     assert ((grouped - loop).norm() / loop.norm()).item() < 1e-2
     upstream = torch.randn_like(loop)
     weights = [x, layer.experts[4].c_fc.weight, layer.experts[0].c_proj.weight]
-    for g, e in zip(torch.autograd.grad((grouped * upstream).sum(), weights),
-                    torch.autograd.grad((loop * upstream).sum(), weights)):
+    for g, e in zip(
+        torch.autograd.grad((grouped * upstream).sum(), weights), torch.autograd.grad((loop * upstream).sum(), weights)
+    ):
         assert ((g - e).norm() / e.norm()).item() < 2e-2
 
 
@@ -153,6 +157,7 @@ def test_the_grouped_path_is_taken_on_cuda_under_bf16_only():
             m.setattr(torch, "is_autocast_enabled", lambda kind: kind == "cuda" and autocast_dtype is not None)
             m.setattr(torch, "get_autocast_dtype", lambda kind: autocast_dtype)
             return module.grouped(stand_in)
+
     assert on_cuda(torch.bfloat16) == (GROUPED_MM is not None)
     assert not on_cuda(None) and not on_cuda(torch.float16)
     assert not on_cuda(torch.bfloat16, width=36) and not on_cuda(torch.bfloat16, module=narrow)  # strides of 16 bytes
@@ -174,6 +179,7 @@ def test_shared_experts_at_the_automatic_width_cost_what_the_dense_mlp_does(top_
 
 
 # --- balancing ------------------------------------------------------------------------------
+
 
 def test_balancing_bias_moves_load_to_uniform_and_never_changes_gates():
     torch.manual_seed(0)
@@ -237,6 +243,7 @@ def test_routing_diagnostics_are_load_and_router_entropy():
 
 # --- the model: every scheme, the counts, the optimizer, the settings -------------------------
 
+
 @pytest.mark.parametrize("residual", [r for r in RESIDUALS if r != "standard" and starts_as_standard(r)])
 def test_every_scheme_under_moe_is_standard_under_moe_at_init(residual):
     # fp32, as the model trains (a scheme may keep its weights in fp32 whatever the model's dtype, as mhc
@@ -248,12 +255,15 @@ def test_every_scheme_under_moe_is_standard_under_moe_at_init(residual):
     torch.manual_seed(4)
     model = GPT(GPTConfig(**settings, residual=residual))
     missing, unexpected = model.load_state_dict(standard.state_dict(), strict=False)
-    assert unexpected == [] and all(is_routing(k) for k in missing), f"{residual}: keep its parameters under GPT.residual"
+    assert unexpected == [] and all(is_routing(k) for k in missing), (
+        f"{residual}: keep its parameters under GPT.residual"
+    )
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     a, b = model(idx, idx)[0], standard(idx, idx)[0]
     assert ((a - b).norm() / b.norm()).item() < 1e-5, (
         f"{residual} under MoE is not `standard` under MoE at init: its routing must start at the identity whatever "
-        f"the MLP")
+        f"the MLP"
+    )
 
 
 def test_flops_per_token_count_k_of_e_experts_by_hand():
@@ -263,12 +273,16 @@ def test_flops_per_token_count_k_of_e_experts_by_hand():
     per_layer = 4 * d * d + 2 * d + E * d + expert  # attention, two norms, router, one shared expert
     total = V * d + d + L * (per_layer + E * expert)  # tied embedding, final norm
     active = V * d + d + L * (per_layer + k * expert)
-    assert model.num_params(non_embedding=False) == total and model.num_params(non_embedding=False, active=True) == active
+    assert (
+        model.num_params(non_embedding=False) == total and model.num_params(non_embedding=False, active=True) == active
+    )
     assert model.num_params(active=True) == active - V * d
     assert model.flops_per_token(T) == 6 * active + 12 * L * d * T
     dense = GPT(GPTConfig(**TINY))
-    assert dense.num_params(active=True) == dense.num_params() and dense.flops_per_token(T) == 6 * dense.num_params(
-        non_embedding=False) + 12 * L * d * T
+    assert (
+        dense.num_params(active=True) == dense.num_params()
+        and dense.flops_per_token(T) == 6 * dense.num_params(non_embedding=False) + 12 * L * d * T
+    )
     # the automatic width keeps the dense MLP's active FLOPs: 4d / (k + shared), nearest multiple of 64
     assert model.flops_per_token(T) == dense.flops_per_token(T) + 6 * L * E * d + 6 * L * (3 * h - 4 * d) * 2 * d
     width = lambda d, k, s: expert_hidden(GPTConfig(n_embd=d, n_head=1, n_experts=8, moe_top_k=k, moe_shared_experts=s))
@@ -288,7 +302,9 @@ def test_routers_are_their_own_group_and_muon_takes_each_expert_matrix():
     adamw, muon = both.optimizers
     experts = [p for m in model.moes().values() for e in m.experts for p in e.parameters()]
     muon_params = muon.param_groups[0]["params"]
-    assert all(any(p is q for q in muon_params) for p in experts) and not any(p is r for p in muon_params for r in routers)
+    assert all(any(p is q for q in muon_params) for p in experts) and not any(
+        p is r for p in muon_params for r in routers
+    )
     assert adamw.param_groups[2]["params"] == routers
     idx = torch.randint(0, 64, (2, 16))
     model(idx, idx)[1].backward()
@@ -297,46 +313,88 @@ def test_routers_are_their_own_group_and_muon_takes_each_expert_matrix():
 
 def test_moe_settings_are_checked():
     assert all(type(b.mlp) is MLP for b in GPT(GPTConfig(**TINY)).transformer.h)  # n_experts=1: the dense MLP itself
-    for bad, message in [(dict(moe_top_k=4), "moe_top_k=4 needs n_experts > 1"),
-                         (dict(moe_bias_rate=0.1), "moe_bias_rate=0.1 needs n_experts > 1"),
-                         (dict(n_experts=4, moe_top_k=1), r"moe_top_k=1 must be in \[2, n_experts=4\]"),
-                         (dict(n_experts=4, moe_top_k=5), r"moe_top_k=5 must be in \[2, n_experts=4\]"),
-                         (dict(n_experts=4, moe_bias_rate=-1.0), "moe_bias_rate=-1.0 must be"),
-                         (dict(n_experts=4, moe_router_lr_scale=0.0), "moe_router_lr_scale=0.0 must be"),
-                         (dict(n_experts=4, moe_shared_experts=-1), "moe_shared_experts=-1 must be a non-negative"),
-                         (dict(n_experts=0), "n_experts=0 must be a positive integer")]:
+    for bad, message in [
+        (dict(moe_top_k=4), "moe_top_k=4 needs n_experts > 1"),
+        (dict(moe_bias_rate=0.1), "moe_bias_rate=0.1 needs n_experts > 1"),
+        (dict(n_experts=4, moe_top_k=1), r"moe_top_k=1 must be in \[2, n_experts=4\]"),
+        (dict(n_experts=4, moe_top_k=5), r"moe_top_k=5 must be in \[2, n_experts=4\]"),
+        (dict(n_experts=4, moe_bias_rate=-1.0), "moe_bias_rate=-1.0 must be"),
+        (dict(n_experts=4, moe_router_lr_scale=0.0), "moe_router_lr_scale=0.0 must be"),
+        (dict(n_experts=4, moe_shared_experts=-1), "moe_shared_experts=-1 must be a non-negative"),
+        (dict(n_experts=0), "n_experts=0 must be a positive integer"),
+    ]:
         with pytest.raises(ValueError, match=message):
             GPTConfig(**bad)
 
 
 # --- bench.py ------------------------------------------------------------------------------------
 
+
 def test_bench_has_an_moe_row_at_the_dense_mlps_active_flops_that_steps_its_biases(tmp_path):
     import bench
-    tiny = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=2", "--vocab_size=64",
-            "--dtype=float32", "--compile=False", "--peak_mem=False", "--device=cpu", "--rounds=1", "--steps=1"]
+
+    tiny = [
+        "--n_layer=2",
+        "--n_embd=32",
+        "--n_head=2",
+        "--block_size=16",
+        "--batch_size=2",
+        "--vocab_size=64",
+        "--dtype=float32",
+        "--compile=False",
+        "--peak_mem=False",
+        "--device=cpu",
+        "--rounds=1",
+        "--steps=1",
+    ]
     out = tmp_path / "bench.json"
     bench.main(tiny + ["--variants=moe", f"--out={out}"])
     standard, moe = json.loads(out.read_text())
-    assert (standard["variant"], moe["variant"]) == ("standard", "moe") and standard["active_params"] == standard["params"]
+    assert (standard["variant"], moe["variant"]) == ("standard", "moe") and standard["active_params"] == standard[
+        "params"
+    ]
     # 8 experts of width 64 (4d / 2), 2 per token: the dense MLP's active weights, plus the routers (8 x 32 per layer)
     assert moe["active_params"] == standard["active_params"] + 2 * 8 * 32
     assert moe["params"] == moe["active_params"] + 2 * 6 * 2 * 32 * 64
     model, step, _ = bench.setup_variant("moe", configure(bench.BENCH_DEFAULTS, tiny), "cpu", nullcontext())
     step()
     moes = model.moes().values()
-    assert all(m.expert_load.sum() == 0 and m.expert_bias.abs().max() == 1e-3 for m in moes)  # the step updated the biases
+    assert all(
+        m.expert_load.sum() == 0 and m.expert_bias.abs().max() == 1e-3 for m in moes
+    )  # the step updated the biases
 
 
 # --- training through train.py ----------------------------------------------------------------
 
+
 def moe_run(shards, out_dir, *extra):
     # a large bias rate, so that the balancing visibly steers routing within a few steps
-    return [f"--data_dir={shards}", f"--out_dir={out_dir}", "--n_layer=2", "--n_head=2", "--n_embd=32",
-            "--block_size=16", "--vocab_size=64", "--batch_size=4", "--gradient_accumulation_steps=2", "--max_iters=6",
-            "--eval_interval=3", "--log_interval=1", "--eval_tokens=600", "--compile=False", "--seeds=0",
-            "--warmup_iters=2", "--learning_rate=1e-2", "--device=cpu", "--arms=standard", "--n_experts=4",
-            "--moe_top_k=2", "--moe_shared_experts=1", "--moe_bias_rate=0.05", *extra]
+    return [
+        f"--data_dir={shards}",
+        f"--out_dir={out_dir}",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--vocab_size=64",
+        "--batch_size=4",
+        "--gradient_accumulation_steps=2",
+        "--max_iters=6",
+        "--eval_interval=3",
+        "--log_interval=1",
+        "--eval_tokens=600",
+        "--compile=False",
+        "--seeds=0",
+        "--warmup_iters=2",
+        "--learning_rate=1e-2",
+        "--device=cpu",
+        "--arms=standard",
+        "--n_experts=4",
+        "--moe_top_k=2",
+        "--moe_shared_experts=1",
+        "--moe_bias_rate=0.05",
+        *extra,
+    ]
 
 
 def biases(out_dir):
@@ -348,6 +406,7 @@ def biases(out_dir):
 def whole(shards, tmp_path_factory):
     """One process, uninterrupted: the reference of the tests below."""
     import report
+
     out = tmp_path_factory.mktemp("whole")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(report, "main", lambda argv: None)
@@ -357,6 +416,7 @@ def whole(shards, tmp_path_factory):
 
 def test_killed_and_resumed_moe_run_equals_the_uninterrupted_one(shards, whole, tmp_path, monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     trained = biases(whole)
     assert len(trained) == 2 and any(b.abs().sum() > 0 for b in trained.values())  # the biases moved
@@ -366,7 +426,9 @@ def test_killed_and_resumed_moe_run_equals_the_uninterrupted_one(shards, whole, 
     assert all(torch.equal(b, trained[k]) for k, b in biases(tmp_path).items())
     r = result(whole, "standard")
     routing = r["routing"]
-    assert set(routing["expert_load"]) == {"mlp.0", "mlp.1"} and sum(routing["expert_load"]["mlp.0"]) == pytest.approx(2)
+    assert set(routing["expert_load"]) == {"mlp.0", "mlp.1"} and sum(routing["expert_load"]["mlp.0"]) == pytest.approx(
+        2
+    )
     assert r["active_params"] < r["params"]  # 2 of 4 routed experts per token
 
 
@@ -376,17 +438,22 @@ def test_two_ranks_equal_one_process(shards, whole, tmp_path, fsdp):
     # a forward that follows a synced one only: never between a step's micro-batches, so never over the
     # counts); update_expert_bias sums them, so the biases, and through them the routing and the losses,
     # are those of one process that saw every token (two micro-batches of 4)
-    ranks = torchrun("train.py", moe_run(shards, tmp_path, "--batch_size=2", "--gradient_accumulation_steps=4",
-                                         f"--fsdp={fsdp}"))
+    ranks = torchrun(
+        "train.py", moe_run(shards, tmp_path, "--batch_size=2", "--gradient_accumulation_steps=4", f"--fsdp={fsdp}")
+    )
     assert ranks.returncode == 0, ranks.stderr[-2000:]
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(logged(tmp_path, "standard", key=key), logged(whole, "standard", key=key), rtol=1e-5)
     ranks_bias, single_bias = biases(tmp_path), biases(whole)
-    assert ranks_bias.keys() == single_bias.keys() and all(torch.equal(ranks_bias[k], single_bias[k]) for k in single_bias)
+    assert ranks_bias.keys() == single_bias.keys() and all(
+        torch.equal(ranks_bias[k], single_bias[k]) for k in single_bias
+    )
 
 
-@pytest.mark.parametrize("path, world, total, active", [("config/moe_shakespeare.py", 1, 2.37e6, 0.79e6),
-                                                        ("config/dar_moe.py", 8, 6.85e9, 1.21e9)])
+@pytest.mark.parametrize(
+    "path, world, total, active",
+    [("config/moe_shakespeare.py", 1, 2.37e6, 0.79e6), ("config/dar_moe.py", 8, 6.85e9, 1.21e9)],
+)
 def test_config_files_are_valid_and_their_headers_count_right(path, world, total, active, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = configure(train.DEFAULTS, [path])
@@ -396,7 +463,9 @@ def test_config_files_are_valid_and_their_headers_count_right(path, world, total
     with torch.device("meta"):
         model = GPT(records.model_config(cfg, cfg["arms"]["standard"]))
     assert list(cfg["arms"]) == ["standard", "attnres", "dar"] and cfg["n_experts"] > 1
-    assert model.num_params() == pytest.approx(total, rel=5e-3) and model.num_params(active=True) == pytest.approx(active, rel=5e-3)
+    assert model.num_params() == pytest.approx(total, rel=5e-3) and model.num_params(active=True) == pytest.approx(
+        active, rel=5e-3
+    )
     if world == 8:  # the paper protocol of the dense grids: 2^19 tokens per step, 2.0B tokens per run
-        assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2 ** 19
-        assert cfg["max_iters"] * 2 ** 19 == pytest.approx(2.0e9, rel=1e-3)
+        assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2**19
+        assert cfg["max_iters"] * 2**19 == pytest.approx(2.0e9, rel=1e-3)

@@ -22,7 +22,7 @@ def t_cdf_df4(t):
 def test_paired_statistics_against_textbook_values():
     st = paired_stats.paired_statistics(DELTAS)
     mean = -0.021
-    std = math.sqrt((0.009 ** 2 + 0.001 ** 2 + 0.019 ** 2 + 0.031 ** 2 + 0.004 ** 2) / 4)
+    std = math.sqrt((0.009**2 + 0.001**2 + 0.019**2 + 0.031**2 + 0.004**2) / 4)
     se = std / math.sqrt(5)
     assert st["n"] == 5 and st["wins"] == 4
     assert st["mean"] == pytest.approx(mean) and st["std"] == pytest.approx(std)
@@ -51,6 +51,7 @@ def power_by_integration(effect_in_sd, n):
     Z normal and V chi-square(df), T = (Z + effect sqrt(n)) / sqrt(V / df), and P(|T| > c) is the mean over V of
     P(Z > c s - nc) + P(Z < -c s - nc), s = sqrt(V / df), integrated against V's density."""
     from scipy import integrate, stats
+
     df, nc = n - 1, effect_in_sd * math.sqrt(n)
     c = stats.t.ppf(0.975, df)  # the central t's critical value
 
@@ -101,7 +102,7 @@ def test_detectable_effect_by_monte_carlo():
 def sign_test_floor_by_enumeration(n):
     """The smallest two-sided sign-test p over every win/loss sequence of n untied seeds, counted outcome by outcome."""
     outcomes = [sum(signs) for signs in itertools.product((0, 1), repeat=n)]  # wins of each of the 2^n sequences
-    p = [sum(abs(w - n / 2) >= abs(wins - n / 2) for w in outcomes) / 2 ** n for wins in outcomes]
+    p = [sum(abs(w - n / 2) >= abs(wins - n / 2) for w in outcomes) / 2**n for wins in outcomes]
     return min(p)
 
 
@@ -117,7 +118,9 @@ def test_statistics_near_the_float_limit_are_finite_where_the_true_value_is():
     st = paired_stats.paired_statistics([1e308, 1.5e308, 1.7e308])
     scaled = paired_stats.paired_statistics([1.0, 1.5, 1.7])  # every statistic but the ci scales with the deltas
     assert st["mean"] == pytest.approx(1.4e308) and st["std"] == pytest.approx(scaled["std"] * 1e308)
-    assert st["p_ttest"] == pytest.approx(scaled["p_ttest"]) and st["ci95"][0] == pytest.approx(scaled["ci95"][0] * 1e308)
+    assert st["p_ttest"] == pytest.approx(scaled["p_ttest"]) and st["ci95"][0] == pytest.approx(
+        scaled["ci95"][0] * 1e308
+    )
     assert st["ci95"][1] == math.inf  # the true bound, 2.3e308, is no float: null in paired.json
     assert paired_stats.perplexity_change(st["mean"]) == math.inf
 
@@ -136,8 +139,13 @@ def test_identical_deltas_have_no_p_and_no_interval():
 def exact_bootstrap(d):
     """Every two-way bootstrap resample of d (seeds x sequences), equally likely: the n^n x m^m means."""
     n, m = d.shape
-    return np.array([d[np.ix_(s, j)].mean() for s in itertools.product(range(n), repeat=n)
-                     for j in itertools.product(range(m), repeat=m)])
+    return np.array(
+        [
+            d[np.ix_(s, j)].mean()
+            for s in itertools.product(range(n), repeat=n)
+            for j in itertools.product(range(m), repeat=m)
+        ]
+    )
 
 
 def test_text_interval_against_the_enumerated_bootstrap():
@@ -169,7 +177,6 @@ def test_variance_shares_in_closed_form():
     assert seeds_only["ci95_t"] == pytest.approx(paired_stats.paired_statistics(seed)["ci95"], rel=1e-12)
 
 
-
 @pytest.mark.parametrize("value", [0.0, -0.03])
 def test_identical_sequence_deltas_draw_no_zero_width_interval(value):
     # issue #52: every seed and sequence the same delta gave "[+0.0000, +0.0000]" over seeds and text: no variance
@@ -186,8 +193,11 @@ def test_variance_components_by_simulation():
     # is unbiased for the mean's true variance across 2000 simulated grids, and the shares match
     rng = np.random.default_rng(1)
     n, m, sd = 4, 60, dict(seeds=0.02, text=0.1, seed_x_text=0.05)
-    grids = (rng.normal(0, sd["seeds"], (2000, n, 1)) + rng.normal(0, sd["text"], (2000, 1, m))
-             + rng.normal(0, sd["seed_x_text"], (2000, n, m)))
+    grids = (
+        rng.normal(0, sd["seeds"], (2000, n, 1))
+        + rng.normal(0, sd["text"], (2000, 1, m))
+        + rng.normal(0, sd["seed_x_text"], (2000, n, m))
+    )
     true = dict(seeds=sd["seeds"] ** 2 / n, text=sd["text"] ** 2 / m, seed_x_text=sd["seed_x_text"] ** 2 / (n * m))
     assert grids.mean((1, 2)).var() == pytest.approx(sum(true.values()), rel=0.08)
     estimated = [paired_stats.text_uncertainty(g, resamples=1)["variance"] for g in grids]
@@ -217,16 +227,27 @@ def test_the_bootstrap_is_quoted_only_where_it_is_calibrated():
 
 
 def test_the_verdict_reads_the_one_interval_quoted():
-    st = dict(paired_stats.paired_statistics([-0.03, -0.02, -0.04]), text=dict(n=3, ci95_t=[-0.05, -0.01],
-                                                                               ci95=[-0.04, -0.02]))
+    st = dict(
+        paired_stats.paired_statistics([-0.03, -0.02, -0.04]),
+        text=dict(n=3, ci95_t=[-0.05, -0.01], ci95=[-0.04, -0.02]),
+    )
     assert paired_stats.verdict(st) == ("ahead", [-0.05, -0.01], "t over seeds and text")
     st["text"]["ci95_t"] = [-0.05, 0.01]  # the bootstrap still excludes 0, but is not calibrated at 3 seeds
     assert paired_stats.verdict(st)[0] == "not detectable at this size"
-    many = dict(paired_stats.paired_statistics([0.02] * 19 + [0.03]), text=dict(n=20, ci95_t=[-0.01, 0.05],
-                                                                                ci95=[0.01, 0.04]))
-    assert paired_stats.verdict(many) == ("behind", [0.01, 0.04], "two-way bootstrap over seeds and text, calibrated "
-                                                                  "from 20 seeds")
-    assert paired_stats.verdict(dict(paired_stats.paired_statistics([0.1]), text={})) == \
-        ("not detectable at this size", None, "1 paired seed: no interval")
-    assert paired_stats.verdict(dict(paired_stats.paired_statistics([-0.1, -0.2]), text=dict(unavailable="x")))[2] == \
-        "t over seeds", "no per-sequence losses: the seeds' t interval"
+    many = dict(
+        paired_stats.paired_statistics([0.02] * 19 + [0.03]), text=dict(n=20, ci95_t=[-0.01, 0.05], ci95=[0.01, 0.04])
+    )
+    assert paired_stats.verdict(many) == (
+        "behind",
+        [0.01, 0.04],
+        "two-way bootstrap over seeds and text, calibrated from 20 seeds",
+    )
+    assert paired_stats.verdict(dict(paired_stats.paired_statistics([0.1]), text={})) == (
+        "not detectable at this size",
+        None,
+        "1 paired seed: no interval",
+    )
+    assert (
+        paired_stats.verdict(dict(paired_stats.paired_statistics([-0.1, -0.2]), text=dict(unavailable="x")))[2]
+        == "t over seeds"
+    ), "no per-sequence losses: the seeds' t interval"

@@ -32,8 +32,22 @@ def test_known_token_ids(enc):
     assert enc.encode_ordinary("hello world") == [31373, 995]
     assert enc.encode_ordinary("Hello world") == [15496, 995]
     assert enc.encode_ordinary(" the") == [262]
-    assert enc.encode_ordinary("First Citizen:\nBefore we proceed any further, hear me speak.") == \
-        [5962, 22307, 25, 198, 8421, 356, 5120, 597, 2252, 11, 3285, 502, 2740, 13]
+    assert enc.encode_ordinary("First Citizen:\nBefore we proceed any further, hear me speak.") == [
+        5962,
+        22307,
+        25,
+        198,
+        8421,
+        356,
+        5120,
+        597,
+        2252,
+        11,
+        3285,
+        502,
+        2740,
+        13,
+    ]
     assert enc.encode("<|endoftext|>", allowed_special="all") == [S.GPT2.eot]
 
 
@@ -43,7 +57,7 @@ def test_tokenizers_encode_and_decode():
     assert list(b.encode(text)) == list(text.encode("utf-8")) and b.vocab_size == 257 and b.eot == 256
     assert b.decode(list(b.encode(text))) == text
     assert b.decode([256, 104, 105]) == "<|endoftext|>hi"
-    assert b.decode([0xc3, 104]) == "\ufffdh"  # half a UTF-8 character
+    assert b.decode([0xC3, 104]) == "\ufffdh"  # half a UTF-8 character
     assert b.decode([104, 300, 105]) == "h\ufffdi"  # a padding id of a 320-row model
     g = S.get_tokenizer("gpt2")
     assert g.vocab_size == 50257 and g.eot == 50256
@@ -63,7 +77,9 @@ def make_corpus(tmp_path):
     pq.write_table(pa.table({"text": a, "id": list(range(37))}), src / "a.parquet", row_group_size=5)
     b = [doc() for _ in range(11)]
     # blank lines are not documents (and must not shift a resume position)
-    (src / "b.jsonl").write_text("".join(json.dumps({"text": t, "n": 1}) + "\n" + "\n" * (i % 3 == 0) for i, t in enumerate(b)))
+    (src / "b.jsonl").write_text(
+        "".join(json.dumps({"text": t, "n": 1}) + "\n" + "\n" * (i % 3 == 0) for i, t in enumerate(b))
+    )
     # a literal <|endoftext|> in a document is text, not the separator
     c = doc() + "\n\nunicode: caf\u00e9 \u2014 na\u00efve; <|endoftext|> as text"
     (src / "c.txt").write_text(c, encoding="utf-8")
@@ -129,7 +145,9 @@ def test_workers_do_not_change_the_output(tmp_path):
     P.TASK_CHARS, old = 200, P.TASK_CHARS  # many small tasks, so two workers really interleave
     try:
         for w in (1, 2):
-            P.prepare(str(tmp_path / f"w{w}"), input=pattern, val_tokens=1800, shard_tokens=4200, **BYTES | dict(workers=w))
+            P.prepare(
+                str(tmp_path / f"w{w}"), input=pattern, val_tokens=1800, shard_tokens=4200, **BYTES | dict(workers=w)
+            )
     finally:
         P.TASK_CHARS = old
     m1, m2 = (json.loads((tmp_path / f"w{w}" / "manifest.json").read_text()) for w in (1, 2))
@@ -203,18 +221,27 @@ def test_bad_inputs(tmp_path):
 def test_fineweb_offline_fails_fast_with_one_line(tmp_path, env):
     # HF_HUB_OFFLINE, or a hub that cannot be reached (a closed local port stands in for no network)
     full_env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | env
-    proc = subprocess.run([sys.executable, "data/prepare.py", "--tokenizer=bytes", "--out_dir", str(tmp_path / "fw")],
-                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "data/prepare.py", "--tokenizer=bytes", "--out_dir", str(tmp_path / "fw")],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "--input" in proc.stderr and "shakespeare" in proc.stderr
 
 
 def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, monkeypatch, capsys):
-    assert S.BUNDLED == {os.path.join(ROOT, "data", f"{corpus}_{t}"): t for corpus in ("shakespeare", "pydoc")
-                         for t in ("bytes", "gpt2")}
+    assert S.BUNDLED == {
+        os.path.join(ROOT, "data", f"{corpus}_{t}"): t for corpus in ("shakespeare", "pydoc") for t in ("bytes", "gpt2")
+    }
     monkeypatch.chdir(tmp_path)
     manifest = P.prepare_bundled(str(tmp_path / "sh"), "bytes", quiet=True)
-    plays = [open(os.path.join(P.BUNDLED_CORPUS, p), encoding="utf-8").read() for p in sorted(os.listdir(P.BUNDLED_CORPUS))]
+    plays = [
+        open(os.path.join(P.BUNDLED_CORPUS, p), encoding="utf-8").read() for p in sorted(os.listdir(P.BUNDLED_CORPUS))
+    ]
     assert manifest["val_tokens"] == len(byte_stream(plays[:3]))  # three whole plays
     assert manifest["total_tokens"] == len(byte_stream(plays)) and manifest["tokenizer"] == "bytes"
     monkeypatch.chdir(ROOT)
@@ -226,17 +253,21 @@ def test_bundled_corpus_prepares_the_same_from_any_working_directory(tmp_path, m
 
 def test_bundled_outputs_are_prepared_with_their_corpus_and_tokenizer(monkeypatch):
     made = []
-    monkeypatch.setattr(P, "prepare", lambda out_dir, **kw: made.append((out_dir, kw["input"], kw["tokenizer"],
-                                                                         kw["val_docs"])))
+    monkeypatch.setattr(
+        P, "prepare", lambda out_dir, **kw: made.append((out_dir, kw["input"], kw["tokenizer"], kw["val_docs"]))
+    )
     for out_dir, tokenizer in S.BUNDLED.items():
         P.prepare_bundled(out_dir)
     topics = os.path.join(ROOT, "data", "pydoc", f"topics_python{platform.python_version()}.jsonl")
-    assert made == [(d, topics, t, 20) if "pydoc" in d else (d, os.path.join(P.BUNDLED_CORPUS, "*.txt"), t, 3)
-                    for d, t in S.BUNDLED.items()]
+    assert made == [
+        (d, topics, t, 20) if "pydoc" in d else (d, os.path.join(P.BUNDLED_CORPUS, "*.txt"), t, 3)
+        for d, t in S.BUNDLED.items()
+    ]
 
 
 def test_the_second_bundled_corpus_is_pythons_documentation_named_by_its_version(tmp_path, monkeypatch):
     from pydoc_data.topics import topics
+
     manifest = P.prepare_bundled(str(tmp_path / "pydoc_bytes"), "bytes", quiet=True, corpus="pydoc")
     texts = [topics[name] for name in sorted(topics)]
     assert manifest["val_tokens"] == len(byte_stream(texts[:20]))  # 20 whole topics
@@ -245,7 +276,9 @@ def test_the_second_bundled_corpus_is_pythons_documentation_named_by_its_version
     again = P.prepare_bundled(str(tmp_path / "again"), "bytes", quiet=True, corpus="pydoc")
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]  # deterministic bytes
     monkeypatch.setattr(S, "BUNDLED", {str(tmp_path / "gone" / "pydoc_bytes"): "bytes"})
-    with pytest.raises(DataError, match="does not exist; create it with: python data/prepare.py pydoc --tokenizer=bytes$"):
+    with pytest.raises(
+        DataError, match="does not exist; create it with: python data/prepare.py pydoc --tokenizer=bytes$"
+    ):
         S.find_shards(str(tmp_path / "gone" / "pydoc_bytes"))
 
 
@@ -282,7 +315,9 @@ def test_find_shards_errors(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="does not exist"):
         S.find_shards(str(tmp_path / "nothing"))
     monkeypatch.setattr(S, "BUNDLED", {str(tmp_path / "bundled"): "bytes"})
-    with pytest.raises(DataError, match="does not exist; create it with: python data/prepare.py shakespeare --tokenizer=bytes$"):
+    with pytest.raises(
+        DataError, match="does not exist; create it with: python data/prepare.py shakespeare --tokenizer=bytes$"
+    ):
         S.find_shards(str(tmp_path / "bundled"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(DataError, match="is a file"):
@@ -295,11 +330,20 @@ def test_find_shards_errors(tmp_path, monkeypatch):
         S.find_shards(str(tmp_path))
 
 
-@pytest.mark.parametrize("names, named", [
-    (["val_000000.bin", "train_000001.bin", "fineweb_train_000001.bin"], "fineweb_train_000001.bin, train_000001.bin;"),
-    (["val_000000.bin", "fineweb_val_000000.bin", "train_000001.bin"], "fineweb_val_000000.bin, train_000001.bin;"),
-    (["edufineweb_val_000000.npy", "edufineweb_train_000001.bin"], "edufineweb_train_000001.bin, edufineweb_val_000000.npy;"),
-])
+@pytest.mark.parametrize(
+    "names, named",
+    [
+        (
+            ["val_000000.bin", "train_000001.bin", "fineweb_train_000001.bin"],
+            "fineweb_train_000001.bin, train_000001.bin;",
+        ),
+        (["val_000000.bin", "fineweb_val_000000.bin", "train_000001.bin"], "fineweb_val_000000.bin, train_000001.bin;"),
+        (
+            ["edufineweb_val_000000.npy", "edufineweb_train_000001.bin"],
+            "edufineweb_train_000001.bin, edufineweb_val_000000.npy;",
+        ),
+    ],
+)
 def test_two_naming_schemes_in_one_data_dir_are_refused(tmp_path, names, named):
     # without a manifest nothing says which files belong together: two schemes are likely the same data twice
     for name in names:
@@ -317,8 +361,10 @@ def test_unreadable_shard_files_are_one_line_naming_the_file(tmp_path, monkeypat
             S.open_shard(str(tmp_path / name))
         assert f"{tmp_path / name}: " in str(err.value) and "\n" not in str(err.value)
     S.write_shard(str(tmp_path / "val_000000.bin"), np.arange(10))
+
     def failing_read(*args, **kwargs):
         raise OSError(5, "Input/output error")
+
     monkeypatch.setattr(np, "fromfile", failing_read)
     with pytest.raises(DataError, match=r"val_000000.bin: cannot be read as a token shard \(Input/output error\)"):
         S.open_shard(str(tmp_path / "val_000000.bin"))
@@ -352,8 +398,11 @@ def test_token_ids_the_data_tokenizer_does_not_have_are_refused(tmp_path):
         S.write_shard(path, tokens, tokenizer)
         assert S.shard_tokenizer(path) == tokenizer and len(S.open_shard(path, 50304)) == 1000
         ids = S.TOKENIZERS[tokenizer].vocab_size
-        with pytest.raises(DataError, match=rf"^{path}: token id {bad} at position 700 is not a {tokenizer} token "
-                                            rf"\(its ids are 0-{ids - 1}\), the tokenizer its data names"):
+        with pytest.raises(
+            DataError,
+            match=rf"^{path}: token id {bad} at position 700 is not a {tokenizer} token "
+            rf"\(its ids are 0-{ids - 1}\), the tokenizer its data names",
+        ):
             S.open_shard(path, 50304, tokenizer)
         S.write_shard(path, tokens[:700], tokenizer)
         assert len(S.open_shard(path, 50304, tokenizer)) == 700
@@ -368,9 +417,18 @@ def test_token_ids_the_data_tokenizer_does_not_have_are_refused(tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert S.verify_manifest(str(out), full=True)
     import train
-    argv = [f"--data_dir={out}", f"--out_dir={tmp_path / 'o'}", "--vocab_size=320", "--verify_shards=True", "--device=cpu",
-            "--eval_tokens=1000"]
-    with pytest.raises(DataError, match=rf"^{train1}: token id 319 at position 123 is not a bytes token \(its ids are 0-256\)"):
+
+    argv = [
+        f"--data_dir={out}",
+        f"--out_dir={tmp_path / 'o'}",
+        "--vocab_size=320",
+        "--verify_shards=True",
+        "--device=cpu",
+        "--eval_tokens=1000",
+    ]
+    with pytest.raises(
+        DataError, match=rf"^{train1}: token id 319 at position 123 is not a bytes token \(its ids are 0-256\)"
+    ):
         train.main(argv)
     assert not (tmp_path / "o").exists()
 
@@ -410,7 +468,7 @@ def write_parquet(path, rows, groups):
     """rows in row groups of the given sizes (each write_table call is one row group)."""
     with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
         for start, n in zip(np.cumsum([0] + groups[:-1]), groups):
-            writer.write_table(pa.table({"text": rows[start:start + n]}))
+            writer.write_table(pa.table({"text": rows[start : start + n]}))
     assert [pq.ParquetFile(path).metadata.row_group(g).num_rows for g in range(len(groups))] == groups
 
 
@@ -424,7 +482,9 @@ def test_reading_from_any_position_yields_the_tail_of_the_stream(tmp_path):
         write_parquet(str(tmp_path / name), rows, groups)
         stream += [(f, i, t) for i, t in enumerate(rows)]
     rows = [f"line {i}" for i in range(30)]
-    (tmp_path / "e.jsonl").write_text("\n" + "".join(json.dumps({"text": t}) + "\n" + "\n" * (i % 4 == 0) for i, t in enumerate(rows)))
+    (tmp_path / "e.jsonl").write_text(
+        "\n" + "".join(json.dumps({"text": t}) + "\n" + "\n" * (i % 4 == 0) for i, t in enumerate(rows))
+    )
     stream += [(4, i, t) for i, t in enumerate(rows)]
     (tmp_path / "f.txt").write_text("the whole file")
     stream += [(5, 0, "the whole file")]
@@ -441,7 +501,7 @@ def test_reading_from_any_position_yields_the_tail_of_the_stream(tmp_path):
         starts |= {(f, s) for s in (1023, 1024, 1025, 2047, 2048, 2049) if s <= ends[-1]}  # around batch ends
     starts |= {(4, s) for s in range(31)}
     for f, s in sorted(starts):
-        expected = stream[first_of_file[f] + s:] if (f, s) != (5, 1) else []
+        expected = stream[first_of_file[f] + s :] if (f, s) != (5, 1) else []
         assert list(P.read_documents(paths, f, s)) == expected, (f, s)
 
 
@@ -540,8 +600,11 @@ def test_complete_output_is_verified_and_repaired(tmp_path, capsys, monkeypatch)
     (out / "val_000000.bin").write_bytes(whole["val_000000.bin"][:-2])
     P.prepare(str(out), **args)
     printed = capsys.readouterr().out
-    assert [line.split(":")[0] for line in printed.splitlines()] == \
-        ["rebuilding val_000000.bin", "rebuilding train_000002.bin", "rebuilding train_000004.bin"]
+    assert [line.split(":")[0] for line in printed.splitlines()] == [
+        "rebuilding val_000000.bin",
+        "rebuilding train_000002.bin",
+        "rebuilding train_000004.bin",
+    ]
     assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == whole and not list(out.glob("*.tmp"))
     P.prepare(str(out), **args)
     assert "complete" in capsys.readouterr().out
@@ -552,8 +615,9 @@ def test_complete_output_is_verified_and_repaired(tmp_path, capsys, monkeypatch)
     (out / "train_000099.bin").unlink()
     (out / "train_000001.bin").unlink()
     manifest = json.loads((out / "manifest.json").read_text())
-    (out / "manifest.json").write_text(json.dumps({**manifest, "shards": [
-        {k: v for k, v in s.items() if k != "start"} for s in manifest["shards"]]}))  # as an older prepare.py wrote it
+    (out / "manifest.json").write_text(
+        json.dumps({**manifest, "shards": [{k: v for k, v in s.items() if k != "start"} for s in manifest["shards"]]})
+    )  # as an older prepare.py wrote it
     with pytest.raises(DataError, match="train_000001.bin is listed in manifest.json but missing.*older prepare.py"):
         P.prepare(str(out), **args)
     (out / "manifest.json").write_text(json.dumps(manifest))
@@ -575,16 +639,39 @@ def test_bad_rows_and_files_name_where(tmp_path):
     fails("number.jsonl", b'{"text": 7}\n', r"number.jsonl:1: 'text' is 7, not a string")
     fails("latin1.jsonl", '{"text": "ok"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"), r"latin1.jsonl:2: not UTF-8")
     fails("latin1.txt", ("x" * 70000 + "caf\u00e9").encode("latin-1"), r"latin1.txt: not UTF-8 text \(byte 70003")
-    fails("ints.parquet", lambda p: pq.write_table(pa.table({"text": [1, 2]}), p), r"ints.parquet: column 'text' holds int64")
-    fails("nulls.parquet", lambda p: write_parquet(p, ["a", "b", "c", None, "e"], [2, 3]), r"nulls.parquet: row 3: 'text' is null")
+    fails(
+        "ints.parquet",
+        lambda p: pq.write_table(pa.table({"text": [1, 2]}), p),
+        r"ints.parquet: column 'text' holds int64",
+    )
+    fails(
+        "nulls.parquet",
+        lambda p: write_parquet(p, ["a", "b", "c", None, "e"], [2, 3]),
+        r"nulls.parquet: row 3: 'text' is null",
+    )
 
 
 def test_out_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "taken").write_text("x")
     (tmp_path / "a.txt").write_text("some text")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), "--input", str(tmp_path / "a.txt"),
-                           "--tokenizer=bytes", "--out_dir", str(tmp_path / "taken")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stderr == f"error: out_dir {tmp_path / 'taken'} is a file; choose a directory\n"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "data", "prepare.py"),
+            "--input",
+            str(tmp_path / "a.txt"),
+            "--tokenizer=bytes",
+            "--out_dir",
+            str(tmp_path / "taken"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 1 and proc.stderr == f"error: out_dir {tmp_path / 'taken'} is a file; choose a directory\n"
+    )
 
 
 def test_torn_or_foreign_manifests_are_one_line(tmp_path):
@@ -592,12 +679,14 @@ def test_torn_or_foreign_manifests_are_one_line(tmp_path):
     P.prepare(str(out), input=pattern, val_tokens=2000, shard_tokens=9000, **BYTES)
     good = (out / "manifest.json").read_text()
     manifest = json.loads(good)
-    cases = [(good[:len(good) // 2], r"cannot be read as JSON \(.*line"),
-             (json.dumps([1, 2]), r"missing or wrong: arguments, inputs, tokenizer"),
-             (json.dumps({k: v for k, v in manifest.items() if k != "shards"}), r"missing or wrong: shards\)"),
-             (json.dumps({**manifest, "shards": {"name": "val_000000.bin"}}), r"missing or wrong: shards\)"),
-             (json.dumps({**manifest, "shards": [{**manifest["shards"][0], "tokens": "2000"}]}), r"shards\[0\]"),
-             (json.dumps({**manifest, "tokenizer": "bpe"}), r"tokenizer 'bpe'")]
+    cases = [
+        (good[: len(good) // 2], r"cannot be read as JSON \(.*line"),
+        (json.dumps([1, 2]), r"missing or wrong: arguments, inputs, tokenizer"),
+        (json.dumps({k: v for k, v in manifest.items() if k != "shards"}), r"missing or wrong: shards\)"),
+        (json.dumps({**manifest, "shards": {"name": "val_000000.bin"}}), r"missing or wrong: shards\)"),
+        (json.dumps({**manifest, "shards": [{**manifest["shards"][0], "tokens": "2000"}]}), r"shards\[0\]"),
+        (json.dumps({**manifest, "tokenizer": "bpe"}), r"tokenizer 'bpe'"),
+    ]
     for text, problem in cases:
         (out / "manifest.json").write_text(text)
         for read in (S.verify_manifest, S.tokenizer_of, lambda d: P.prepare(d, input=pattern, **BYTES)):
@@ -671,15 +760,23 @@ def test_a_failed_shard_write_is_one_line_and_the_rerun_resumes(tmp_path, monkey
             def __getattr__(self, name):
                 return getattr(self.f, name)
 
-        monkeypatch.setattr(P, "open", lambda path, *a, **kw: FullDisk(real_open(path, *a, **kw))
-                            if str(path).endswith(".bin.tmp") else real_open(path, *a, **kw), raising=False)
+        monkeypatch.setattr(
+            P,
+            "open",
+            lambda path, *a, **kw: (
+                FullDisk(real_open(path, *a, **kw)) if str(path).endswith(".bin.tmp") else real_open(path, *a, **kw)
+            ),
+            raising=False,
+        )
         with pytest.raises(DataError) as err:
             P.prepare(str(out), **args)
         monkeypatch.undo()
         assert "(No space left on device)" in str(err.value)
-    assert str(err.value) == (f"cannot write {out / 'train_000001.bin'} ({str(err.value).split('(')[1].split(')')[0]}); "
-                              f"free disk space (or raise the file size limit, ulimit -f) and run data/prepare.py "
-                              f"again: it keeps the complete shards")
+    assert str(err.value) == (
+        f"cannot write {out / 'train_000001.bin'} ({str(err.value).split('(')[1].split(')')[0]}); "
+        f"free disk space (or raise the file size limit, ulimit -f) and run data/prepare.py "
+        f"again: it keeps the complete shards"
+    )
     assert sorted(os.listdir(out)) == ["progress.json", "val_000000.bin"]  # the complete shard, no temporary
     P.prepare(str(out), **args)
     assert_same_shards(tmp_path / "whole", out, at_least=3)
@@ -693,8 +790,11 @@ def test_one_prepare_at_a_time_per_out_dir(tmp_path):
     host = socket.gethostname()
     for holder, pid in ((f"{os.getppid()} {host}", os.getppid()), ("123 another-host", 123)):
         (out / "lock").write_text(holder)  # a running prepare.py: a live process here (the parent), or one elsewhere
-        with pytest.raises(DataError, match=rf"{out} is being prepared by pid {pid} on .*; wait for it, or remove "
-                                              rf"{out / 'lock'} if that process is gone"):
+        with pytest.raises(
+            DataError,
+            match=rf"{out} is being prepared by pid {pid} on .*; wait for it, or remove "
+            rf"{out / 'lock'} if that process is gone",
+        ):
             P.prepare(str(out), **args)
         assert sorted(os.listdir(out)) == ["lock"] and (out / "lock").read_text() == holder
     dead = subprocess.Popen([sys.executable, "-c", ""])
@@ -713,7 +813,9 @@ def test_an_input_edited_in_place_stops_the_resume(tmp_path, monkeypatch):
     original = jsonl.read_bytes()
     jsonl.write_bytes(original.replace(b"fox", b"cat"))  # same size, other text
     assert jsonl.stat().st_size == len(original)
-    with pytest.raises(DataError, match=r"input files differ .*\(\.\./src/b.jsonl has other content of the same size\)"):
+    with pytest.raises(
+        DataError, match=r"input files differ .*\(\.\./src/b.jsonl has other content of the same size\)"
+    ):
         P.prepare(str(out), **args)
     jsonl.write_bytes(original)
     P.prepare(str(out), **args)
@@ -725,7 +827,7 @@ def test_fingerprint_samples_big_files_from_start_to_end(tmp_path):
     big = tmp_path / "big.jsonl"
     data = bytearray(np.random.default_rng(0).integers(0, 256, size=5 << 20, dtype=np.uint8).tobytes())
     big.write_bytes(data)
-    sampled = hashlib.sha256(b"".join(bytes(data[i * (len(data) - 65536) // 63:][:65536]) for i in range(64)))
+    sampled = hashlib.sha256(b"".join(bytes(data[i * (len(data) - 65536) // 63 :][:65536]) for i in range(64)))
     assert P.fingerprint(str(big)) == sampled.hexdigest()  # 64 blocks of 64 KiB, the first and the last included
     (tmp_path / "small.txt").write_bytes(data[:100000])
     assert P.fingerprint(str(tmp_path / "small.txt")) == hashlib.sha256(data[:100000]).hexdigest()  # whole
@@ -735,8 +837,11 @@ def test_fingerprint_samples_big_files_from_start_to_end(tmp_path):
 def test_an_out_dir_among_the_inputs_is_refused(tmp_path, where):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text("some text " * 500)
-    out, pattern = ((tmp_path / "src", tmp_path / "src" / "*.txt") if where == "out_dir is the input folder"
-                    else (tmp_path / "src" / "out", tmp_path / "src" / "**"))
+    out, pattern = (
+        (tmp_path / "src", tmp_path / "src" / "*.txt")
+        if where == "out_dir is the input folder"
+        else (tmp_path / "src" / "out", tmp_path / "src" / "**")
+    )
     (out / "old.txt").parent.mkdir(exist_ok=True)
     (out / "old.txt").write_text("an earlier input")
     with pytest.raises(DataError, match=rf"--input .* matches .*, inside --out_dir {out}; choose an --out_dir outside"):
@@ -777,31 +882,44 @@ def test_a_shard_cut_at_the_end_of_a_tokenizer_task_records_the_next_document(tm
 
 # --- numbers and inputs are checked before anything is written ---------------------------------
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(val_tokens=-500), "--val_tokens=-500 must be a whole number from 1 to 2,147,483,647"),  # trained on validation
-    (dict(val_tokens=0), "--val_tokens=0 must be a whole number from 1"),
-    (dict(val_tokens=float("inf")), "--val_tokens=inf must be a whole number"),
-    (dict(val_docs=-1), "--val_docs=-1 must be a whole number of at least 0"),
-    (dict(shard_tokens=0), "--shard_tokens=0 must be a whole number from 1"),  # empty shards forever
-    (dict(shard_tokens=0.5), "--shard_tokens=0.5 must be a whole number"),
-    (dict(shard_tokens=1), "--shard_tokens=1 is below 1,025: a train shard must hold a sequence of 1,024 tokens and "
-                           "its target"),  # a file per token, none of them trained on
-    (dict(shard_tokens=1024), "--shard_tokens=1024 is below 1,025"),
-    (dict(shard_tokens=-1), "--shard_tokens=-1 must be a whole number"),
-    (dict(shard_tokens=2 ** 31), "--shard_tokens=2147483648 must be a whole number from 1 to 2,147,483,647"),
-    (dict(workers=-1), "--workers=-1 must be a whole number of at least 1"),
-    (dict(workers=0), "--workers=0 must be a whole number of at least 1"),
-    (dict(max_tokens=0), "--max_tokens=0 must be a whole number of at least 1"),
-    (dict(max_tokens=-5), "--max_tokens=-5 must be a whole number"),
-    (dict(max_tokens=float("nan")), "--max_tokens=nan must be a whole number"),
-    (dict(max_tokens=800), "--max_tokens=800 leaves no tokens to train on after --val_tokens=1000; raise --max_tokens"),
-])
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            dict(val_tokens=-500),
+            "--val_tokens=-500 must be a whole number from 1 to 2,147,483,647",
+        ),  # trained on validation
+        (dict(val_tokens=0), "--val_tokens=0 must be a whole number from 1"),
+        (dict(val_tokens=float("inf")), "--val_tokens=inf must be a whole number"),
+        (dict(val_docs=-1), "--val_docs=-1 must be a whole number of at least 0"),
+        (dict(shard_tokens=0), "--shard_tokens=0 must be a whole number from 1"),  # empty shards forever
+        (dict(shard_tokens=0.5), "--shard_tokens=0.5 must be a whole number"),
+        (
+            dict(shard_tokens=1),
+            "--shard_tokens=1 is below 1,025: a train shard must hold a sequence of 1,024 tokens and its target",
+        ),  # a file per token, none of them trained on
+        (dict(shard_tokens=1024), "--shard_tokens=1024 is below 1,025"),
+        (dict(shard_tokens=-1), "--shard_tokens=-1 must be a whole number"),
+        (dict(shard_tokens=2**31), "--shard_tokens=2147483648 must be a whole number from 1 to 2,147,483,647"),
+        (dict(workers=-1), "--workers=-1 must be a whole number of at least 1"),
+        (dict(workers=0), "--workers=0 must be a whole number of at least 1"),
+        (dict(max_tokens=0), "--max_tokens=0 must be a whole number of at least 1"),
+        (dict(max_tokens=-5), "--max_tokens=-5 must be a whole number"),
+        (dict(max_tokens=float("nan")), "--max_tokens=nan must be a whole number"),
+        (
+            dict(max_tokens=800),
+            "--max_tokens=800 leaves no tokens to train on after --val_tokens=1000; raise --max_tokens",
+        ),
+    ],
+)
 def test_every_number_is_checked_before_anything_is_written(tmp_path, monkeypatch, bad, message):
     (tmp_path / "a.txt").write_text("some text " * 500)
     flushes = []  # a guard: an endless run of empty shards fails here instead of filling the disk
     real_flush = P.ShardWriter.flush
-    monkeypatch.setattr(P.ShardWriter, "flush", lambda self, nxt: (flushes.append(1), len(flushes) < 50 or 1 / 0,
-                                                                   real_flush(self, nxt)))
+    monkeypatch.setattr(
+        P.ShardWriter, "flush", lambda self, nxt: (flushes.append(1), len(flushes) < 50 or 1 / 0, real_flush(self, nxt))
+    )
     args = dict(input=str(tmp_path / "a.txt"), val_tokens=1000, **BYTES) | bad
     with pytest.raises(DataError) as err:
         P.prepare(str(tmp_path / "out"), **args)
@@ -810,10 +928,23 @@ def test_every_number_is_checked_before_anything_is_written(tmp_path, monkeypatc
 
 def test_a_bad_number_on_the_command_line_is_one_line(tmp_path):
     (tmp_path / "a.txt").write_text("some text " * 500)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), f"--input={tmp_path / 'a.txt'}",
-                           "--tokenizer=bytes", "--val_tokens=-100", f"--out_dir={tmp_path / 'out'}"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stderr == "error: --val_tokens=-100.0 must be a whole number from 1 to 2,147,483,647\n"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "data", "prepare.py"),
+            f"--input={tmp_path / 'a.txt'}",
+            "--tokenizer=bytes",
+            "--val_tokens=-100",
+            f"--out_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 1
+        and proc.stderr == "error: --val_tokens=-100.0 must be a whole number from 1 to 2,147,483,647\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -842,27 +973,47 @@ def test_a_folder_as_input_says_how_to_give_a_glob(tmp_path, where):
             P.prepare(str(src / "out"), input=str(src / "a.txt"), val_tokens=0, **BYTES)
         (src / "sub").rmdir()
         (src / "out").mkdir()  # what a refused run of an older prepare.py left behind
-    pattern, folder = {"a folder": (src, src), "a glob matching a folder": (src / "*", src / "sub"),
-                       "the empty folder of a refused run": (src / "*", src / "out")}[where]
+    pattern, folder = {
+        "a folder": (src, src),
+        "a glob matching a folder": (src / "*", src / "sub"),
+        "the empty folder of a refused run": (src / "*", src / "out"),
+    }[where]
     with pytest.raises(DataError) as err:
         P.prepare(str(tmp_path / "o"), input=str(pattern), val_tokens=1000, **BYTES)
-    assert str(err.value) == (f"--input {str(pattern)!r} matches the folder {folder}; give a glob of files, e.g. "
-                              f"--input='{folder}/*.txt' (or '{folder}/**/*.txt' with its subfolders)")
+    assert str(err.value) == (
+        f"--input {str(pattern)!r} matches the folder {folder}; give a glob of files, e.g. "
+        f"--input='{folder}/*.txt' (or '{folder}/**/*.txt' with its subfolders)"
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_an_input_that_is_no_regular_file_is_one_line(tmp_path):
     (tmp_path / "src").mkdir()
     os.mkfifo(tmp_path / "src" / "pipe.txt")  # reading it would wait for a writer forever: a subprocess with a timeout
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), f"--input={tmp_path / 'src' / '*'}",
-                           "--tokenizer=bytes", f"--out_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stderr == (f"error: --input {str(tmp_path / 'src' / '*')!r} matches "
-                                                    f"{tmp_path / 'src' / 'pipe.txt'}, which is not a regular file "
-                                                    f"(a pipe or a device); give a glob of files\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "data", "prepare.py"),
+            f"--input={tmp_path / 'src' / '*'}",
+            "--tokenizer=bytes",
+            f"--out_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and proc.stderr == (
+        f"error: --input {str(tmp_path / 'src' / '*')!r} matches "
+        f"{tmp_path / 'src' / 'pipe.txt'}, which is not a regular file "
+        f"(a pipe or a device); give a glob of files\n"
+    )
     os.remove(tmp_path / "src" / "pipe.txt")
     os.symlink(tmp_path / "nowhere.txt", tmp_path / "src" / "dangling.txt")
-    with pytest.raises(DataError, match=r"matches .*dangling.txt, which cannot be opened \(No such file or directory\); "
-                                        r"remove it or give a narrower glob$"):
+    with pytest.raises(
+        DataError,
+        match=r"matches .*dangling.txt, which cannot be opened \(No such file or directory\); "
+        r"remove it or give a narrower glob$",
+    ):
         P.prepare(str(tmp_path / "out"), input=str(tmp_path / "src" / "*"), **BYTES)
     os.remove(tmp_path / "src" / "dangling.txt")
     (tmp_path / "src" / "notes.md").write_text("not an input type")  # refused at the start, not when it is reached
@@ -875,12 +1026,14 @@ def test_damaged_parquet_and_deeply_nested_jsonl_name_the_file(tmp_path):
     rows = [f"row {i} " * 20 for i in range(3000)]
     write_parquet(str(tmp_path / "whole.parquet"), rows, [1000, 1000, 1000])
     data = (tmp_path / "whole.parquet").read_bytes()
-    (tmp_path / "cut.parquet").write_bytes(data[:len(data) // 2])  # a download cut short: no footer
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])  # a download cut short: no footer
     (tmp_path / "empty.parquet").write_bytes(b"")
     (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    for name, problem in (("cut.parquet", r"cut.parquet: cannot be read \(Parquet magic bytes not found"),
-                          ("empty.parquet", r"empty.parquet: cannot be read \(Parquet file size is 0 bytes\)"),
-                          ("deep.jsonl", r"deep.jsonl:2: JSON nested too deeply to read; fix or drop that line$")):
+    for name, problem in (
+        ("cut.parquet", r"cut.parquet: cannot be read \(Parquet magic bytes not found"),
+        ("empty.parquet", r"empty.parquet: cannot be read \(Parquet file size is 0 bytes\)"),
+        ("deep.jsonl", r"deep.jsonl:2: JSON nested too deeply to read; fix or drop that line$"),
+    ):
         with pytest.raises(DataError, match=problem) as err:
             P.prepare(str(tmp_path / ("out_" + name)), input=str(tmp_path / name), val_tokens=100, **BYTES)
         assert "\n" not in str(err.value) and not list((tmp_path / ("out_" + name)).glob("*.bin"))
@@ -889,8 +1042,12 @@ def test_damaged_parquet_and_deeply_nested_jsonl_name_the_file(tmp_path):
 def test_text_columns_of_every_string_encoding_read_the_same(tmp_path):
     # pandas' category dtype and many exporters write a dictionary-encoded column; arrow also has large and view strings
     rows = [f"document {i % 7} " * 5 for i in range(60)]
-    columns = dict(plain=pa.array(rows), dictionary=pa.array(rows).dictionary_encode(),
-                   large=pa.array(rows, pa.large_string()), view=pa.array(rows, pa.string_view()))
+    columns = dict(
+        plain=pa.array(rows),
+        dictionary=pa.array(rows).dictionary_encode(),
+        large=pa.array(rows, pa.large_string()),
+        view=pa.array(rows, pa.string_view()),
+    )
     for name, column in columns.items():
         (tmp_path / name).mkdir()
         pq.write_table(pa.table({"text": column}), tmp_path / name / "a.parquet", row_group_size=25)
@@ -904,7 +1061,10 @@ def test_text_columns_of_every_string_encoding_read_the_same(tmp_path):
 
 # --- locks, temporaries and names that leave the folder -----------------------------------------
 
-@pytest.mark.parametrize("name", ["../train_000001.bin", "/tmp/train_000001.bin", "sub/train_000001.bin", "..", "notes.txt"])
+
+@pytest.mark.parametrize(
+    "name", ["../train_000001.bin", "/tmp/train_000001.bin", "sub/train_000001.bin", "..", "notes.txt"]
+)
 def test_a_manifest_name_outside_the_folder_is_refused(tmp_path, name):
     out = tmp_path / "data" / "out"
     pattern, _ = make_corpus(tmp_path)
@@ -916,8 +1076,10 @@ def test_a_manifest_name_outside_the_folder_is_refused(tmp_path, name):
     for read in (S.verify_manifest, lambda d: P.prepare(d, input=pattern, val_tokens=2000, shard_tokens=9000, **BYTES)):
         with pytest.raises(DataError) as err:
             read(str(out))
-        assert str(err.value).startswith(f"{out / 'manifest.json'} is not a data/prepare.py record (missing or wrong: "
-                                         f"shards[1] name {name!r}, not a shard file of this folder)")
+        assert str(err.value).startswith(
+            f"{out / 'manifest.json'} is not a data/prepare.py record (missing or wrong: "
+            f"shards[1] name {name!r}, not a shard file of this folder)"
+        )
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written, inside or out
 
 
@@ -932,7 +1094,10 @@ def test_planted_symlinks_and_killed_runs_temporaries(tmp_path, monkeypatch):
     os.symlink(victim, out / "train_000002.bin.tmp")  # where the resume writes its next shard
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()
-    stale = [out / f"progress.json.{dead.pid}.{socket.gethostname()}.tmp", out / f"lock.{dead.pid}.{socket.gethostname()}.tmp"]
+    stale = [
+        out / f"progress.json.{dead.pid}.{socket.gethostname()}.tmp",
+        out / f"lock.{dead.pid}.{socket.gethostname()}.tmp",
+    ]
     for p in stale:  # what a run killed while writing progress.json, or while taking the lock, leaves
         p.write_text("partial")
     P.prepare(str(out), **args)
@@ -945,9 +1110,20 @@ def test_a_lock_that_is_a_dangling_symlink_is_one_line(tmp_path):
     (tmp_path / "a.txt").write_text("some text " * 500)
     (tmp_path / "out").mkdir()
     os.symlink(tmp_path / "gone", tmp_path / "out" / "lock")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), f"--input={tmp_path / 'a.txt'}",
-                           "--tokenizer=bytes", "--val_tokens=1000", f"--out_dir={tmp_path / 'out'}"],
-                          capture_output=True, text=True, timeout=60)  # it used to spin forever, printing nothing
-    assert proc.returncode == 1 and proc.stderr == (f"error: {tmp_path / 'out' / 'lock'} is a symlink, not a lock "
-                                                    f"(a file holding a pid and a host); remove it\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "data", "prepare.py"),
+            f"--input={tmp_path / 'a.txt'}",
+            "--tokenizer=bytes",
+            "--val_tokens=1000",
+            f"--out_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # it used to spin forever, printing nothing
+    assert proc.returncode == 1 and proc.stderr == (
+        f"error: {tmp_path / 'out' / 'lock'} is a symlink, not a lock (a file holding a pid and a host); remove it\n"
+    )
     assert os.listdir(tmp_path / "out") == ["lock"]

@@ -32,6 +32,7 @@ DEFAULTS = dict(train.DEFAULTS, vocab_size=320)  # as train.main resolves it fro
 
 # --- keys, checks ---------------------------------------------------------------------------------
 
+
 def test_every_model_field_is_a_key_and_can_be_set_per_arm():
     for field in dataclasses.fields(GPTConfig):
         value = DEFAULTS[field.name]
@@ -42,48 +43,59 @@ def test_every_model_field_is_a_key_and_can_be_set_per_arm():
     records.check_config(cfg, 1)
     assert cfg["arms"]["a.1"]["dropout"] == 0 and type(records.typed_arms(cfg)["a.1"]["dropout"]) is float
     # the ablations the README names, as arms
-    cfg = configure(DEFAULTS, ["--arms={'self': {'residual': 'dar', 'dar_keys': 'self'}, "
-                                     "'hc2': {'residual': 'hc', 'hc_streams': 2}}"])
+    cfg = configure(
+        DEFAULTS,
+        ["--arms={'self': {'residual': 'dar', 'dar_keys': 'self'}, 'hc2': {'residual': 'hc', 'hc_streams': 2}}"],
+    )
     records.check_config(cfg, 1)
-    assert records.cell_config(cfg, "self", 0)["dar_keys"] == "self" and records.cell_config(cfg, "hc2", 0)["hc_streams"] == 2
+    assert (
+        records.cell_config(cfg, "self", 0)["dar_keys"] == "self"
+        and records.cell_config(cfg, "hc2", 0)["hc_streams"] == 2
+    )
     assert records.model_config(cfg, cfg["arms"]["hc2"]).hc_streams == 2
 
 
-@pytest.mark.parametrize("override, message", [
-    ({"batch_size": 0}, "batch_size=0 must be at least 1"),
-    ({"learning_rate": -1e-3}, "learning_rate=-0.001 must be positive"),
-    ({"seeds": [""]}, "seeds=['']: give distinct non-negative integers"),
-    ({"seeds": ["a", "b"]}, "seeds=['a', 'b']"),
-    ({"seeds": [-1]}, "seeds=[-1]"),
-    ({"seeds": []}, "seeds=[]"),
-    ({"seeds": [1, 1]}, "seeds=[1, 1]"),
-    ({"eval_interval": 0}, "eval_interval=0 must be at least 1"),
-    ({"log_interval": 0}, "log_interval=0 must be at least 1"),
-    ({"eval_batch_size": 0}, "eval_batch_size=0 must be at least 1"),
-    ({"dropout": 1.5}, "dropout=1.5 must be in [0, 1)"),
-    ({"residual": "resnet"}, "residual='resnet' is not a residual scheme"),  # though every arm sets its own
-    ({"eval_tokens": 128}, "eval_tokens=128 is less than one sequence of block_size+1 = 129"),
-    ({"arms": {"x": {"residual": "attnres", "rd_control": "dup"}}}, "arm 'x': rd_control='dup' needs residual"),
-    ({"arms": {"x": {"n_layers": 3}}}, "settings must be a dict of model keys"),
-    ({"arms": {"x": {"warmup_iters": 3}}}, "settings must be a dict of model keys"),  # the schedule is the grid's
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be at least 1"),
-    ({"block_size": 0}, "arm 'attnres': block_size=0 must be a positive integer"),  # before anything divides by it
-    ({"n_head": 0}, "arm 'attnres': n_head=0 must be a positive integer"),
-    ({"arms": {"a": {"n_layer": "x"}}}, "arm 'a': n_layer must be a int, got 'x'"),
-    ({"arms": {"a": {"dropout": "0.1"}}}, "arm 'a': dropout must be a float"),
-    ({"arms": {"a": {"learning_rate": "fast"}}}, "arm 'a': learning_rate must be a float"),
-    ({"arms": {"a": {"learning_rate": 0.0}}}, "arm 'a': learning_rate=0.0 must be positive"),
-    ({"arms": {"": {}}}, "arm name ''"),
-    ({"arms": {"../a": {}}}, "arm name '../a'"),
-    ({"arms": {"-a": {}}}, "arm name '-a'"),
-    ({"arms": {1: {}}}, "arm name 1"),
-    ({"arms": {"config.json": {}}}, "arm name 'config.json': use letters"),
-    ({"arms": {"paired.json": {}}}, "arm name 'paired.json'"),
-    ({"arms": {"val_loss.png": {}}}, "arm name 'val_loss.png'"),
-    ({"batch_size": 3, "world": 2}, "3 sequences do not split evenly over 2 processes"),
-    ({"reference_arm": "attnres,standard"}, "reference_arm='attnres,standard': 'standard' is not an arm (attnres, "),
-    ({"reference_arm": "attnres,attnres"}, "reference_arm='attnres,attnres' names an arm twice"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"batch_size": 0}, "batch_size=0 must be at least 1"),
+        ({"learning_rate": -1e-3}, "learning_rate=-0.001 must be positive"),
+        ({"seeds": [""]}, "seeds=['']: give distinct non-negative integers"),
+        ({"seeds": ["a", "b"]}, "seeds=['a', 'b']"),
+        ({"seeds": [-1]}, "seeds=[-1]"),
+        ({"seeds": []}, "seeds=[]"),
+        ({"seeds": [1, 1]}, "seeds=[1, 1]"),
+        ({"eval_interval": 0}, "eval_interval=0 must be at least 1"),
+        ({"log_interval": 0}, "log_interval=0 must be at least 1"),
+        ({"eval_batch_size": 0}, "eval_batch_size=0 must be at least 1"),
+        ({"dropout": 1.5}, "dropout=1.5 must be in [0, 1)"),
+        ({"residual": "resnet"}, "residual='resnet' is not a residual scheme"),  # though every arm sets its own
+        ({"eval_tokens": 128}, "eval_tokens=128 is less than one sequence of block_size+1 = 129"),
+        ({"arms": {"x": {"residual": "attnres", "rd_control": "dup"}}}, "arm 'x': rd_control='dup' needs residual"),
+        ({"arms": {"x": {"n_layers": 3}}}, "settings must be a dict of model keys"),
+        ({"arms": {"x": {"warmup_iters": 3}}}, "settings must be a dict of model keys"),  # the schedule is the grid's
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be at least 1"),
+        ({"block_size": 0}, "arm 'attnres': block_size=0 must be a positive integer"),  # before anything divides by it
+        ({"n_head": 0}, "arm 'attnres': n_head=0 must be a positive integer"),
+        ({"arms": {"a": {"n_layer": "x"}}}, "arm 'a': n_layer must be a int, got 'x'"),
+        ({"arms": {"a": {"dropout": "0.1"}}}, "arm 'a': dropout must be a float"),
+        ({"arms": {"a": {"learning_rate": "fast"}}}, "arm 'a': learning_rate must be a float"),
+        ({"arms": {"a": {"learning_rate": 0.0}}}, "arm 'a': learning_rate=0.0 must be positive"),
+        ({"arms": {"": {}}}, "arm name ''"),
+        ({"arms": {"../a": {}}}, "arm name '../a'"),
+        ({"arms": {"-a": {}}}, "arm name '-a'"),
+        ({"arms": {1: {}}}, "arm name 1"),
+        ({"arms": {"config.json": {}}}, "arm name 'config.json': use letters"),
+        ({"arms": {"paired.json": {}}}, "arm name 'paired.json'"),
+        ({"arms": {"val_loss.png": {}}}, "arm name 'val_loss.png'"),
+        ({"batch_size": 3, "world": 2}, "3 sequences do not split evenly over 2 processes"),
+        (
+            {"reference_arm": "attnres,standard"},
+            "reference_arm='attnres,standard': 'standard' is not an arm (attnres, ",
+        ),
+        ({"reference_arm": "attnres,attnres"}, "reference_arm='attnres,attnres' names an arm twice"),
+    ],
+)
 def test_bad_settings_are_one_line(override, message):
     world = override.pop("world", 1)
     with pytest.raises(ConfigError) as e:
@@ -101,8 +113,11 @@ def test_scheme_names_are_arms_and_overridden_keys_are_refused():
     cfg = checked(["--arms=standard,denseformer"])
     assert cfg["arms"] == {"standard": {"residual": "standard"}, "denseformer": {"residual": "denseformer"}}
     assert checked(["--arms=attnres,hc"])["arms"]["attnres"] == {"residual": "attnres"}  # the default arm's entry
-    with pytest.raises(ConfigError, match=r"--residual='dar' is overridden by every arm \(attnres, rd_attnres set "
-                                          r"residual\); use --arms=dar"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--residual='dar' is overridden by every arm \(attnres, rd_attnres set "
+        r"residual\); use --arms=dar",
+    ):
         checked(["--residual=dar"])
     with pytest.raises(ConfigError, match=r"--n_layer=3 is overridden by every arm \(a set n_layer\)"):
         checked(["--n_layer=3", "--arms={'a': {'n_layer': 2}}"])
@@ -120,14 +135,17 @@ def test_scheme_names_are_arms_and_overridden_keys_are_refused():
         checked(["--hc_streams=2"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--out_dir=None"], "out_dir cannot be None; give a str"),
-    (["--max_iters=None"], "max_iters cannot be None; give a int"),
-    (["--compile=None"], "compile cannot be None"),
-    (["--learning_rate=None"], "learning_rate cannot be None"),
-    (["--learning_rate=float('inf')"], "learning_rate must be a float, got"),  # not a literal: a string
-    (["--arms={'a': {'norm_eps': None}}"], "arm 'a': norm_eps cannot be None"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--out_dir=None"], "out_dir cannot be None; give a str"),
+        (["--max_iters=None"], "max_iters cannot be None; give a int"),
+        (["--compile=None"], "compile cannot be None"),
+        (["--learning_rate=None"], "learning_rate cannot be None"),
+        (["--learning_rate=float('inf')"], "learning_rate must be a float, got"),  # not a literal: a string
+        (["--arms={'a': {'norm_eps': None}}"], "arm 'a': norm_eps cannot be None"),
+    ],
+)
 def test_none_and_non_literals_are_one_line(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         checked(argv)
@@ -143,20 +161,24 @@ def test_non_finite_settings_are_refused(key):
             records.check_config(dict(DEFAULTS, arms={"a": {key: float("inf")}}), 1)
 
 
-@pytest.mark.parametrize("arm", ["config.json.tmp", "report.md.tmp", "paired.json.tmp", "val_loss.png.tmp",
-                                 "report.md", "x.json"])
+@pytest.mark.parametrize(
+    "arm", ["config.json.tmp", "report.md.tmp", "paired.json.tmp", "val_loss.png.tmp", "report.md", "x.json"]
+)
 def test_arm_names_are_never_the_grid_files(arm):
     with pytest.raises(ConfigError, match="arm name"):
         records.check_config(dict(DEFAULTS, arms={arm: {}}), 1)
 
 
-@pytest.mark.parametrize("override, world, message", [
-    ({"optimizer": "sgd"}, 1, "optimizer='sgd': choose adamw or muon"),
-    ({"optimizer": "muon", "muon_learning_rate": 0.0}, 1, "muon_learning_rate=0.0 must be positive"),
-    ({"fsdp": True}, 1, "fsdp=True shards the model over processes: run under torchrun"),
-    ({"fsdp": True, "optimizer": "muon"}, 2, "fsdp=True with optimizer='muon' is not supported"),
-    ({"wandb_log": True}, 1, "wandb_log=True needs the wandb package: pip install wandb"),
-])
+@pytest.mark.parametrize(
+    "override, world, message",
+    [
+        ({"optimizer": "sgd"}, 1, "optimizer='sgd': choose adamw or muon"),
+        ({"optimizer": "muon", "muon_learning_rate": 0.0}, 1, "muon_learning_rate=0.0 must be positive"),
+        ({"fsdp": True}, 1, "fsdp=True shards the model over processes: run under torchrun"),
+        ({"fsdp": True, "optimizer": "muon"}, 2, "fsdp=True with optimizer='muon' is not supported"),
+        ({"wandb_log": True}, 1, "wandb_log=True needs the wandb package: pip install wandb"),
+    ],
+)
 def test_optimizer_fsdp_and_wandb_settings_are_one_line(override, world, message, monkeypatch):
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     monkeypatch.setattr(records.importlib.util, "find_spec", lambda name: None)  # as where wandb is not installed
@@ -167,18 +189,22 @@ def test_optimizer_fsdp_and_wandb_settings_are_one_line(override, world, message
     records.check_config(dict(DEFAULTS, optimizer="muon"), 2)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--arms=standard,standard"], "arms='standard,standard': give distinct names"),
-    (["--arms="], "arms='': give distinct names"),
-    (["--arms=standard,,attnres"], "give distinct names"),
-    (["--out_dir="], "out_dir is empty; give a folder"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--arms=standard,standard"], "arms='standard,standard': give distinct names"),
+        (["--arms="], "arms='': give distinct names"),
+        (["--arms=standard,,attnres"], "give distinct names"),
+        (["--out_dir="], "out_dir is empty; give a folder"),
+    ],
+)
 def test_arm_lists_and_empty_folders_are_one_line(argv, message):
     with pytest.raises(ConfigError, match=message):
         checked(argv)
 
 
 # --- bad input that used to get past the checks (issue #33) ---------------------------------------
+
 
 def one_line(cfg, message, world=1):
     with pytest.raises(ConfigError) as e:
@@ -190,8 +216,9 @@ def first_step(cfg, arm):
     """One AdamW step of the arm's tiny model at its peak learning rate, as train.py takes it."""
     cell = records.cell_config(cfg, arm, 0)
     model = GPT(GPTConfig(**{k: cell[k] for k in records.MODEL_KEYS}))
-    optimizer = model.configure_optimizers(0.0, cell["learning_rate"], (cell["beta1"], cell["beta2"]), "cpu", "adamw",
-                                           cell["muon_learning_rate"])
+    optimizer = model.configure_optimizers(
+        0.0, cell["learning_rate"], (cell["beta1"], cell["beta2"]), "cpu", "adamw", cell["muon_learning_rate"]
+    )
     x = torch.zeros(1, 8, dtype=torch.long)
     model(x, x)[1].backward()
     optimizer.step()
@@ -200,9 +227,23 @@ def first_step(cfg, arm):
 def test_learning_rates_beyond_float32_are_one_line():
     small = dict(DEFAULTS, n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, eval_tokens=100)
     # what optimizer.step fails on, mid-run, is refused before anything runs
-    for cfg, arm in ((dict(small, learning_rate=1e38, min_lr=0.0, arms={"s": {"residual": "standard"}}), "s"),
-                     (dict(small, arms={"r": {"residual": "attnres", "attnres_block_size": 2,
-                                              "learning_rate": 1e9, "routing_lr_scale": 1e30}}), "r")):
+    for cfg, arm in (
+        (dict(small, learning_rate=1e38, min_lr=0.0, arms={"s": {"residual": "standard"}}), "s"),
+        (
+            dict(
+                small,
+                arms={
+                    "r": {
+                        "residual": "attnres",
+                        "attnres_block_size": 2,
+                        "learning_rate": 1e9,
+                        "routing_lr_scale": 1e30,
+                    }
+                },
+            ),
+            "r",
+        ),
+    ):
         with pytest.raises(RuntimeError, match="overflow"):
             first_step(cfg, arm)
         one_line(cfg, "is too large: its first step")
@@ -212,9 +253,11 @@ def test_learning_rates_beyond_float32_are_one_line():
     with pytest.raises(RuntimeError, match="overflow"):
         first_step(routers, "m")
     one_line(routers, "arm 'm': learning_rate x moe_router_lr_scale = 1e+39 is too large: its first step")
-    one_line(dict(small, learning_rate=1e9, weight_decay=1e30),
-             "learning_rate x weight_decay = 1e+39 is beyond float32 (3.4e+38): each step multiplies the weights by 1 "
-             "minus it; lower weight_decay")
+    one_line(
+        dict(small, learning_rate=1e9, weight_decay=1e30),
+        "learning_rate x weight_decay = 1e+39 is beyond float32 (3.4e+38): each step multiplies the weights by 1 "
+        "minus it; lower weight_decay",
+    )
     # a large but representable rate runs (test_train's forced divergence uses 1e9)
     cfg = dict(small, learning_rate=1e9, arms={"s": {"residual": "standard"}})
     records.check_config(cfg, 1)
@@ -223,38 +266,69 @@ def test_learning_rates_beyond_float32_are_one_line():
 
 def test_every_float_setting_is_bounded_at_float32_the_same_way():
     floats = [k for k, v in DEFAULTS.items() if isinstance(v, float)]
-    assert {"learning_rate", "weight_decay", "grad_clip", "norm_eps", "moe_bias_rate", "moe_router_lr_scale"} <= set(floats)
+    assert {"learning_rate", "weight_decay", "grad_clip", "norm_eps", "moe_bias_rate", "moe_router_lr_scale"} <= set(
+        floats
+    )
     moe = dict(DEFAULTS, n_experts=4)  # the MoE settings need an MoE model
     for key in floats:
-        one_line(dict(moe, **{key: 1e300}), f"{key}=1e+300 is beyond float32 (3.4e+38), which the model and optimizer "
-                                            f"compute in; lower it")
+        one_line(
+            dict(moe, **{key: 1e300}),
+            f"{key}=1e+300 is beyond float32 (3.4e+38), which the model and optimizer compute in; lower it",
+        )
         if key in records.MODEL_KEYS + records.ARM_LEARNING_RATES:
             one_line(dict(moe, arms={"a": {key: 1e300}}), f"arm 'a': {key}=1e+300 is beyond float32")
     # the balancing bias moves by moe_bias_rate each step: max_iters of them must stay a float32
-    one_line(dict(moe, moe_bias_rate=1e37, max_iters=100),
-             "arm 'attnres': moe_bias_rate=1e+37 is too large: over max_iters=100 steps the balancing bias can reach "
-             "1e+39, beyond float32")
+    one_line(
+        dict(moe, moe_bias_rate=1e37, max_iters=100),
+        "arm 'attnres': moe_bias_rate=1e+37 is too large: over max_iters=100 steps the balancing bias can reach "
+        "1e+39, beyond float32",
+    )
     records.check_config(dict(moe, moe_bias_rate=1e36, max_iters=100), 1)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--muon_learning_rate=0.05"], "--muon_learning_rate=0.05 changes nothing: it applies under optimizer='muon' "
-                                    "(this run's is 'adamw'); drop --muon_learning_rate"),
-    (["--cooldown_frac=0.5"], "--cooldown_frac=0.5 changes nothing: it applies under lr_schedule='wsd' (this run's is "
-                              "'cosine'); drop --cooldown_frac"),
-    (["--tune_seeds=5"], "--tune_seeds=[5] changes nothing: it applies to the tuned protocol, and tune_learning_rates "
-                         "is empty; drop --tune_seeds"),
-    (["--tune_iters=4"], "--tune_iters=4 changes nothing: it applies to the tuned protocol"),
-    (["--arms=standard", "--routing_lr_scale=2"], "--routing_lr_scale=2.0 changes nothing: residual='standard' has no "
-                                                  "routing parameters for it to scale; drop --routing_lr_scale"),
-    (["--arms={'s': {'residual': 'standard'}, 'd': {'residual': 'standard', 'dropout': 0.1}}", "--routing_lr_scale=2"],
-     "has no routing parameters for it to scale (nor does any arm's: s, d); drop --routing_lr_scale"),
-    (["--arms={'a': {'muon_learning_rate': 0.05}, 'b': {}}"], "arm 'a': muon_learning_rate=0.05 changes nothing: it "
-                                                              "applies under optimizer='muon' (this run's is 'adamw'); "
-                                                              "drop it from the arm"),
-    (["--arms={'a': {'residual': 'standard', 'routing_lr_scale': 3.0}, 'b': {'residual': 'attnres'}}"],
-     "arm 'a': routing_lr_scale=3.0 changes nothing: residual='standard' has no routing parameters for it to scale"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--muon_learning_rate=0.05"],
+            "--muon_learning_rate=0.05 changes nothing: it applies under optimizer='muon' "
+            "(this run's is 'adamw'); drop --muon_learning_rate",
+        ),
+        (
+            ["--cooldown_frac=0.5"],
+            "--cooldown_frac=0.5 changes nothing: it applies under lr_schedule='wsd' (this run's is "
+            "'cosine'); drop --cooldown_frac",
+        ),
+        (
+            ["--tune_seeds=5"],
+            "--tune_seeds=[5] changes nothing: it applies to the tuned protocol, and tune_learning_rates "
+            "is empty; drop --tune_seeds",
+        ),
+        (["--tune_iters=4"], "--tune_iters=4 changes nothing: it applies to the tuned protocol"),
+        (
+            ["--arms=standard", "--routing_lr_scale=2"],
+            "--routing_lr_scale=2.0 changes nothing: residual='standard' has no "
+            "routing parameters for it to scale; drop --routing_lr_scale",
+        ),
+        (
+            [
+                "--arms={'s': {'residual': 'standard'}, 'd': {'residual': 'standard', 'dropout': 0.1}}",
+                "--routing_lr_scale=2",
+            ],
+            "has no routing parameters for it to scale (nor does any arm's: s, d); drop --routing_lr_scale",
+        ),
+        (
+            ["--arms={'a': {'muon_learning_rate': 0.05}, 'b': {}}"],
+            "arm 'a': muon_learning_rate=0.05 changes nothing: it "
+            "applies under optimizer='muon' (this run's is 'adamw'); "
+            "drop it from the arm",
+        ),
+        (
+            ["--arms={'a': {'residual': 'standard', 'routing_lr_scale': 3.0}, 'b': {'residual': 'attnres'}}"],
+            "arm 'a': routing_lr_scale=3.0 changes nothing: residual='standard' has no routing parameters for it to scale",  # noqa: E501
+        ),
+    ],
+)
 def test_a_setting_that_changes_nothing_is_refused_where_it_is_given(argv, message):
     # recorded, it would only make two arms of one model look compared, and a rerun without it a change
     with pytest.raises(ConfigError) as e:
@@ -274,12 +348,15 @@ def test_a_setting_is_accepted_where_it_changes_something():
 def test_arms_that_can_never_pair_are_said_before_training_and_do_not_pair(shards, tmp_path, monkeypatch, capsys):
     # a dense and an MoE arm of one scheme: their shared weights differ in shape, so their inits differ (measured)
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
-    arms = "{'dense': {'residual': 'standard'}, 'moe': {'residual': 'standard', 'n_experts': 4}, 'a': {'residual': 'attnres'}}"
+    arms = "{'dense': {'residual': 'standard'}, 'moe': {'residual': 'standard', 'n_experts': 4}, 'a': {'residual': 'attnres'}}"  # noqa: E501
     train.main(tiny(shards, tmp_path / "o", f"--arms={arms}", "--max_iters=1", "--warmup_iters=0"))
     out = capsys.readouterr().out
-    assert ("note: arms dense, a | moe differ in n_experts (another init): the report pairs no arm with one of another "
-            "group\n") in out
+    assert (
+        "note: arms dense, a | moe differ in n_experts (another init): the report pairs no arm with one of another "
+        "group\n"
+    ) in out
     inits = {arm: result(tmp_path / "o", arm)["pairing"]["init_hash"] for arm in ("dense", "moe", "a")}
     assert inits["dense"] == inits["a"] != inits["moe"]  # what the note said, as trained
     cfg = dict(DEFAULTS, max_iters=10)
@@ -287,16 +364,21 @@ def test_arms_that_can_never_pair_are_said_before_training_and_do_not_pair(shard
         "note: arms s | b | w differ in block_size, n_embd (other batches and another init): the report pairs no arm "
         "with one of another group",
         "note: warmup_iters=20 is longer than max_iters=10: the run ends in its warmup, at 50% of learning_rate, and "
-        "never decays to min_lr"]
+        "never decays to min_lr",
+    ]
     assert records.notes(DEFAULTS, {"s": GPTConfig(), "d": GPTConfig(residual="dar", dropout=0.1)}) == []
 
 
 def test_min_lr_above_learning_rate_is_one_line_and_a_long_warmup_is_accepted():
-    one_line(dict(DEFAULTS, learning_rate=1e-4, min_lr=3e-4),
-             "min_lr=0.0003 is above learning_rate=0.0001: the schedule decays from learning_rate down to min_lr")
-    one_line(dict(DEFAULTS, arms={"a": {"learning_rate": 1e-4}}),
-             "arm 'a': min_lr=0.0003 is above learning_rate=0.0001: the schedule decays from learning_rate down to "
-             "min_lr; set min_lr at most learning_rate in the arm")
+    one_line(
+        dict(DEFAULTS, learning_rate=1e-4, min_lr=3e-4),
+        "min_lr=0.0003 is above learning_rate=0.0001: the schedule decays from learning_rate down to min_lr",
+    )
+    one_line(
+        dict(DEFAULTS, arms={"a": {"learning_rate": 1e-4}}),
+        "arm 'a': min_lr=0.0003 is above learning_rate=0.0001: the schedule decays from learning_rate down to "
+        "min_lr; set min_lr at most learning_rate in the arm",
+    )
     records.check_config(dict(DEFAULTS, arms={"a": {"learning_rate": 1e-4, "min_lr": 1e-5}}), 1)
     records.check_config(dict(DEFAULTS, min_lr=DEFAULTS["learning_rate"]), 1)  # a constant rate
     # warmup longer than the run is accepted (a quick run of a paper config; docs/protocol.md)
@@ -304,8 +386,14 @@ def test_min_lr_above_learning_rate_is_one_line_and_a_long_warmup_is_accepted():
 
 
 def test_the_checks_change_nothing():
-    cfg = configure(DEFAULTS, ["--arms={'a': {'dropout': 0, 'learning_rate': 1}, 'b': {'residual': 'dar'}}",
-                               "--learning_rate=1e-3", "--min_lr=1e-4"])
+    cfg = configure(
+        DEFAULTS,
+        [
+            "--arms={'a': {'dropout': 0, 'learning_rate': 1}, 'b': {'residual': 'dar'}}",
+            "--learning_rate=1e-3",
+            "--min_lr=1e-4",
+        ],
+    )
     before = repr(cfg)
     records.check_config(cfg, 1, ["arms", "learning_rate", "min_lr"])
     assert repr(cfg) == before and type(cfg["arms"]["a"]["dropout"]) is int  # train.build_config types it
@@ -328,8 +416,11 @@ def test_wandb_without_a_login_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = dict(DEFAULTS, wandb_log=True)
-    one_line(cfg, "wandb_log=True but wandb has no login for api.wandb.ai here: run `wandb login`, set WANDB_API_KEY, "
-                  "or WANDB_MODE=offline")
+    one_line(
+        cfg,
+        "wandb_log=True but wandb has no login for api.wandb.ai here: run `wandb login`, set WANDB_API_KEY, "
+        "or WANDB_MODE=offline",
+    )
     (tmp_path / "netrc").write_text("machine example.com login user password secret\n")
     one_line(cfg, "has no login for api.wandb.ai")
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
@@ -347,21 +438,28 @@ def test_nul_bytes_and_long_arm_names_are_one_line():
     one_line(dict(DEFAULTS, out_dir="out\0x"), "out_dir='out\\x00x' holds a NUL byte")
     one_line(dict(DEFAULTS, init_from="a\0.pt"), "init_from='a\\x00.pt' holds a NUL byte")
     name = "a" * (records.ARM_NAME_MAX + 1)
-    one_line(dict(DEFAULTS, arms={name: {}}),
-             f"arm name aaaaaaaaaaaaaaaaaaaa... is {len(name)} characters; use at most {records.ARM_NAME_MAX}")
+    one_line(
+        dict(DEFAULTS, arms={name: {}}),
+        f"arm name aaaaaaaaaaaaaaaaaaaa... is {len(name)} characters; use at most {records.ARM_NAME_MAX}",
+    )
     records.check_config(dict(DEFAULTS, arms={"a" * records.ARM_NAME_MAX: {}}), 1)
 
 
 # --- the code fingerprint ---------------------------------------------------------------------------
 
+
 def test_comments_docstrings_and_layout_are_not_code():
     source = 'def f(x):\n    return x + 1\n\n\nclass A:\n    y = 2\n'
-    same = ('"""A module."""\n# a comment\ndef f(x):  # why\n    """Doc."""\n\n    return (x +\n            1)\n\n'
-            'class A:\n    """Doc."""\n    y = 2  # two\n')
+    same = (
+        '"""A module."""\n# a comment\ndef f(x):  # why\n    """Doc."""\n\n    return (x +\n            1)\n\n'
+        'class A:\n    """Doc."""\n    y = 2  # two\n'
+    )
     assert records.code_fingerprint(source) == records.code_fingerprint(same)
-    for changed in ('def f(x):\n    return x + 2\n\n\nclass A:\n    y = 2\n',  # a value
-                    'def f(x):\n    return x + 1\n\n\nclass A:\n    z = 2\n',  # a name
-                    'def f(x):\n    "a string that is code"\n    return x + 1\nclass A:\n    y = 2\n    "doc"\n'):
+    for changed in (
+        'def f(x):\n    return x + 2\n\n\nclass A:\n    y = 2\n',  # a value
+        'def f(x):\n    return x + 1\n\n\nclass A:\n    z = 2\n',  # a name
+        'def f(x):\n    "a string that is code"\n    return x + 1\nclass A:\n    y = 2\n    "doc"\n',
+    ):
         if "string that is code" in changed:  # a docstring is not code; a string after the first statement is
             assert records.code_fingerprint(changed) != records.code_fingerprint(changed.replace('\n    "doc"', ''))
         else:
@@ -371,44 +469,70 @@ def test_comments_docstrings_and_layout_are_not_code():
 def test_messages_are_not_code_but_what_they_guard_is():
     def same(a, b):
         return records.code_fingerprint(a) == records.code_fingerprint(b)
-    base = ('import sys, warnings\n'
-            'def f(x, log):\n'
-            '    if x < 0:\n'
-            '        raise ValueError(f"x={x} must not be negative")\n'
-            '    assert x < 9, "x too large"\n'
-            '    print(f"x is {x:.3f}", flush=True)\n'
-            '    warnings.warn("slow")\n'
-            '    log.info("x %s", x)\n'
-            '    if x == 5:\n'
-            '        sys.exit("error: " + str(x))\n'
-            '    return torch.compile(x * 2.0, mode="default")\n')
-    reworded = (base.replace("must not be negative", "is negative; give 0 or more").replace("x too large", "big")
-                .replace('f"x is {x:.3f}"', '"x:", x').replace('"slow"', 'f"slow {x}"').replace("x %s", "got %s")
-                .replace('"error: " + str(x)', 'f"stopped at {x}"'))
+
+    base = (
+        'import sys, warnings\n'
+        'def f(x, log):\n'
+        '    if x < 0:\n'
+        '        raise ValueError(f"x={x} must not be negative")\n'
+        '    assert x < 9, "x too large"\n'
+        '    print(f"x is {x:.3f}", flush=True)\n'
+        '    warnings.warn("slow")\n'
+        '    log.info("x %s", x)\n'
+        '    if x == 5:\n'
+        '        sys.exit("error: " + str(x))\n'
+        '    return torch.compile(x * 2.0, mode="default")\n'
+    )
+    reworded = (
+        base.replace("must not be negative", "is negative; give 0 or more")
+        .replace("x too large", "big")
+        .replace('f"x is {x:.3f}"', '"x:", x')
+        .replace('"slow"', 'f"slow {x}"')
+        .replace("x %s", "got %s")
+        .replace('"error: " + str(x)', 'f"stopped at {x}"')
+    )
     assert reworded != base and same(base, reworded)
-    for change in (("x < 0", "x <= 0"), ("ValueError", "TypeError"), ("x < 9", "x < 8"), ("x * 2.0", "x / 2.0"),
-                   ("x * 2.0", "x * 3.0"), ('mode="default"', 'mode="max-autotune"'), ("x == 5", "x == 6")):
+    for change in (
+        ("x < 0", "x <= 0"),
+        ("ValueError", "TypeError"),
+        ("x < 9", "x < 8"),
+        ("x * 2.0", "x / 2.0"),
+        ("x * 2.0", "x * 3.0"),
+        ('mode="default"', 'mode="max-autotune"'),
+        ("x == 5", "x == 6"),
+    ):
         assert not same(base, base.replace(*change)), change
 
 
 def math_nodes(source, kind, keep):
     """The nodes of kind for which keep(node) holds, outside messages (raises and print calls), in source order."""
     tree = ast.parse(source)
-    messages = {id(n) for m in ast.walk(tree) if isinstance(m, ast.Raise) or isinstance(m, ast.Call)
-                and records.call_name(m.func) in records.MESSAGE_CALLS for n in ast.walk(m)}
+    messages = {
+        id(n)
+        for m in ast.walk(tree)
+        if isinstance(m, ast.Raise) or isinstance(m, ast.Call) and records.call_name(m.func) in records.MESSAGE_CALLS
+        for n in ast.walk(m)
+    }
     nodes = [n for n in ast.walk(tree) if isinstance(n, kind) and id(n) not in messages and keep(n)]
     return sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
 
 
 def offset(source, line, col):
-    return sum(map(len, source.splitlines(keepends=True)[:line - 1])) + col
+    return sum(map(len, source.splitlines(keepends=True)[: line - 1])) + col
 
 
 def test_editing_messages_never_locks_a_grid_and_editing_math_does(tmp_path, monkeypatch):
     """On copies of the real CODE_FILES: reworded errors and prints keep the fingerprint; an operator or
     a constant of model.py changes it. Files outside CODE_FILES (records.py, the checks, the downloader,
     the report) are not in it at all."""
-    assert set(records.CODE_FILES) == {"model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py"}
+    assert set(records.CODE_FILES) == {
+        "model.py",
+        "train.py",
+        "machine.py",
+        "cells.py",
+        "checkpoint.py",
+        "data/shards.py",
+    }
     for name in records.CODE_FILES:
         os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
         shutil.copy(os.path.join(records.HERE, name), tmp_path / name)
@@ -426,12 +550,15 @@ def test_editing_messages_never_locks_a_grid_and_editing_math_does(tmp_path, mon
     # an operator: the first product or sum of model.py, flipped
     flips = {ast.Mult: ("*", "/"), ast.Add: ("+", "-")}
     node = math_nodes(model, ast.BinOp, lambda n: type(n.op) in flips)[0]
-    start, end = offset(model, node.left.end_lineno, node.left.end_col_offset), offset(model, node.right.lineno,
-                                                                                      node.right.col_offset)
+    start, end = (
+        offset(model, node.left.end_lineno, node.left.end_col_offset),
+        offset(model, node.right.lineno, node.right.col_offset),
+    )
     (tmp_path / "model.py").write_text(model[:start] + model[start:end].replace(*flips[type(node.op)]) + model[end:])
     changed = records.code_record()
     assert changed["fingerprint"] != before and records.code_changes(recorded, changed, set(RESIDUALS)) == [
-        name for name in recorded["definitions"] if node.lineno in lines(model, name)]
+        name for name in recorded["definitions"] if node.lineno in lines(model, name)
+    ]
     # a constant: the first non-zero float of model.py, doubled
     node = math_nodes(model, ast.Constant, lambda n: type(n.value) is float and n.value != 0)[0]
     start, end = offset(model, node.lineno, node.col_offset), offset(model, node.end_lineno, node.end_col_offset)
@@ -443,7 +570,9 @@ def test_editing_messages_never_locks_a_grid_and_editing_math_does(tmp_path, mon
 
 def lines(source, name):
     """The line numbers of source's top-level definitions of name."""
-    return {i for n in ast.parse(source).body if records.bound_name(n) == name for i in range(n.lineno, n.end_lineno + 1)}
+    return {
+        i for n in ast.parse(source).body if records.bound_name(n) == name for i in range(n.lineno, n.end_lineno + 1)
+    }
 
 
 @pytest.fixture
@@ -458,6 +587,7 @@ def code_copy(tmp_path, monkeypatch):
         text = (tmp_path / name).read_text()
         assert text.count(old) == 1, old
         (tmp_path / name).write_text(text.replace(old, new))
+
     return tmp_path, edit
 
 
@@ -499,8 +629,11 @@ def test_a_change_locks_the_schemes_that_compute_with_it(code_copy):
     assert recorded["schemes"]["rd_attnres"] == ["AttnRes", "RDAttnRes"]  # its base class
     assert recorded["schemes"]["dar"] == ["AttnRes", "DualAttnRes"]  # a class it calls
     # a registered base class: its own scheme and the schemes built on it, no other
-    edit("model.py", "return [(\"uniform\", self.name_of(k)) for k in range(1, self.output_read + 1)]",
-         "return [(\"uniform\", self.name_of(k)) for k in range(2, self.output_read + 1)]")
+    edit(
+        "model.py",
+        "return [(\"uniform\", self.name_of(k)) for k in range(1, self.output_read + 1)]",
+        "return [(\"uniform\", self.name_of(k)) for k in range(2, self.output_read + 1)]",
+    )
     now = records.code_record()
     assert {s for s in trained if records.code_changes(recorded, now, {s})} == {"attnres", "rd_attnres", "dar"}
     assert records.code_changes(recorded, now, {"rd_attnres"}) == ["AttnRes"]
@@ -525,8 +658,11 @@ def test_a_change_locks_the_schemes_that_compute_with_it(code_copy):
 def test_a_record_of_an_earlier_version_is_a_change_said_once(tmp_path):
     old = dict(DEFAULTS, arm="a", seed=0, code=dict(fingerprint="e" * 64, files={"model.py": "e" * 64}))
     new = dict(old, code=records.code_record())
-    with pytest.raises(ConfigError, match=r"code changed \(all of it: recorded per file by an earlier version\); "
-                                          r".*--allow_changes=True"):
+    with pytest.raises(
+        ConfigError,
+        match=r"code changed \(all of it: recorded per file by an earlier version\); "
+        r".*--allow_changes=True",
+    ):
         records.check_rerun("config.json", old, new, False)
     assert records.check_rerun("config.json", old, new, True) == {"code": ["e" * 64, new["code"]["fingerprint"]]}
 
@@ -552,8 +688,13 @@ def test_records_that_train_py_did_not_write_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="config.json is unreadable or damaged"):
         records.GridRecord(grid_cfg(tmp_path), CODE)
     good = dict(status="finished", seed=0, val_loss=1.5, diverged_at=None)
-    for bad in (dict(good, val_loss="1.5"), dict(good, val_loss=True), dict(good, status="diverged"),
-                dict(good, seed="0"), {k: v for k, v in good.items() if k != "status"}):
+    for bad in (
+        dict(good, val_loss="1.5"),
+        dict(good, val_loss=True),
+        dict(good, status="diverged"),
+        dict(good, seed="0"),
+        {k: v for k, v in good.items() if k != "status"},
+    ):
         with pytest.raises(ConfigError, match="is not a result train.py wrote"):
             records.check_result(bad, "result.json")
     assert records.check_result(dict(good, status="diverged", val_loss=None, diverged_at=3), "r") is not None
@@ -562,22 +703,31 @@ def test_records_that_train_py_did_not_write_are_one_line(tmp_path):
 def test_check_rerun_refuses_another_cell_and_changed_settings_unless_allowed():
     old = dict(DEFAULTS, arm="a", seed=0, code=CODE)
     assert records.check_rerun("ckpt.pt", old, dict(old), False) == {}
-    with pytest.raises(ConfigError, match=r"o/a/seed1/ckpt.pt is the record of arm 'a' seed 0 \(a copied file or "
-                                          r"folder\?\); delete o/a/seed1 to train this cell"):
+    with pytest.raises(
+        ConfigError,
+        match=r"o/a/seed1/ckpt.pt is the record of arm 'a' seed 0 \(a copied file or "
+        r"folder\?\); delete o/a/seed1 to train this cell",
+    ):
         records.check_rerun("o/a/seed1/ckpt.pt", old, dict(old, seed=1), True)  # allowed changes or not
     new = dict(old, learning_rate=1e-3, code=dict(CODE, fingerprint="0" * 64, definitions={"GPT": "0" * 16}))
-    with pytest.raises(ConfigError, match=r"ckpt.pt was made with other settings: learning_rate \(0.003 -> 0.001\), "
-                                          r"code changed \(GPT\); rerun with the recorded ones") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"ckpt.pt was made with other settings: learning_rate \(0.003 -> 0.001\), "
+        r"code changed \(GPT\); rerun with the recorded ones",
+    ) as e:
         records.check_rerun("ckpt.pt", old, new, False)
     assert "\n" not in str(e.value)
-    assert records.check_rerun("ckpt.pt", old, new, True) == {"learning_rate": [3e-3, 1e-3],
-                                                              "code": ["f" * 64, "0" * 64]}
+    assert records.check_rerun("ckpt.pt", old, new, True) == {
+        "learning_rate": [3e-3, 1e-3],
+        "code": ["f" * 64, "0" * 64],
+    }
     # the grid's record names no cell: arms and seeds are added, an arm's changed settings are a change
     grid = dict(DEFAULTS, code=CODE)
     assert records.check_rerun("config.json", grid, dict(grid, seeds=[5], arms={"x": {}}), False) == {}
     with pytest.raises(ConfigError, match=r"made with other settings: arms\['attnres'\] \("):
-        records.check_rerun("config.json", grid, dict(grid, arms={"attnres": {"residual": "attnres",
-                                                                               "learning_rate": 1e-3}}), False)
+        records.check_rerun(
+            "config.json", grid, dict(grid, arms={"attnres": {"residual": "attnres", "learning_rate": 1e-3}}), False
+        )
 
 
 def test_a_copied_result_or_record_is_not_a_new_seed(tmp_path):
@@ -622,26 +772,45 @@ def test_two_runs_started_at_once_on_a_new_grid(tmp_path):
 
 # --- results -------------------------------------------------------------------------------------------
 
+
 def test_a_huge_finite_loss_is_recorded_without_a_perplexity(tmp_path):
     model = torch.nn.Linear(2, 2)
     model.num_params = lambda non_embedding=True, active=False: 6
     cell = dict(DEFAULTS, arm="a", seed=0, arms={"a": {}}, init_from_sha256=None)
     path = tmp_path / "result.json"
-    records.write_result(str(path), cell, dict(val_hash="h"), model, CODE, steps=3, tokens=9,
-                         val_loss=812.5, sequence_losses=np.array([812.5]), diverged=None, routing={}, init_hash="i",
-                         data_hash="d", eval_tokens=8,
-                         changes=[], wall_time_s=1.0)
+    records.write_result(
+        str(path),
+        cell,
+        dict(val_hash="h"),
+        model,
+        CODE,
+        steps=3,
+        tokens=9,
+        val_loss=812.5,
+        sequence_losses=np.array([812.5]),
+        diverged=None,
+        routing={},
+        init_hash="i",
+        data_hash="d",
+        eval_tokens=8,
+        changes=[],
+        wall_time_s=1.0,
+    )
     r = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in result.json"))
     assert r["val_loss"] == 812.5 and r["val_ppl"] is None and r["status"] == "finished"
 
 
 def test_rounded_diagnostics_are_strict_json():
-    assert records.rounded({"a": torch.tensor([1.0, float("nan")]), 2: float("inf"), "b": 0.1234567}) == \
-        {"a": [1.0, None], "2": None, "b": 0.123457}
+    assert records.rounded({"a": torch.tensor([1.0, float("nan")]), 2: float("inf"), "b": 0.1234567}) == {
+        "a": [1.0, None],
+        "2": None,
+        "b": 0.123457,
+    }
 
 
 def test_an_arm_with_its_own_learning_rate_trains_at_it_pairs_and_is_rerun_checked(shards, tmp_path, monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     arms = {"base": {"residual": "standard"}, "slow": {"residual": "standard", "learning_rate": 2e-3, "min_lr": 2e-4}}
     args = tiny(shards, tmp_path / "o", "--max_iters=3", "--eval_interval=3", "--warmup_iters=1", f"--arms={arms!r}")
@@ -655,8 +824,9 @@ def test_an_arm_with_its_own_learning_rate_trains_at_it_pairs_and_is_rerun_check
     assert "learning_rate" not in slow["pairing"]["settings"] and base["pairing"]["settings"]["learning_rate"] == 1e-2
     shared = [{k: v for k, v in r["pairing"].items() if k not in ("arm_settings", "settings")} for r in (base, slow)]
     assert shared[0] == shared[1] and slow["val_loss"] != base["val_loss"]
-    assert {k: v for k, v in slow["pairing"]["settings"].items() if k not in ("learning_rate", "min_lr")} == \
-        {k: v for k, v in base["pairing"]["settings"].items() if k not in ("learning_rate", "min_lr")}
+    assert {k: v for k, v in slow["pairing"]["settings"].items() if k not in ("learning_rate", "min_lr")} == {
+        k: v for k, v in base["pairing"]["settings"].items() if k not in ("learning_rate", "min_lr")
+    }
     # a rerun with the arm's learning rate changed is refused, naming the arm; with it unchanged, nothing trains
     arms["slow"]["learning_rate"] = 3e-3
     with pytest.raises(ConfigError, match=r"config.json was made with other settings: arms\['slow'\] \("):
@@ -667,36 +837,56 @@ def test_an_arm_with_its_own_learning_rate_trains_at_it_pairs_and_is_rerun_check
 
 # --- warm start -----------------------------------------------------------------------------------------
 
+
 def test_damaged_or_foreign_init_from_files_are_one_line(tmp_path):
     (tmp_path / "text.pt").write_bytes(b"hello world" * 10)
     torch.save({"config": [1], "model": {1: torch.zeros(1)}}, tmp_path / "intkeys.pt")
     for name, message in (("text.pt", "is missing or unreadable"), ("intkeys.pt", "holds neither a train.py ckpt.pt")):
         with pytest.raises(ConfigError, match=message):
             checkpoint.load_init_from(str(tmp_path / name))
-    cfg = grid_cfg(tmp_path, n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=32, eval_tokens=100,
-                   arms={"s": {"residual": "standard"}, "d": {"residual": "denseformer"}})
+    cfg = grid_cfg(
+        tmp_path,
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        block_size=8,
+        vocab_size=32,
+        eval_tokens=100,
+        arms={"s": {"residual": "standard"}, "d": {"residual": "denseformer"}},
+    )
     weights = GPT(records.model_config(cfg, {})).state_dict()
     torch.save(weights, tmp_path / "good.pt")
     init = checkpoint.load_init_from(str(tmp_path / "good.pt"))
     assert set(init.weights) == set(weights) and len(init.sha256) == 64 and init.tokenizer is None
     checkpoint.check_init_fits(init, cfg)
-    with pytest.raises(ConfigError, match=r"init_from=.*good.pt does not fit arm 'w': lm_head.weight is "
-                                          r"\(32, 16\) there, \(32, 32\) in the arm"):
+    with pytest.raises(
+        ConfigError,
+        match=r"init_from=.*good.pt does not fit arm 'w': lm_head.weight is "
+        r"\(32, 16\) there, \(32, 32\) in the arm",
+    ):
         checkpoint.check_init_fits(init, dict(cfg, arms=dict(cfg["arms"], w={"n_embd": 32})))
     assert checkpoint.load_init_from("") == checkpoint.WarmStart()  # none: every cell from its seed's init
     # a diverged run's weights: every cell would diverge at step 0
     for value in (float("nan"), float("inf")):
-        broken = dict(weights, **{"transformer.h.1.mlp.c_fc.weight": weights["transformer.h.1.mlp.c_fc.weight"].clone()})
+        broken = dict(
+            weights, **{"transformer.h.1.mlp.c_fc.weight": weights["transformer.h.1.mlp.c_fc.weight"].clone()}
+        )
         broken["transformer.h.1.mlp.c_fc.weight"][0, 0] = value
         torch.save(broken, tmp_path / "broken.pt")
-        with pytest.raises(ConfigError, match=r"broken.pt holds non-finite values \(NaN or inf\) in "
-                                              r"transformer.h.1.mlp.c_fc.weight; warm-start from a checkpoint"):
+        with pytest.raises(
+            ConfigError,
+            match=r"broken.pt holds non-finite values \(NaN or inf\) in "
+            r"transformer.h.1.mlp.c_fc.weight; warm-start from a checkpoint",
+        ):
             checkpoint.load_init_from(str(tmp_path / "broken.pt"))
     # an untied head: loading it into this model's one tensor would silently drop the embedding
     untied = dict(weights, **{"lm_head.weight": weights["lm_head.weight"] + 1})
     torch.save(untied, tmp_path / "untied.pt")
-    with pytest.raises(ConfigError, match=r"untied.pt has an embedding \(transformer.wte.weight\) and a head "
-                                          r"\(lm_head.weight\) that differ; this model ties them"):
+    with pytest.raises(
+        ConfigError,
+        match=r"untied.pt has an embedding \(transformer.wte.weight\) and a head "
+        r"\(lm_head.weight\) that differ; this model ties them",
+    ):
         checkpoint.load_init_from(str(tmp_path / "untied.pt"))
 
 
@@ -708,8 +898,11 @@ def test_a_grid_made_between_the_look_and_the_write_is_checked_not_overwritten(t
     looks, exists = [], os.path.exists
     # other's write looks once and sees no config.json: first made it just after that look (the race
     # that the exclusive creation exists for)
-    monkeypatch.setattr(records.os.path, "exists",
-                        lambda p: exists(p) if p != other.path or looks.append(p) or len(looks) > 1 else False)
+    monkeypatch.setattr(
+        records.os.path,
+        "exists",
+        lambda p: exists(p) if p != other.path or looks.append(p) or len(looks) > 1 else False,
+    )
     with pytest.raises(ConfigError, match=r"config.json was made with other settings: learning_rate \(0.003 -> 0.01\)"):
         other.write_once()
     assert (tmp_path / "config.json").read_text() == recorded

@@ -89,7 +89,8 @@ def output(logs, task):
 
 
 def test_an_array_warned_of_its_time_limit_mid_cell_checkpoints_is_requeued_and_resumes_as_one_process(
-        shards, tmp_path, alone, capsys, monkeypatch):
+    shards, tmp_path, alone, capsys, monkeypatch
+):
     monkeypatch.setattr(launch, "QUEUE_POLL_S", 0.5)
     out, logs = tmp_path / "grid", tmp_path / "logs"
     # warned 45 s before the time limit, as launch.py asks (--warn_s); SLURM looks at time limits every 30 s and
@@ -135,7 +136,8 @@ def test_an_array_warned_of_its_time_limit_mid_cell_checkpoints_is_requeued_and_
 
 
 def test_a_task_cancelled_mid_cell_leaves_it_resumable_and_the_same_launch_again_finishes_the_grid(
-        shards, tmp_path, alone, capsys, monkeypatch):
+    shards, tmp_path, alone, capsys, monkeypatch
+):
     monkeypatch.setattr(launch, "QUEUE_POLL_S", 0.5)
     out, logs = tmp_path / "grid", tmp_path / "logs"
     args = [*CPU, "--workers=1", f"--logs={logs}", "--wait", *tiny(shards, out, *GRID)]
@@ -151,8 +153,11 @@ def test_a_task_cancelled_mid_cell_leaves_it_resumable_and_the_same_launch_again
     assert stop and int(stop.group(1)) >= 2, said
     # its train.py checkpointed and exited 75; its worker said so, unless SLURM's kill (KillWait after the
     # scancel) came first
-    assert re.search(rf"worker {task}: (stopped by a signal \(exit status 75\), its cell checkpointed|ended without "
-                     rf"a result \(cancelled or killed.*\)); its output: ", said), said
+    assert re.search(
+        rf"worker {task}: (stopped by a signal \(exit status 75\), its cell checkpointed|ended without "
+        rf"a result \(cancelled or killed.*\)); its output: ",
+        said,
+    ), said
     assert "attnres seed0: pending" in said
     assert f"with: python launch.py {' '.join(a for a in args if a != '--wait')}\n" in said
     launch.main(args)  # the same launch again
@@ -161,14 +166,26 @@ def test_a_task_cancelled_mid_cell_leaves_it_resumable_and_the_same_launch_again
 
 
 def test_a_worker_whose_train_py_fails_is_reported_with_its_log_not_requeued_also_from_outside_the_checkout(
-        shards, tmp_path):
+    shards, tmp_path
+):
     out, logs = tmp_path / "grid", tmp_path / "logs"
     out.mkdir()
     (out / "standard").write_text("a file where the arm's folder should be")  # train.py fails there, not at submit
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), *CPU, f"--logs={logs}", "--wait",
-                           *tiny(shards, out, "--arms=standard", "--max_iters=2", "--eval_interval=2")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch.py"),
+            *CPU,
+            f"--logs={logs}",
+            "--wait",
+            *tiny(shards, out, "--arms=standard", "--max_iters=2", "--eval_interval=2"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     job = launch.read_arrays(str(logs))[-1]["job_id"]
     log = logs / f"{job}_0_log.out"
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -182,7 +199,8 @@ def test_a_worker_whose_train_py_fails_is_reported_with_its_log_not_requeued_als
 
 
 def test_cancel_ends_the_grid_s_jobs_after_their_running_cells_checkpoint_and_says_what_is_resumable(
-        shards, tmp_path, capsys, monkeypatch):
+    shards, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr(launch, "QUEUE_POLL_S", 0.5)
     out, logs = tmp_path / "grid", tmp_path / "logs"
     args = [*CPU, "--workers=2", "--concurrency=1", f"--logs={logs}", *tiny(shards, out, *GRID)]  # one runs, one waits
@@ -198,14 +216,24 @@ def test_cancel_ends_the_grid_s_jobs_after_their_running_cells_checkpoint_and_sa
 
 def test_what_no_node_has_and_what_sbatch_refuses_are_one_line_each_and_leave_nothing(shards, tmp_path):
     from common import ConfigError
+
     args = [*CPU, f"--logs={tmp_path / 'logs'}", *tiny(shards, tmp_path / "grid", "--arms=standard")]
-    cpus = int(re.search(r"CPUs=(\d+)", subprocess.run(["slurmd", "-C"], capture_output=True, text=True).stdout)[1]) \
-        if shutil.which("slurmd") else os.cpu_count()
-    with pytest.raises(ConfigError, match=rf"^no node of the default partition has {cpus + 1} CPUs, 0 GPUs \(sinfo: "
-                                          rf"{cpus} CPUs, \d+ MB, 0 GPUs\)"):
+    cpus = (
+        int(re.search(r"CPUs=(\d+)", subprocess.run(["slurmd", "-C"], capture_output=True, text=True).stdout)[1])
+        if shutil.which("slurmd")
+        else os.cpu_count()
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"^no node of the default partition has {cpus + 1} CPUs, 0 GPUs \(sinfo: "
+        rf"{cpus} CPUs, \d+ MB, 0 GPUs\)",
+    ):
         launch.main([*args, f"--cpus_per_task={cpus + 1}"])  # not left pending (PartitionConfig) forever
     for bad, said in (("--gres=nonesuch:1", "Invalid generic resource"), ("--partition=nonesuch", "partition")):
-        with pytest.raises(ConfigError, match=rf"^sbatch refused the array: sbatch: error: .*{said}.*; nothing was "
-                                              rf"submitted$"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^sbatch refused the array: sbatch: error: .*{said}.*; nothing was "
+            rf"submitted$",
+        ):
             launch.main([*args, bad])
     assert os.listdir(tmp_path) == []  # no pickle, no script, no grid

@@ -41,8 +41,9 @@ from model import GPT, RESIDUALS, GPTConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 torch.set_num_threads(1)  # tiny models: threads only contend with each other on a shared machine (3-20x slower)
-ONE_PROCESS = machine.Runtime(world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(),
-                              peak_flops=None, fsdp=False)
+ONE_PROCESS = machine.Runtime(
+    world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None, fsdp=False
+)
 
 
 def test_micro_batches():
@@ -69,7 +70,9 @@ def test_a_batch_chains_its_tokens_into_the_data_hash():
     shards = [np.arange(21, dtype=np.uint16), np.arange(100, 113, dtype=np.uint16)]
     data = train.TrainData(shards, 4, seed=7)
     first, second = data.batch(0, 3), data.batch(1, 3)
-    assert (first == data.sequences(data.sequence_ids(0, 3))).all() and (second == data.sequences(data.sequence_ids(3, 3))).all()
+    assert (first == data.sequences(data.sequence_ids(0, 3))).all() and (
+        second == data.sequences(data.sequence_ids(3, 3))
+    ).all()
     h = hashlib.sha256(b"" + first.tobytes()).hexdigest()
     assert data.hash == hashlib.sha256(h.encode() + second.tobytes()).hexdigest()
     resumed = train.TrainData(shards, 4, seed=7, data_hash=h)  # from a checkpoint after step 0
@@ -85,10 +88,18 @@ def test_learning_rate_schedules():
     assert lr(99, lr_schedule="wsd") == pytest.approx(0.55) and lr(110, lr_schedule="wsd") == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("path, world", [("config/rd_120m.py", 8), ("config/rd_343m.py", 8),
-                                         ("config/rd_controls_120m.py", 8), ("config/dar_120m.py", 8),
-                                         ("config/dar_ablations_120m.py", 8), ("config/dar_1b.py", 8),
-                                         ("config/dar_shakespeare.py", 1)])
+@pytest.mark.parametrize(
+    "path, world",
+    [
+        ("config/rd_120m.py", 8),
+        ("config/rd_343m.py", 8),
+        ("config/rd_controls_120m.py", 8),
+        ("config/dar_120m.py", 8),
+        ("config/dar_ablations_120m.py", 8),
+        ("config/dar_1b.py", 8),
+        ("config/dar_shakespeare.py", 1),
+    ],
+)
 def test_config_files_are_valid(path, world, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = configure(train.DEFAULTS, [path])
@@ -97,16 +108,18 @@ def test_config_files_are_valid(path, world, monkeypatch):
     records.check_config(cfg, world)
     if world == 8:  # the paper protocol: GPT-2 tokens, 2^19 tokens per step, 2.0B (controls: 0.5B) tokens per run
         assert cfg["vocab_size"] == 50304
-        assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2 ** 19
-        assert cfg["max_iters"] * 2 ** 19 == pytest.approx(0.5e9 if "controls" in path else 2.0e9, rel=1e-3)
+        assert cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"] == 2**19
+        assert cfg["max_iters"] * 2**19 == pytest.approx(0.5e9 if "controls" in path else 2.0e9, rel=1e-3)
 
 
 # --- the step's gradient and the evaluation, in process ----------------------------------------
 
+
 def tiny_model(residual="rd_attnres", dropout=0.0):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, residual=residual,
-                          dropout=dropout))
+    model = GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, residual=residual, dropout=dropout)
+    )
     with torch.no_grad():  # routing away from its zero init, so the routes matter
         for p in model.residual.parameters():
             p.normal_()
@@ -126,7 +139,7 @@ def test_gradients_equal_for_any_split_of_the_step():
         for sizes in ranks:
             batches = []
             for n in sizes:
-                batches.append((x[start:start + n], y[start:start + n]))
+                batches.append((x[start : start + n], y[start : start + n]))
                 start += n
             loss += train.backward_step(model, batches, 8, SimpleNamespace(world=len(ranks), autocast=nullcontext()))
             for name, p in model.named_parameters():
@@ -144,18 +157,25 @@ def test_gradients_equal_for_any_split_of_the_step():
         assert abs(loss.item() - model(x, y)[1].item()) < 1e-6, ranks
         for name in reference:
             # fp32 sums in another order: a few ulps of the tensor's largest entry (a wrong weighting is off by ~10%)
-            torch.testing.assert_close(grad[name], reference[name], rtol=1e-5, atol=1e-6 * reference[name].abs().max().item(),
-                                       msg=f"{ranks} {name}")
+            torch.testing.assert_close(
+                grad[name],
+                reference[name],
+                rtol=1e-5,
+                atol=1e-6 * reference[name].abs().max().item(),
+                msg=f"{ranks} {name}",
+            )
 
 
 def test_evaluation_is_independent_of_eval_batch_size(shards):
     model = tiny_model()
     val = open_shard(os.path.join(shards, "val_000000.bin"))
     cell = dict(block_size=16, eval_tokens=1000)
-    losses = [train.evaluate(model, val, SimpleNamespace(**cell, eval_batch_size=b), ONE_PROCESS) for b in (1, 7, 62, 100)]
+    losses = [
+        train.evaluate(model, val, SimpleNamespace(**cell, eval_batch_size=b), ONE_PROCESS) for b in (1, 7, 62, 100)
+    ]
     assert max(losses) - min(losses) < 1e-6
     # the reference: per-token losses of the 62 whole sequences in the first 1000 tokens, one pass
-    seqs = torch.from_numpy(np.stack([val[j * 16:j * 16 + 17] for j in range(62)]).astype(np.int64))
+    seqs = torch.from_numpy(np.stack([val[j * 16 : j * 16 + 17] for j in range(62)]).astype(np.int64))
     with torch.no_grad():
         logits, _ = model(seqs[:, :-1], seqs[:, 1:])
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten()).item()
@@ -163,7 +183,7 @@ def test_evaluation_is_independent_of_eval_batch_size(shards):
     # each sequence's loss on its own, in order; val_loss is their mean
     per_sequence = train.sequence_losses(model, val, SimpleNamespace(**cell, eval_batch_size=7), ONE_PROCESS)
     with torch.no_grad():
-        one_by_one = [model(seqs[j:j + 1, :-1], seqs[j:j + 1, 1:])[1].item() for j in range(62)]
+        one_by_one = [model(seqs[j : j + 1, :-1], seqs[j : j + 1, 1:])[1].item() for j in range(62)]
     assert per_sequence.dtype == np.float64 and per_sequence == pytest.approx(one_by_one, abs=1e-6)
     assert per_sequence.mean() == pytest.approx(losses[1], abs=1e-12)
     # two ranks' halves, summed as the all-reduce does, are the same set
@@ -172,6 +192,7 @@ def test_evaluation_is_independent_of_eval_batch_size(shards):
 
 
 # --- the run contract: one tiny grid (2 arms x 2 seeds), trained once, one behaviour per test -------
+
 
 def shared_pairing(pairing):
     """A pairing record without what differs across arms by design: what the arm sets itself (arm_settings),
@@ -200,7 +221,9 @@ def test_every_cell_writes_its_files_and_result(grid, arm, seed):
     assert r["tokens"] == 8 * 4 * 16 and r["steps"] == 8 and np.isfinite(r["val_loss"])
     assert r["status"] == "finished" and r["diverged_at"] is None and r["reason"] is None and r["wall_time_s"] > 0
     # the final evaluation per validation sequence (62 whole sequences of 16 + 1 in the first 1000 tokens)
-    assert len(r["val_sequence_losses"]) == 62 and np.mean(r["val_sequence_losses"]) == pytest.approx(r["val_loss"], abs=1e-12)
+    assert len(r["val_sequence_losses"]) == 62 and np.mean(r["val_sequence_losses"]) == pytest.approx(
+        r["val_loss"], abs=1e-12
+    )
     assert r["config"]["machine"]["cpu"] and r["config"]["machine"]["torch"] == torch.__version__
 
 
@@ -221,19 +244,27 @@ def test_the_grids_config_json_is_what_build_config_assembles(grid, shards):
     assert cfg["data_dir"] == os.path.abspath(shards) and cfg["tokenizer"] == "gpt2" and cfg["init_from_sha256"] is None
     assert (cfg["device"], cfg["compile"], cfg["world_size"]) == ("cpu", False, 1) and given["device"] == "cpu"
     # the data sets the vocabulary unless given; each arm's settings typed as --key=value types them
-    unset = train.build_config(dict(given, vocab_size=None, arms={"a": {"dropout": 0}}), runtime, data,
-                               checkpoint.load_init_from(""))
+    unset = train.build_config(
+        dict(given, vocab_size=None, arms={"a": {"dropout": 0}}), runtime, data, checkpoint.load_init_from("")
+    )
     assert unset["vocab_size"] == 50304 and type(unset["arms"]["a"]["dropout"]) is float
     with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
         protocol = f.read()
-    assert all(f"`{key}`" in protocol for key in added + ["data_dir", "vocab_size", "arms", "device", "dtype", "compile"])
+    assert all(
+        f"`{key}`" in protocol for key in added + ["data_dir", "vocab_size", "arms", "device", "dtype", "compile"]
+    )
 
 
 @pytest.mark.parametrize("arm, seed", CELLS)
 def test_every_cell_records_its_settings_and_code(grid, arm, seed):
     code = records.code_record()
-    assert len(code["fingerprint"]) == 64 and set(code) == {"fingerprint", "definitions", "schemes", "git_commit",
-                                                            "git_dirty"}
+    assert len(code["fingerprint"]) == 64 and set(code) == {
+        "fingerprint",
+        "definitions",
+        "schemes",
+        "git_commit",
+        "git_dirty",
+    }
     config = json.load(open(os.path.join(grid, arm, f"seed{seed}", "config.json")))
     r = result(grid, arm, seed)
     assert config["residual"] == arm and config["model"]["residual"] == arm and config["code"] == code
@@ -263,8 +294,9 @@ def test_the_arms_of_a_seed_pair(grid, seed):
     a, b = result(grid, "attnres", seed)["pairing"], result(grid, "rd_attnres", seed)["pairing"]
     assert (a.pop("arm_settings"), b.pop("arm_settings")) == ({"residual": "attnres"}, {"residual": "rd_attnres"})
     code = records.code_record()  # the arms share the code but their schemes', which is each arm's own
-    assert (a.pop("scheme_code"), b.pop("scheme_code")) == tuple(records.code_fingerprints(code, s)[1]
-                                                                 for s in ("attnres", "rd_attnres"))
+    assert (a.pop("scheme_code"), b.pop("scheme_code")) == tuple(
+        records.code_fingerprints(code, s)[1] for s in ("attnres", "rd_attnres")
+    )
     # a scheme's own options (rd_control) are recorded by its arms only: report.py pairs on the rest
     assert b["settings"].pop("rd_control") == "none" and "rd_control" not in a["settings"]
     assert a == b and set(a) == {"init_hash", "data_hash", "eval_tokens", "val_hash", "code", "init_from", "settings"}
@@ -303,8 +335,11 @@ def test_a_finished_cell_is_skipped_and_the_grid_keeps_every_arm_and_seed(grid, 
 
 def test_a_changed_rerun_is_refused_naming_what_changed(grid, shards):
     before = open(os.path.join(grid, "config.json")).read()
-    with pytest.raises(ConfigError, match=r"config.json was made with other settings: learning_rate \(0.01 -> 0.002\), "
-                                          r"max_iters \(8 -> 50\); .*--allow_changes=True"):
+    with pytest.raises(
+        ConfigError,
+        match=r"config.json was made with other settings: learning_rate \(0.01 -> 0.002\), "
+        r"max_iters \(8 -> 50\); .*--allow_changes=True",
+    ):
         train.main(tiny(shards, grid, "--learning_rate=2e-3", "--max_iters=50"))
     assert open(os.path.join(grid, "config.json")).read() == before  # nothing is written
 
@@ -351,13 +386,21 @@ def test_the_data_sets_the_vocabulary(shards, tmp_path, monkeypatch):
     # manifest's 257 ids -> 320; the resolved number is what the cell records, so a rerun that sets it is no change
     import report
     from data.prepare import prepare
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     unset = lambda data, out: [a for a in tiny(data, out, "--max_iters=1", "--arms=attnres") if "vocab_size" not in a]
     train.main(unset(shards, tmp_path / "gpt2"))
     assert result(tmp_path / "gpt2", "attnres")["config"]["vocab_size"] == 50304
     (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    prepare(str(tmp_path / "bytes"), input=str(tmp_path / "*.txt"), tokenizer="bytes", val_tokens=2000,
-            shard_tokens=100_000, workers=1, quiet=True)
+    prepare(
+        str(tmp_path / "bytes"),
+        input=str(tmp_path / "*.txt"),
+        tokenizer="bytes",
+        val_tokens=2000,
+        shard_tokens=100_000,
+        workers=1,
+        quiet=True,
+    )
     train.main(unset(str(tmp_path / "bytes"), tmp_path / "o"))
     r = result(tmp_path / "o", "attnres")
     assert r["config"]["vocab_size"] == r["config"]["model"]["vocab_size"] == 320
@@ -380,13 +423,15 @@ WARM_ARMS = {name: {"residual": name} for name in RESIDUALS if starts_as_standar
 def warm(shards, tmp_path_factory):
     """A trained standard cell (std), and every arm warm-started from its ckpt.pt over seeds 0 and 1 (warm)."""
     import report
+
     real, report.main = report.main, lambda argv: None  # its plots take most of the time; tested in test_report
     try:
         root = tmp_path_factory.mktemp("warm")
         train.main(tiny(shards, root / "std", EPS, "--arms={'standard': {}}"))
         ckpt = root / "std" / "standard" / "seed0" / "ckpt.pt"
-        args = tiny(shards, root / "warm", EPS, f"--arms={WARM_ARMS!r}", "--max_iters=2", "--eval_interval=2",
-                    "--seeds=0,1")
+        args = tiny(
+            shards, root / "warm", EPS, f"--arms={WARM_ARMS!r}", "--max_iters=2", "--eval_interval=2", "--seeds=0,1"
+        )
         train.main(args + [f"--init_from={ckpt}"])
     finally:
         report.main = real
@@ -399,14 +444,18 @@ def test_warm_started_arms_pair_on_the_checkpoints_weights(warm, seed):
     model.load_state_dict(warm.trained)
     pairings = [shared_pairing(result(warm.root / "warm", arm, seed)["pairing"]) for arm in WARM_ARMS]
     assert all(p == pairings[0] for p in pairings)
-    assert pairings[0]["init_from"] == {"path": str(warm.ckpt), "sha256": hashlib.sha256(warm.ckpt.read_bytes()).hexdigest()}
+    assert pairings[0]["init_from"] == {
+        "path": str(warm.ckpt),
+        "sha256": hashlib.sha256(warm.ckpt.read_bytes()).hexdigest(),
+    }
     assert pairings[0]["init_hash"] == records.shared_init_hash(model)  # the checkpoint's weights, whatever the seed
 
 
 @pytest.mark.parametrize("arm", list(WARM_ARMS))
 def test_a_warm_started_arm_starts_at_the_checkpoints_loss_with_a_fresh_optimizer(warm, arm):
     assert logged(warm.root / "warm", arm, key="val_loss")[0] == pytest.approx(
-        logged(warm.root / "std", "standard", key="val_loss")[-1], rel=1e-4)
+        logged(warm.root / "std", "standard", key="val_loss")[-1], rel=1e-4
+    )
     config = json.load(open(warm.root / "warm" / arm / "seed0" / "config.json"))
     assert config["init_from"] == str(warm.ckpt)
     assert config["init_from_sha256"] == hashlib.sha256(warm.ckpt.read_bytes()).hexdigest()
@@ -420,8 +469,13 @@ def test_the_seed_still_orders_a_warm_starts_data(warm):
 
 def test_a_plain_state_dict_warm_starts_as_its_checkpoint(warm, shards, tmp_path):
     torch.save(warm.trained, tmp_path / "weights.pt")
-    train.main(tiny(shards, tmp_path / "sd", EPS, "--arms=attnres", "--max_iters=1", f"--init_from={tmp_path / 'weights.pt'}"))
-    assert logged(tmp_path / "sd", "attnres", key="val_loss")[0] == logged(warm.root / "warm", "attnres", key="val_loss")[0]
+    train.main(
+        tiny(shards, tmp_path / "sd", EPS, "--arms=attnres", "--max_iters=1", f"--init_from={tmp_path / 'weights.pt'}")
+    )
+    assert (
+        logged(tmp_path / "sd", "attnres", key="val_loss")[0]
+        == logged(warm.root / "warm", "attnres", key="val_loss")[0]
+    )
 
 
 def test_a_rerun_from_other_weights_or_another_path_is_a_change(warm, tmp_path):
@@ -437,15 +491,19 @@ def test_a_rerun_from_other_weights_or_another_path_is_a_change(warm, tmp_path):
         warm.ckpt.write_bytes(original)
 
 
-@pytest.mark.parametrize("path, extra, message", [
-    ("none.pt", [], "none.pt is missing or unreadable .*No such file"),
-    ("junk.pt", [], "junk.pt is missing or unreadable"),
-    ("list.pt", [], "list.pt holds neither a train.py ckpt.pt nor a state_dict"),
-    ("dar", [], r"not a standard checkpoint \(residual='dar'"),
-    ("std", ["--n_embd=64"], "has n_embd=32, arm 'attnres' has n_embd=64"),
-    ("std", ["--n_head=4"], "has n_head=2, arm 'attnres' has n_head=4"),
-    ("weights.pt", ["--n_layer=4"], r"does not fit arm 'attnres': transformer.h.2.attn.* is absent"),
-    ("weights.pt", ["--vocab_size=128"], r"lm_head.weight is \(64, 32\) there, \(128, 32\) in the arm")])
+@pytest.mark.parametrize(
+    "path, extra, message",
+    [
+        ("none.pt", [], "none.pt is missing or unreadable .*No such file"),
+        ("junk.pt", [], "junk.pt is missing or unreadable"),
+        ("list.pt", [], "list.pt holds neither a train.py ckpt.pt nor a state_dict"),
+        ("dar", [], r"not a standard checkpoint \(residual='dar'"),
+        ("std", ["--n_embd=64"], "has n_embd=32, arm 'attnres' has n_embd=64"),
+        ("std", ["--n_head=4"], "has n_head=2, arm 'attnres' has n_head=4"),
+        ("weights.pt", ["--n_layer=4"], r"does not fit arm 'attnres': transformer.h.2.attn.* is absent"),
+        ("weights.pt", ["--vocab_size=128"], r"lm_head.weight is \(64, 32\) there, \(128, 32\) in the arm"),
+    ],
+)
 def test_an_unusable_warm_start_is_one_line_before_training(warm, shards, tmp_path, path, extra, message):
     # checkpoints that are missing, unreadable, not standard or of another shape
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
@@ -460,10 +518,16 @@ def test_an_unusable_warm_start_is_one_line_before_training(warm, shards, tmp_pa
 
 # --- the report at the grid's end: written once, again when an input is newer, never silently not at all --------
 
+
 def finished_grid(out_dir, monkeypatch, tuned=False):
     """A grid of one finished cell (attnres seed0) whose report.main writes report.md and counts its calls."""
-    cfg = dict(out_dir=str(out_dir), arms={"attnres": {}}, seeds=[0], reference_arm="",
-               tune_learning_rates=[1e-3, 1e-2] if tuned else [])
+    cfg = dict(
+        out_dir=str(out_dir),
+        arms={"attnres": {}},
+        seeds=[0],
+        reference_arm="",
+        tune_learning_rates=[1e-3, 1e-2] if tuned else [],
+    )
     cell = out_dir / "attnres" / "seed0"
     cell.mkdir(parents=True)
     (cell / "result.json").write_text("{}")
@@ -473,6 +537,7 @@ def finished_grid(out_dir, monkeypatch, tuned=False):
     def fake_report(argv):
         calls.append(argv)
         (out_dir / "report.md").write_text(f"report {len(calls)}")
+
     monkeypatch.setattr(report, "main", fake_report)
     return cfg, calls
 
@@ -503,8 +568,7 @@ def test_the_report_is_written_again_after_a_newer_downstream_result_or_tuning_c
 
 
 @pytest.mark.parametrize("lock_text", ["123 another-host", "not a lock"])
-def test_a_report_lock_this_host_cannot_check_is_named_with_the_command_that_frees_it(
-        tmp_path, monkeypatch, lock_text):
+def test_a_report_lock_this_host_cannot_check_is_named_with_the_command_that_frees_it(tmp_path, monkeypatch, lock_text):
     cfg, calls = finished_grid(tmp_path, monkeypatch)
     lock = tmp_path / "report.lock"
     lock.write_text(lock_text)  # left by a worker on another host of a shared filesystem, or by hand
@@ -512,7 +576,8 @@ def test_a_report_lock_this_host_cannot_check_is_named_with_the_command_that_fre
     with pytest.raises(DataError) as err:
         cells.write_report(cfg)
     assert str(err.value).startswith(f"no report written: {lock} is held by ") and str(err.value).endswith(
-        f"; if no run is writing it: rm {lock}; python report.py {tmp_path}"), str(err.value)
+        f"; if no run is writing it: rm {lock}; python report.py {tmp_path}"
+    ), str(err.value)
     assert not calls and lock.read_text() == lock_text
     # another host's worker writing it: this one waits for its lock to go, then finds the report written
     monkeypatch.setattr(cells, "REPORT_WAIT_S", 60)
@@ -530,13 +595,16 @@ def test_a_report_lock_of_a_live_process_here_is_left_to_it(tmp_path, monkeypatc
 
 # --- damaged inputs and outputs: one line each ----------------------------------------------------------
 
+
 def test_a_torn_result_is_one_line(shards, tmp_path):
     out = tmp_path / "o"
     args = tiny(shards, out, "--max_iters=2", "--eval_interval=2", "--arms=attnres")
     train.main(args)
     path = out / "attnres" / "seed0" / "result.json"
-    path.write_text(path.read_text()[:len(path.read_text()) // 2])
-    with pytest.raises(ConfigError, match="result.json is unreadable or damaged .*; delete it to finish the cell again"):
+    path.write_text(path.read_text()[: len(path.read_text()) // 2])
+    with pytest.raises(
+        ConfigError, match="result.json is unreadable or damaged .*; delete it to finish the cell again"
+    ):
         train.main(args)
 
 
@@ -547,9 +615,17 @@ def test_an_out_dir_that_cannot_be_written_is_one_line_before_training(shards, t
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("extra, error, message", [
-    (["--eval_tokens=5000"], ConfigError, "eval_tokens=5000 is more than the validation shard .* holds .3,000 tokens"),
-    (["--vocab_size=16"], DataError, r"token id .* >= vocab_size 16")])
+@pytest.mark.parametrize(
+    "extra, error, message",
+    [
+        (
+            ["--eval_tokens=5000"],
+            ConfigError,
+            "eval_tokens=5000 is more than the validation shard .* holds .3,000 tokens",
+        ),
+        (["--vocab_size=16"], DataError, r"token id .* >= vocab_size 16"),
+    ],
+)
 def test_data_that_does_not_fit_the_settings_is_one_line(shards, tmp_path, extra, error, message):
     with pytest.raises(error, match=message):
         train.main(tiny(shards, tmp_path / "o", *extra))
@@ -575,8 +651,17 @@ def test_divergence_stops_the_cell_and_the_grid_goes_on(shards, tmp_path, capsys
             assert r["diverged_at"] == 2 and r["reason"] == "train loss nan over steps 2-2"
             assert f"[{arm} seed{seed}] diverged: train loss nan" in lines
     # logged after the next evaluation: the validation loss stops it
-    train.main(tiny(shards, tmp_path / "val", "--learning_rate=1e9", "--warmup_iters=0", "--grad_clip=0",
-                    "--log_interval=100", "--arms=attnres"))
+    train.main(
+        tiny(
+            shards,
+            tmp_path / "val",
+            "--learning_rate=1e9",
+            "--warmup_iters=0",
+            "--grad_clip=0",
+            "--log_interval=100",
+            "--arms=attnres",
+        )
+    )
     r = result(tmp_path / "val", "attnres")
     assert r["status"] == "diverged" and r["diverged_at"] == 4 and r["reason"] == "validation loss nan at step 4"
     train.main(tiny(shards, out, "--learning_rate=1e9", "--warmup_iters=0", "--grad_clip=0", "--seeds=0,1"))
@@ -585,6 +670,7 @@ def test_divergence_stops_the_cell_and_the_grid_goes_on(shards, tmp_path, capsys
 
 def test_shards_are_checked_against_their_manifest(tmp_path):
     from data.prepare import prepare
+
     (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     data = tmp_path / "data"
     prepare(str(data), input=str(tmp_path / "*.txt"), val_tokens=1000, shard_tokens=100_000, workers=1, quiet=True)
@@ -613,6 +699,7 @@ def test_relative_data_dir_is_under_the_project_from_any_directory(shards, tmp_p
 
 def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)  # tested in test_report
     data = tmp_path / "data"
     shutil.copytree(shards, data)
@@ -621,7 +708,9 @@ def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkey
     first = result(tmp_path / "o", "attnres")
     config = first["config"]
     val = np.fromfile(data / "val_000000.bin", dtype=np.uint16)[-3000:]  # past the header: the tokens themselves
-    assert first["pairing"]["val_hash"] == config["val_hash"] == hashlib.sha256(val[:62 * 16 + 1].tobytes()).hexdigest()
+    assert (
+        first["pairing"]["val_hash"] == config["val_hash"] == hashlib.sha256(val[: 62 * 16 + 1].tobytes()).hexdigest()
+    )
     assert (config["device"], config["dtype"], config["torch_version"]) == ("cpu", "float32", torch.__version__)
     assert first["pairing"]["settings"]["dtype"] == "float32" and config["data_dir"] == str(data)
     # the same run asked for differently is no change: --device=auto on this CPU, data_dir relative to here
@@ -629,6 +718,7 @@ def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkey
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     monkeypatch.chdir(tmp_path)
     train.main(args + ["--arms=attnres", "--device=auto", "--data_dir=data"])
+
     def change_tokens(path, n):
         """The last n tokens of a shard, each one higher (mod 64): same length, other content."""
         tokens = np.fromfile(path, dtype=np.uint16)
@@ -653,6 +743,7 @@ def test_the_cpu_thread_count_is_a_setting(shards, tmp_path, monkeypatch):
     # compiled CPU kernels round differently on another thread count: recorded, so a rerun under
     # another count is refused and two cells that differ in it do not pair
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     args = tiny(shards, tmp_path / "o", "--max_iters=1", "--arms=attnres")
     train.main(args)
@@ -664,8 +755,9 @@ def test_the_cpu_thread_count_is_a_setting(shards, tmp_path, monkeypatch):
 
 
 def run_cli(args, env=ENV, **kwargs):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kwargs
+    )
 
 
 def test_cli_errors_are_one_line(shards, tmp_path):
@@ -677,21 +769,44 @@ def test_cli_errors_are_one_line(shards, tmp_path):
 def test_ddp_default_batch_equals_single_process(shards, tmp_path):
     # the default batch (8 sequences x 1 micro-step) under 2 ranks: each rank takes half of each step;
     # checkpoints (every 3 steps) fall inside log intervals (every 2), where the ranks' losses are carried
-    args = ["--batch_size=8", "--gradient_accumulation_steps=1", "--arms=attnres", "--max_iters=6", "--eval_interval=3",
-            "--log_interval=2"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py", *tiny(shards, tmp_path / "ddp", *args)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    args = [
+        "--batch_size=8",
+        "--gradient_accumulation_steps=1",
+        "--arms=attnres",
+        "--max_iters=6",
+        "--eval_interval=3",
+        "--log_interval=2",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train.py",
+            *tiny(shards, tmp_path / "ddp", *args),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     # the reference runs as a process too, with the ranks' thread count (it changes fp32 rounding)
     single = run_cli(tiny(shards, tmp_path / "single", *args))
     assert single.returncode == 0, single.stderr[-2000:]
     np.testing.assert_allclose(logged(tmp_path / "ddp", "attnres"), logged(tmp_path / "single", "attnres"), rtol=1e-5)
-    np.testing.assert_allclose(logged(tmp_path / "ddp", "attnres", key="val_loss"),
-                               logged(tmp_path / "single", "attnres", key="val_loss"), rtol=1e-6)
+    np.testing.assert_allclose(
+        logged(tmp_path / "ddp", "attnres", key="val_loss"),
+        logged(tmp_path / "single", "attnres", key="val_loss"),
+        rtol=1e-6,
+    )
     # each rank evaluates every other sequence: gathered, the final losses per sequence are in order
-    np.testing.assert_allclose(*(result(tmp_path / d, "attnres")["val_sequence_losses"] for d in ("ddp", "single")),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        *(result(tmp_path / d, "attnres")["val_sequence_losses"] for d in ("ddp", "single")), rtol=1e-5
+    )
     # the same cell but for the world size, which changes a step's rounding: recorded, so the two do not pair
     ddp, single = (result(tmp_path / d, "attnres")["pairing"] for d in ("ddp", "single"))
     assert (ddp["settings"].pop("world_size"), single["settings"].pop("world_size")) == (2, 1) and ddp == single
@@ -701,15 +816,26 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
     # on two threads, compiled CPU kernels differ from run to run unless train.py asks for the
     # deterministic ones; each run is a fresh process, as a rerun would be. eval_tokens leaves a
     # short last evaluation batch, which must not recompile
-    args = ["--compile=True", "--max_iters=12", "--eval_interval=6", "--log_interval=3", "--arms=attnres",
-            "--eval_tokens=600", "--eval_batch_size=8"]
+    args = [
+        "--compile=True",
+        "--max_iters=12",
+        "--eval_interval=6",
+        "--log_interval=3",
+        "--arms=attnres",
+        "--eval_tokens=600",
+        "--eval_batch_size=8",
+    ]
     for run in ("a", "b"):
-        proc = run_cli(tiny(shards, tmp_path / run, *args), env={**ENV, "OMP_NUM_THREADS": "2", "TORCH_LOGS": "recompiles"})
+        proc = run_cli(
+            tiny(shards, tmp_path / run, *args), env={**ENV, "OMP_NUM_THREADS": "2", "TORCH_LOGS": "recompiles"}
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         # training and evaluation graphs, compiled once each (the evaluation graph is the one recompile,
         # for grad mode): none for a batch shape (the short last evaluation batch is padded), none per
         # evaluation (dynamo stops recompiling after 8), none for model attributes set after the first
-        assert "size mismatch" not in proc.stderr and proc.stderr.count("Recompiling function") <= 1, proc.stderr[-3000:]
+        assert "size mismatch" not in proc.stderr and proc.stderr.count("Recompiling function") <= 1, proc.stderr[
+            -3000:
+        ]
     assert logged(tmp_path / "a", "attnres") == logged(tmp_path / "b", "attnres")
     assert logged(tmp_path / "a", "attnres", key="val_loss") == logged(tmp_path / "b", "attnres", key="val_loss")
     # the compiled evaluation at the last checkpoint equals an eager one of the same weights
@@ -722,6 +848,7 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
 
 
 # --- what users see: the evaluated tokens, the timings, the keys that change a result ---------------
+
 
 class TargetMean(torch.nn.Module):
     """A stand-in model whose per-token 'loss' is its target id (0 where ignored): evaluate() then returns
@@ -741,8 +868,12 @@ def test_evaluation_covers_every_whole_sequence_in_eval_tokens(eval_tokens):
         cell = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=batch)
         mean = train.evaluate(TargetMean(), val, cell, ONE_PROCESS)
         assert mean == pytest.approx(np.mean(val[targets].astype(np.float64)), rel=1e-12)
-        per_sequence = [np.mean(val[j * T + 1:j * T + T + 1].astype(np.float64)) for j in range((eval_tokens - 1) // T)]
-        assert train.sequence_losses(TargetMean(), val, cell, ONE_PROCESS).tolist() == pytest.approx(per_sequence, rel=1e-12)
+        per_sequence = [
+            np.mean(val[j * T + 1 : j * T + T + 1].astype(np.float64)) for j in range((eval_tokens - 1) // T)
+        ]
+        assert train.sequence_losses(TargetMean(), val, cell, ONE_PROCESS).tolist() == pytest.approx(
+            per_sequence, rel=1e-12
+        )
     assert len(targets) == (eval_tokens - 1) // T * T  # what result.json records as eval_tokens
 
 
@@ -750,6 +881,7 @@ def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypa
     # a fake clock: each training step takes 1 s, each evaluation 100 s, nothing else takes time; and a
     # wall clock set back an hour, then forward ten days, mid-cell: no duration may follow it
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     clock, tick, steps = [0.0], {"step": 1.0, "evaluation": 100.0}, [0]
     wall = lambda: clock[0] + {0: 0, 1: -3600, 2: 10 * 86400}[min(steps[0] // 3, 2)]
@@ -766,6 +898,7 @@ def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypa
     def evaluation(*args):
         clock[0] += tick["evaluation"]
         return real_eval(*args)
+
     monkeypatch.setattr(train, "backward_step", step)
     monkeypatch.setattr(train, "sequence_losses", evaluation)
     # as on a GPU of a 1 TFLOP/s peak, so that MFU is reported
@@ -773,8 +906,12 @@ def test_timings_count_training_apart_from_evaluation(shards, tmp_path, monkeypa
     args = ["--max_iters=8", "--eval_interval=4", "--log_interval=2", "--arms=attnres"]
     train.main(tiny(shards, tmp_path / "o", *args, "--seeds=0,1"))
     n, evals, tokens_per_step = 8, 3, 4 * 16
-    flops_per_step = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64,
-                                   residual="attnres")).flops_per_token(16) * tokens_per_step
+    flops_per_step = (
+        GPT(
+            GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, residual="attnres")
+        ).flops_per_token(16)
+        * tokens_per_step
+    )
     for seed in (0, 1):
         log = log_records(tmp_path / "o", "attnres", seed)
         assert [r["eval_s"] for r in log if "val_loss" in r] == [100.0] * evals
@@ -813,6 +950,7 @@ class FullDisk:
 
 def test_a_full_disk_while_logging_is_one_line_and_the_rerun_resumes(shards, tmp_path, monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     args = ["--max_iters=8", "--eval_interval=4", "--log_interval=1", "--arms=attnres"]
     train.main(tiny(shards, tmp_path / "whole", *args))
@@ -820,14 +958,17 @@ def test_a_full_disk_while_logging_is_one_line_and_the_rerun_resumes(shards, tmp
     with pytest.raises(DataError) as e:
         train.main(tiny(shards, tmp_path / "o", *args))
     cell = tmp_path / "o" / "attnres" / "seed0"
-    assert str(e.value) == (f"cannot write {cell / 'log.jsonl'} (No space left on device); the cell's last checkpoint "
-                            f"is kept: free disk space, then run the same command again to resume from it")
+    assert str(e.value) == (
+        f"cannot write {cell / 'log.jsonl'} (No space left on device); the cell's last checkpoint "
+        f"is kept: free disk space, then run the same command again to resume from it"
+    )
     assert torch.load(cell / "ckpt.pt", weights_only=True)["step"] == 4 and not (cell / "result.json").exists()
     monkeypatch.undo()
     monkeypatch.setattr(report, "main", lambda argv: None)
     train.main(tiny(shards, tmp_path / "o", *args))  # space freed: resumes from step 4, as if never stopped
-    assert without_timings(log_records(tmp_path / "o", "attnres")) == \
-        without_timings(log_records(tmp_path / "whole", "attnres"))
+    assert without_timings(log_records(tmp_path / "o", "attnres")) == without_timings(
+        log_records(tmp_path / "whole", "attnres")
+    )
     assert result(tmp_path / "o", "attnres")["val_loss"] == result(tmp_path / "whole", "attnres")["val_loss"]
 
 
@@ -864,31 +1005,77 @@ def test_time_left_before_any_evaluation():
 
 
 # every key of the config: how a rerun that changes only it must go. Values: a valid other value.
-RERUN_GOES_ON = dict(seeds=[0], arms="attnres", reference_arm="rd_attnres,attnres", log_interval=2, eval_batch_size=3,
-                     verify_shards=True, allow_changes=True, device="auto", data_dir="COPY", wandb_project="other",
-                     wandb_run_name="other", downstream_interval=2, downstream_max_per_task=0)
+RERUN_GOES_ON = dict(
+    seeds=[0],
+    arms="attnres",
+    reference_arm="rd_attnres,attnres",
+    log_interval=2,
+    eval_batch_size=3,
+    verify_shards=True,
+    allow_changes=True,
+    device="auto",
+    data_dir="COPY",
+    wandb_project="other",
+    wandb_run_name="other",
+    downstream_interval=2,
+    downstream_max_per_task=0,
+)
 RERUN_REFUSED = dict(
-    block_size=8, vocab_size=128, n_layer=4, n_head=4, n_embd=64, dropout=0.1, norm_eps=1e-5, attnres_block_size=2,
-    rd_control="dup", routing_lr_scale=2.0, learning_rate=2e-2, max_iters=3, weight_decay=0.0, beta1=0.8, beta2=0.99,
-    grad_clip=0.5, lr_schedule="wsd", warmup_iters=1, min_lr=1e-4, batch_size=2,
-    gradient_accumulation_steps=2, dtype="bfloat16", compile=True, eval_interval=1, eval_tokens=900,
-    optimizer="muon", activation_checkpointing=True, n_experts=2, tune_learning_rates=[1e-3])
+    block_size=8,
+    vocab_size=128,
+    n_layer=4,
+    n_head=4,
+    n_embd=64,
+    dropout=0.1,
+    norm_eps=1e-5,
+    attnres_block_size=2,
+    rd_control="dup",
+    routing_lr_scale=2.0,
+    learning_rate=2e-2,
+    max_iters=3,
+    weight_decay=0.0,
+    beta1=0.8,
+    beta2=0.99,
+    grad_clip=0.5,
+    lr_schedule="wsd",
+    warmup_iters=1,
+    min_lr=1e-4,
+    batch_size=2,
+    gradient_accumulation_steps=2,
+    dtype="bfloat16",
+    compile=True,
+    eval_interval=1,
+    eval_tokens=900,
+    optimizer="muon",
+    activation_checkpointing=True,
+    n_experts=2,
+    tune_learning_rates=[1e-3],
+)
 RERUN_OTHERWISE = dict(
-    out_dir="another out_dir is another grid", residual="every arm sets it: refused as overridden",
-    dar_keys="no dar arm: refused as an option no arm trains", dar_start="likewise", hc_streams="no hc arm: likewise",
+    out_dir="another out_dir is another grid",
+    residual="every arm sets it: refused as overridden",
+    dar_keys="no dar arm: refused as an option no arm trains",
+    dar_start="likewise",
+    hc_streams="no hc arm: likewise",
     init_from="tested in test_warm_start_from_a_standard_checkpoint",
     fsdp="needs torchrun; a setting, as world_size (test_fsdp_and_muon_under_torchrun_equal_one_process)",
     wandb_log="needs wandb; goes on (test_wandb_logs_one_run_per_cell)",
-    downstream_bundle="needs byte-token data; goes on (test_downstream.py: test_the_downstream_evaluation_changes_no_training)",
-    **dict.fromkeys(("moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate", "moe_router_lr_scale"),
-                    "needs n_experts > 1: GPTConfig refuses it alone"),
-    **dict.fromkeys(("muon_learning_rate", "cooldown_frac", "tune_seeds", "tune_iters"),
-                    "unused alone (AdamW, cosine, no tuning): refused where given (test_records.py: "
-                    "test_a_setting_that_changes_nothing_is_refused_where_it_is_given)"))
+    downstream_bundle="needs byte-token data; goes on (test_downstream.py: test_the_downstream_evaluation_changes_no_training)",  # noqa: E501
+    **dict.fromkeys(
+        ("moe_top_k", "moe_shared_experts", "moe_expert_hidden", "moe_bias_rate", "moe_router_lr_scale"),
+        "needs n_experts > 1: GPTConfig refuses it alone",
+    ),
+    **dict.fromkeys(
+        ("muon_learning_rate", "cooldown_frac", "tune_seeds", "tune_iters"),
+        "unused alone (AdamW, cosine, no tuning): refused where given (test_records.py: "
+        "test_a_setting_that_changes_nothing_is_refused_where_it_is_given)",
+    ),
+)
 
 
 def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch):
     import report
+
     reports = []  # the report's arguments (its plots would take most of the time; tested in test_report)
     monkeypatch.setattr(report, "main", reports.append)
     assert set(RERUN_GOES_ON) | set(RERUN_REFUSED) | set(RERUN_OTHERWISE) == set(train.DEFAULTS)
@@ -912,6 +1099,7 @@ def test_a_rerun_goes_on_or_is_refused_key_by_key(shards, tmp_path, monkeypatch)
 
 def test_the_grid_is_recorded_once_a_cell_trains(shards, tmp_path, monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     short = tmp_path / "short"
     short.mkdir()
@@ -929,6 +1117,7 @@ def test_the_grid_is_recorded_once_a_cell_trains(shards, tmp_path, monkeypatch):
 
 def test_a_copied_cell_folder_is_not_a_new_seed(shards, tmp_path, monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     args = tiny(shards, tmp_path / "o", "--max_iters=2", "--eval_interval=2", "--arms=attnres")
     train.main(args)
@@ -946,19 +1135,30 @@ def test_a_copied_cell_folder_is_not_a_new_seed(shards, tmp_path, monkeypatch):
 
 # --- optimizers, sharding, activation checkpointing, wandb ---------------------------------------
 
+
 def test_muon_under_ddp_equals_one_process(shards, tmp_path):
     # DDP averages the gradients before Muon's step, so every rank orthogonalizes the same whole matrices
-    args = ["--batch_size=8", "--arms=rd_attnres", "--max_iters=6", "--eval_interval=3", "--log_interval=2",
-            "--optimizer=muon"]
+    args = [
+        "--batch_size=8",
+        "--arms=rd_attnres",
+        "--max_iters=6",
+        "--eval_interval=3",
+        "--log_interval=2",
+        "--optimizer=muon",
+    ]
     ddp = torchrun("train.py", tiny(shards, tmp_path / "ddp", *args))
     assert ddp.returncode == 0, ddp.stderr[-2000:]
     train.main(tiny(shards, tmp_path / "single", *args))
-    np.testing.assert_allclose(logged(tmp_path / "ddp", "rd_attnres"), logged(tmp_path / "single", "rd_attnres"),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        logged(tmp_path / "ddp", "rd_attnres"), logged(tmp_path / "single", "rd_attnres"), rtol=1e-5
+    )
     # Newton-Schulz amplifies the gradient average's rounding (DDP adds two ranks' halves, one process the whole):
     # 2e-5 relative at step 6 on an AVX-512 Xeon, under 1e-5 on the machine this test was written on
-    np.testing.assert_allclose(logged(tmp_path / "ddp", "rd_attnres", key="val_loss"),
-                               logged(tmp_path / "single", "rd_attnres", key="val_loss"), rtol=1e-4)
+    np.testing.assert_allclose(
+        logged(tmp_path / "ddp", "rd_attnres", key="val_loss"),
+        logged(tmp_path / "single", "rd_attnres", key="val_loss"),
+        rtol=1e-4,
+    )
 
 
 class FakeWandb:
@@ -977,6 +1177,7 @@ class FakeWandb:
 
 def test_wandb_logs_one_run_per_cell(shards, tmp_path, monkeypatch):
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     args = ["--max_iters=4", "--eval_interval=2", "--log_interval=2"]
     # off (the default): wandb is never imported
@@ -1001,20 +1202,42 @@ def test_wandb_logs_one_run_per_cell(shards, tmp_path, monkeypatch):
         assert without_timings(log_records(tmp_path / "on", arm)) == without_timings(log_records(tmp_path / "off", arm))
     # a resumed cell continues its run
     os.remove(tmp_path / "on" / "attnres" / "seed0" / "result.json")
-    train.main(tiny(shards, tmp_path / "on", *args, "--wandb_log=True", "--wandb_project=p", "--wandb_run_name=g",
-                    "--arms=attnres"))
+    train.main(
+        tiny(
+            shards,
+            tmp_path / "on",
+            *args,
+            "--wandb_log=True",
+            "--wandb_project=p",
+            "--wandb_run_name=g",
+            "--arms=attnres",
+        )
+    )
     assert fake.runs[-1].kwargs["id"] == "run0" and fake.runs[-1].kwargs["resume"] == "allow"
 
 
 def test_a_warm_start_on_another_tokenizer_is_refused(shards, tmp_path, monkeypatch):
     import report
     from data.prepare import prepare
+
     monkeypatch.setattr(report, "main", lambda argv: None)
     (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    prepare(str(tmp_path / "bytes"), input=str(tmp_path / "*.txt"), tokenizer="bytes", val_tokens=2000,
-            shard_tokens=100_000, workers=1, quiet=True)
-    train.main(tiny(shards, tmp_path / "std", "--arms=standard", "--max_iters=2", "--eval_interval=2", "--vocab_size=320"))
+    prepare(
+        str(tmp_path / "bytes"),
+        input=str(tmp_path / "*.txt"),
+        tokenizer="bytes",
+        val_tokens=2000,
+        shard_tokens=100_000,
+        workers=1,
+        quiet=True,
+    )
+    train.main(
+        tiny(shards, tmp_path / "std", "--arms=standard", "--max_iters=2", "--eval_interval=2", "--vocab_size=320")
+    )
     ckpt = tmp_path / "std" / "standard" / "seed0" / "ckpt.pt"  # trained on shards made elsewhere: GPT-2 ids
     with pytest.raises(ConfigError, match=r"was trained on gpt2 tokens, data_dir .*bytes holds bytes tokens"):
-        train.main(tiny(str(tmp_path / "bytes"), tmp_path / "warm", "--arms=attnres", "--vocab_size=320",
-                        f"--init_from={ckpt}"))
+        train.main(
+            tiny(
+                str(tmp_path / "bytes"), tmp_path / "warm", "--arms=attnres", "--vocab_size=320", f"--init_from={ckpt}"
+            )
+        )

@@ -32,10 +32,17 @@ TUNE = dict(tune_learning_rates=RATES, tune_seeds=[1000, 1001, 1002], tune_iters
 
 def config(tmp_path=None, **changes):
     """A checked run of the default shape with two arms and the tuned protocol's keys."""
-    cfg = dict(train.DEFAULTS, vocab_size=320, seeds=[0, 1, 2], max_iters=250, learning_rate=3e-3, min_lr=3e-4,
-               out_dir=str(tmp_path / "out") if tmp_path else "out",
-               arms={"standard": {"residual": "standard"}, "attnres": {"residual": "attnres", "attnres_block_size": 2}},
-               **TUNE)
+    cfg = dict(
+        train.DEFAULTS,
+        vocab_size=320,
+        seeds=[0, 1, 2],
+        max_iters=250,
+        learning_rate=3e-3,
+        min_lr=3e-4,
+        out_dir=str(tmp_path / "out") if tmp_path else "out",
+        arms={"standard": {"residual": "standard"}, "attnres": {"residual": "attnres", "attnres_block_size": 2}},
+        **TUNE,
+    )
     cfg.update(changes)
     records.check_config(cfg, 1)
     return cfg
@@ -46,39 +53,59 @@ def test_tuning_config_arms_seeds_budget_and_min_lr():
     before = json.dumps(cfg, sort_keys=True)
     tuning = tune.tuning_config(cfg)
     assert json.dumps(cfg, sort_keys=True) == before  # the run's config is not touched
-    assert list(tuning["arms"]) == ["standard-lr0.001", "standard-lr0.003", "standard-lr0.01",
-                                    "attnres-lr0.001", "attnres-lr0.003", "attnres-lr0.01"]
-    assert tuning["arms"]["attnres-lr0.01"] == dict(residual="attnres", attnres_block_size=2, learning_rate=0.01,
-                                                     min_lr=pytest.approx(0.001, rel=1e-12))
+    assert list(tuning["arms"]) == [
+        "standard-lr0.001",
+        "standard-lr0.003",
+        "standard-lr0.01",
+        "attnres-lr0.001",
+        "attnres-lr0.003",
+        "attnres-lr0.01",
+    ]
+    assert tuning["arms"]["attnres-lr0.01"] == dict(
+        residual="attnres", attnres_block_size=2, learning_rate=0.01, min_lr=pytest.approx(0.001, rel=1e-12)
+    )
     for name, settings in tuning["arms"].items():  # min_lr / learning_rate stays the run's 0.1
         assert settings["min_lr"] / settings["learning_rate"] == pytest.approx(0.1, rel=1e-12), name
     assert tuning["out_dir"] == os.path.join("out", "tune") and tuning["seeds"] == [1000, 1001, 1002]
     assert tuning["max_iters"] == 125 and tuning["reference_arm"] == "" and tuning["downstream_bundle"] == ""
     changed = ("arms", "seeds", "max_iters", "out_dir", "reference_arm", "downstream_bundle")
-    assert {k: v for k, v in tuning.items() if k not in changed} == \
-        {k: v for k, v in cfg.items() if k not in changed}  # every other key the run's, tune_* too (its record)
+    assert {k: v for k, v in tuning.items() if k not in changed} == {
+        k: v for k, v in cfg.items() if k not in changed
+    }  # every other key the run's, tune_* too (its record)
     records.check_config(tuning, 1)  # a grid train.py runs: its arm names and rates pass the run's checks
     cell = records.cell_config(tuning, "attnres-lr0.001", 1001)
     assert (cell["learning_rate"], cell["min_lr"], cell["max_iters"]) == (0.001, pytest.approx(1e-4), 125)
     assert tune.tuning_config(config(tune_iters=0))["max_iters"] == 63  # the default: a quarter of max_iters, up
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(tune_seeds=[1000, 2]), "tune_seeds and seeds share 2: a rate chosen on a compared seed favours its arm"),
-    (dict(tune_seeds=[]), "tune_seeds=[]: give distinct non-negative integers"),
-    (dict(tune_seeds=[1000]), "tune_seeds=[1000]: one tuning seed cannot show the seeds' noise a rate must beat; give "
-                              "at least 2, e.g. --tune_seeds=1000,1001,1002"),
-    (dict(tune_learning_rates=[1e-3, 0.0]), "tune_learning_rates=[0.001, 0.0]: give positive numbers"),
-    (dict(tune_learning_rates=["fast"]), "tune_learning_rates=['fast']: give positive numbers"),
-    (dict(tune_learning_rates=[True, float("nan"), 10 ** 400]), "tune_learning_rates=[True, nan, 1000"),
-    (dict(tune_learning_rates=[1e-3, 0.0010000001]), "repeats a rate (to 6 significant digits"),
-    (dict(tune_iters=20), "tune_iters is 20: the tuning budget must be above warmup_iters=20"),
-    (dict(tune_iters=251), "tune_iters is 251: the tuning budget must be above warmup_iters=20 (a rate is judged "
-                           "after its warmup) and at most max_iters=250; set --tune_iters"),
-    (dict(arms={"standard": {"learning_rate": 1e-3}}), "arm 'standard' sets learning_rate, which tune_learning_rates"),
-    (dict(arms={"tune": {}}), "arm 'tune' would share out_dir/tune with the tuning grid"),
-    (dict(arms={"a" * 60: {}}), f"tuning arm {'a' * 60}-lr0.001 is 68 characters, at most 64"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(tune_seeds=[1000, 2]), "tune_seeds and seeds share 2: a rate chosen on a compared seed favours its arm"),
+        (dict(tune_seeds=[]), "tune_seeds=[]: give distinct non-negative integers"),
+        (
+            dict(tune_seeds=[1000]),
+            "tune_seeds=[1000]: one tuning seed cannot show the seeds' noise a rate must beat; give "
+            "at least 2, e.g. --tune_seeds=1000,1001,1002",
+        ),
+        (dict(tune_learning_rates=[1e-3, 0.0]), "tune_learning_rates=[0.001, 0.0]: give positive numbers"),
+        (dict(tune_learning_rates=["fast"]), "tune_learning_rates=['fast']: give positive numbers"),
+        (dict(tune_learning_rates=[True, float("nan"), 10**400]), "tune_learning_rates=[True, nan, 1000"),
+        (dict(tune_learning_rates=[1e-3, 0.0010000001]), "repeats a rate (to 6 significant digits"),
+        (dict(tune_iters=20), "tune_iters is 20: the tuning budget must be above warmup_iters=20"),
+        (
+            dict(tune_iters=251),
+            "tune_iters is 251: the tuning budget must be above warmup_iters=20 (a rate is judged "
+            "after its warmup) and at most max_iters=250; set --tune_iters",
+        ),
+        (
+            dict(arms={"standard": {"learning_rate": 1e-3}}),
+            "arm 'standard' sets learning_rate, which tune_learning_rates",
+        ),
+        (dict(arms={"tune": {}}), "arm 'tune' would share out_dir/tune with the tuning grid"),
+        (dict(arms={"a" * 60: {}}), f"tuning arm {'a' * 60}-lr0.001 is 68 characters, at most 64"),
+    ],
+)
 def test_tuning_settings_that_cannot_run_are_one_line(changes, message):
     with pytest.raises(ConfigError) as e:
         tune.tuning_config(config(**changes))
@@ -87,15 +114,28 @@ def test_tuning_settings_that_cannot_run_are_one_line(changes, message):
 
 
 # per arm and rate, the final loss on tuning seeds 1000, 1001 and 1002. standard: 1e-2 has the lowest mean (2.29)
-# and is lower than 3e-3 (2.32) on every seed, but by 0.03, inside 1e-2's own s.d. (0.044); and 3e-3 beats 1e-3 (2.50) on every seed by far
+# and is lower than 3e-3 (2.32) on every seed, but by 0.03, inside 1e-2's own s.d. (0.044); and 3e-3 beats 1e-3 (2.50)
+# on every seed by far
 # more than its s.d.: 3e-3. attnres: 1e-2 diverged on one seed (its other seeds would win), 1e-3 and 3e-3 tie
 # exactly (2.40): the smaller. dar: 1e-2 is lower on average but worse on seed 1002 (a stall): 3e-3.
-LOSSES = {("standard", 1e-3): (2.50, 2.48, 2.52), ("standard", 3e-3): (2.31, 2.33, 2.32),
-          ("standard", 1e-2): (2.24, 2.32, 2.31),
-          ("attnres", 1e-3): (2.5, 2.25, 2.45), ("attnres", 3e-3): (2.25, 2.5, 2.45), ("attnres", 1e-2): (None, 1.0, 1.0),
-          ("dar", 1e-3): (2.6, 2.6, 2.6), ("dar", 3e-3): (2.40, 2.41, 2.42), ("dar", 1e-2): (2.20, 2.21, 2.60)}
-ARMS3 = dict(arms={"standard": {"residual": "standard"}, "attnres": {"residual": "attnres", "attnres_block_size": 2},
-                   "dar": {"residual": "dar"}})
+LOSSES = {
+    ("standard", 1e-3): (2.50, 2.48, 2.52),
+    ("standard", 3e-3): (2.31, 2.33, 2.32),
+    ("standard", 1e-2): (2.24, 2.32, 2.31),
+    ("attnres", 1e-3): (2.5, 2.25, 2.45),
+    ("attnres", 3e-3): (2.25, 2.5, 2.45),
+    ("attnres", 1e-2): (None, 1.0, 1.0),
+    ("dar", 1e-3): (2.6, 2.6, 2.6),
+    ("dar", 3e-3): (2.40, 2.41, 2.42),
+    ("dar", 1e-2): (2.20, 2.21, 2.60),
+}
+ARMS3 = dict(
+    arms={
+        "standard": {"residual": "standard"},
+        "attnres": {"residual": "attnres", "attnres_block_size": 2},
+        "dar": {"residual": "dar"},
+    }
+)
 
 
 def tuned(tmp_path, losses=LOSSES):
@@ -117,7 +157,7 @@ def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller
     assert record["tuning_text"] == dict(first_token=8192, tokens=8192) and record["test_tokens"] == 8192
     row = record["table"]["standard"]["0.01"]
     assert row["val_loss"] == {"1000": 2.24, "1001": 2.32, "1002": 2.31} and row["problem"] is None
-    assert row["mean"] == pytest.approx(2.29, abs=1e-12) and row["sd"] == pytest.approx(0.0019 ** 0.5, abs=1e-12)
+    assert row["mean"] == pytest.approx(2.29, abs=1e-12) and row["sd"] == pytest.approx(0.0019**0.5, abs=1e-12)
     assert row["initial_loss"] == {"1000": 5.8, "1001": 5.8, "1002": 5.8}
     assert record["table"]["attnres"]["0.01"]["mean"] is None
     assert record["table"]["attnres"]["0.01"]["problem"] == "seed 1000 diverged"
@@ -127,9 +167,10 @@ def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller
                 assert row["mean"] == pytest.approx(sum(row["val_loss"].values()) / 3, abs=1e-12)
     assert record["reason"] == {
         "standard": "the safer rate: 0.01 has the lowest mean but is not better beyond the seeds' noise (0.0300 "
-                    "lower, within its seeds' s.d. 0.0436)",
+        "lower, within its seeds' s.d. 0.0436)",
         "attnres": "the lowest mean",
-        "dar": "the safer rate: 0.01 has the lowest mean but is not better beyond the seeds' noise (worse on seed 1002)"}
+        "dar": "the safer rate: 0.01 has the lowest mean but is not better beyond the seeds' noise (worse on seed 1002)",  # noqa: E501
+    }
     printed = capsys.readouterr().out
     assert "tuned: standard at learning_rate 0.003 (the safer rate: 0.01 has the lowest mean" in printed
     assert "tuned: attnres at learning_rate 0.001 (the lowest mean)" in printed
@@ -147,31 +188,44 @@ def rows(*losses, initial=5.8):
         starts = {str(s): initial for s in range(len(ends))}
         ends = dict(zip(starts, ends))
         usable = all(e is not None and e < initial for e in ends.values())
-        made.append(dict(learning_rate=rate, val_loss=ends, initial_loss=starts, problem=None if usable else "x",
-                         mean=sum(ends.values()) / len(ends) if usable else None,
-                         sd=float(np.std(list(ends.values()), ddof=1)) if usable else None))
+        made.append(
+            dict(
+                learning_rate=rate,
+                val_loss=ends,
+                initial_loss=starts,
+                problem=None if usable else "x",
+                mean=sum(ends.values()) / len(ends) if usable else None,
+                sd=float(np.std(list(ends.values()), ddof=1)) if usable else None,
+            )
+        )
     return made
 
 
-@pytest.mark.parametrize("losses, chosen, reason", [
-    # a larger rate better on every seed by more than its own seeds' s.d. wins
-    (((2.5, 2.6, 2.7), (2.3, 2.4, 2.5)), 3e-3, "the lowest mean, 0.2000 below 0.001 on every seed, beyond its "
-                                             "seeds' s.d. 0.1000"),
-    # the same mean gain with a spread past it: the safer rate
-    (((2.5, 2.6, 2.7), (2.05, 2.5, 2.65)), 1e-3, "within its seeds' s.d. 0.3122"),
-    # better on average by far, beyond its seeds' s.d. (0.37 against 0.26), but a seed stalls (worse than at the
-    # safer rate): the safer rate
-    (((2.5, 2.5, 2.5, 2.5), (2.0, 2.0, 2.0, 2.52)), 1e-3, "(worse on seed 3)"),
-    # an exact tie: the smaller
-    (((2.5, 2.4), (2.4, 2.5)), 1e-3, "the lowest mean"),
-    # the lowest mean beyond noise is chosen over every smaller rate; a larger, worse rate never
-    (((2.9, 2.8), (2.6, 2.5), (2.3, 2.2), (2.31, 2.21)), 1e-2, "the lowest mean, 0.3000 below 0.003"),
-    # 1e-2 cannot beat 1e-3 (a seed worse) but 3e-3 can; 1e-2 does not beat 3e-3: 3e-3
-    (((2.6, 2.6, 2.6), (2.4, 2.41, 2.42), (2.1, 2.2, 2.65)), 3e-3, "worse on seed 2"),
-    # a finite loss at or above the step-0 loss is not finished: never chosen, whatever its mean
-    (((2.5, 2.5), (2.0, 5.8)), 1e-3, "the lowest mean"),
-    (((2.5, 2.5), (2.0, float("nan"))), 1e-3, "the lowest mean"),
-])
+@pytest.mark.parametrize(
+    "losses, chosen, reason",
+    [
+        # a larger rate better on every seed by more than its own seeds' s.d. wins
+        (
+            ((2.5, 2.6, 2.7), (2.3, 2.4, 2.5)),
+            3e-3,
+            "the lowest mean, 0.2000 below 0.001 on every seed, beyond its seeds' s.d. 0.1000",
+        ),
+        # the same mean gain with a spread past it: the safer rate
+        (((2.5, 2.6, 2.7), (2.05, 2.5, 2.65)), 1e-3, "within its seeds' s.d. 0.3122"),
+        # better on average by far, beyond its seeds' s.d. (0.37 against 0.26), but a seed stalls (worse than at the
+        # safer rate): the safer rate
+        (((2.5, 2.5, 2.5, 2.5), (2.0, 2.0, 2.0, 2.52)), 1e-3, "(worse on seed 3)"),
+        # an exact tie: the smaller
+        (((2.5, 2.4), (2.4, 2.5)), 1e-3, "the lowest mean"),
+        # the lowest mean beyond noise is chosen over every smaller rate; a larger, worse rate never
+        (((2.9, 2.8), (2.6, 2.5), (2.3, 2.2), (2.31, 2.21)), 1e-2, "the lowest mean, 0.3000 below 0.003"),
+        # 1e-2 cannot beat 1e-3 (a seed worse) but 3e-3 can; 1e-2 does not beat 3e-3: 3e-3
+        (((2.6, 2.6, 2.6), (2.4, 2.41, 2.42), (2.1, 2.2, 2.65)), 3e-3, "worse on seed 2"),
+        # a finite loss at or above the step-0 loss is not finished: never chosen, whatever its mean
+        (((2.5, 2.5), (2.0, 5.8)), 1e-3, "the lowest mean"),
+        (((2.5, 2.5), (2.0, float("nan"))), 1e-3, "the lowest mean"),
+    ],
+)
 def test_a_larger_rate_wins_only_beyond_the_seeds_noise(losses, chosen, reason):
     rate, why = tune.stable_choice(rows(*losses))
     assert rate == chosen and reason in why, why
@@ -185,8 +239,11 @@ def test_a_larger_rate_that_beats_a_worse_middle_one_is_chosen_non_monotone():
     assert why == "the lowest mean, 0.5500 below 0.003 on every seed, beyond its seeds' s.d. 0.0707"
     # the lowest mean does not beat the next smaller rate, a larger one does: the reason names that one
     rate, why = tune.stable_choice(rows((2.5, 2.6), (2.2, 2.65), (2.4, 2.5)))
-    assert rate == 3e-3 and why == "the lowest mean, and 0.01 beats 0.001 (0.1000 below 0.001 on every seed, beyond " \
-                                   "its seeds' s.d. 0.0707)", why
+    assert (
+        rate == 3e-3
+        and why
+        == "the lowest mean, and 0.01 beats 0.001 (0.1000 below 0.001 on every seed, beyond its seeds' s.d. 0.0707)"
+    ), why
 
 
 def test_every_choice_and_its_reason_agree_with_the_rule_non_monotone():
@@ -199,8 +256,9 @@ def test_every_choice_and_its_reason_agree_with_the_rule_non_monotone():
         chosen = next(r for r in made if r["learning_rate"] == rate)
         assert not any(grid_files.beats(r, chosen) for r in made if r["learning_rate"] > rate), why
         for smaller in (r for r in made if r["learning_rate"] < rate):
-            assert any(grid_files.beats(r, smaller) for r in made if r["learning_rate"] > smaller["learning_rate"]), \
+            assert any(grid_files.beats(r, smaller) for r in made if r["learning_rate"] > smaller["learning_rate"]), (
                 f"{smaller['learning_rate']} is smaller than the choice yet beaten by no larger rate ({why})"
+            )
         if match := re.search(r"\(([0-9.]+) lower, within its seeds' s.d. ([0-9.]+)\)", why):
             assert float(match[1]) <= float(match[2]), why
 
@@ -214,8 +272,11 @@ def test_a_hand_edited_choice_is_refused_not_rewritten(tmp_path, capsys):
     with open(path, "w") as f:
         json.dump(record, f)
     edited = open(path, "rb").read()
-    with pytest.raises(ConfigError, match=r"choice.json differs from the choice its tuning cells give \(in choice\): "
-                                          r"edited by hand or copied from another tuning; delete it and rerun") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"choice.json differs from the choice its tuning cells give \(in choice\): "
+        r"edited by hand or copied from another tuning; delete it and rerun",
+    ) as e:
         tune.choose(cfg, tune_dir)
     assert "\n" not in str(e.value) and open(path, "rb").read() == edited, "the edited file is left as it was"
     os.remove(path)
@@ -232,15 +293,18 @@ def test_a_hand_edited_choice_is_refused_not_rewritten(tmp_path, capsys):
         json.dump(dict(record, learning_rates=[1e-3, 3e-3]), f)
     tune.choose(cfg, tune_dir)
     assert read_json(path) == record
-    assert "choice.json rewritten: this tuning's learning_rates differ from the recorded one's" in capsys.readouterr().out
+    assert (
+        "choice.json rewritten: this tuning's learning_rates differ from the recorded one's" in capsys.readouterr().out
+    )
 
 
 def test_the_same_rates_in_another_order_are_the_same_tuning(tmp_path):
     cfg = config(tmp_path, **ARMS3)
     shuffled = dict(cfg, tune_learning_rates=[1e-2, 1e-3, 3e-3])
     assert records.differences(cfg, shuffled) == {}, "the order of the rates tried is no other setting"
-    assert "tune_learning_rates" in records.differences(cfg, dict(cfg, tune_learning_rates=[1e-3, 3e-3])), \
+    assert "tune_learning_rates" in records.differences(cfg, dict(cfg, tune_learning_rates=[1e-3, 3e-3])), (
         "another set of rates still is"
+    )
     tune_dir = tuned(tmp_path)
     tune.choose(cfg, tune_dir)
     before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
@@ -250,12 +314,18 @@ def test_the_same_rates_in_another_order_are_the_same_tuning(tmp_path):
 
 def test_every_rate_exploded_is_one_line_never_a_choice(tmp_path):
     # a finite loss of 2e17 (or above the step-0 loss) is no result: the run stops before the paired grid
-    losses = LOSSES | {("attnres", 1e-3): (2e17, 2e17, 3e17), ("attnres", 3e-3): (6.0, 2.0, 2.0),
-                       ("attnres", 1e-2): (None, 2.0, 2.0)}
-    with pytest.raises(ConfigError, match=r"^arm 'attnres': no rate finished on every tuning seed \(0.001: seed 1000 "
-                                          r"ended at 2e\+17, not below its step-0 loss 5.8; 0.003: seed 1000 ended at 6, "
-                                          r"not below its step-0 loss 5.8; 0.01: seed 1000 diverged\); add smaller "
-                                          r"rates to tune_learning_rates$"):
+    losses = LOSSES | {
+        ("attnres", 1e-3): (2e17, 2e17, 3e17),
+        ("attnres", 3e-3): (6.0, 2.0, 2.0),
+        ("attnres", 1e-2): (None, 2.0, 2.0),
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"^arm 'attnres': no rate finished on every tuning seed \(0.001: seed 1000 "
+        r"ended at 2e\+17, not below its step-0 loss 5.8; 0.003: seed 1000 ended at 6, "
+        r"not below its step-0 loss 5.8; 0.01: seed 1000 diverged\); add smaller "
+        r"rates to tune_learning_rates$",
+    ):
         tune.choose(config(tmp_path, **ARMS3), tuned(tmp_path, losses))
     assert not os.path.exists(tmp_path / "out" / "tune" / "choice.json")
 
@@ -268,9 +338,12 @@ def test_a_tuning_cell_without_its_step0_loss_is_one_line(tmp_path):
             os.remove(log)
         else:
             open(log, "w").write(damage)
-        with pytest.raises(ConfigError, match=r"dar-lr0.003/seed1002/log.jsonl (does not start with the step-0 "
-                                              r"validation loss|is unreadable or damaged).*; delete .*seed1002 to "
-                                              r"retrain it$") as e:
+        with pytest.raises(
+            ConfigError,
+            match=r"dar-lr0.003/seed1002/log.jsonl (does not start with the step-0 "
+            r"validation loss|is unreadable or damaged).*; delete .*seed1002 to "
+            r"retrain it$",
+        ) as e:
             tune.choose(cfg, tune_dir)
         assert "\n" not in str(e.value)
 
@@ -283,17 +356,25 @@ def test_the_tie_goes_to_the_smaller_rate_whatever_the_order(tmp_path):
 def test_a_missing_or_foreign_tuning_cell_is_one_line(tmp_path):
     cfg, tune_dir = config(tmp_path), tuned(tmp_path)
     os.remove(os.path.join(tune_dir, "attnres-lr0.003", "seed1001", "result.json"))
-    with pytest.raises(ConfigError, match=r"^tuning cell attnres-lr0.003/seed1001 has no result \(.*result.json "
-                                          r"missing\); run the same command to train it$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tuning cell attnres-lr0.003/seed1001 has no result \(.*result.json "
+        r"missing\); run the same command to train it$",
+    ):
         tune.choose(cfg, tune_dir)
     write_tuning_cell(tune_dir, "attnres", 3e-3, 1001, 2.5, 250)  # trained for another budget
-    with pytest.raises(ConfigError, match=r"attnres-lr0.003/seed1001/result.json is not of this tuning \(learning_rate "
-                                          r"0.003, 250 steps; this tuning: 0.003, 125 steps\)") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"attnres-lr0.003/seed1001/result.json is not of this tuning \(learning_rate "
+        r"0.003, 250 steps; this tuning: 0.003, 125 steps\)",
+    ) as e:
         tune.choose(cfg, tune_dir)
     assert "\n" not in str(e.value) and not os.path.exists(os.path.join(tune_dir, "choice.json"))
     write_tuning_cell(tune_dir, "attnres", 3e-3, 1001, 2.5, 125)
     shutil.rmtree(os.path.join(tune_dir, "standard-lr0.001", "seed1000"))
-    os.rename(os.path.join(tune_dir, "standard-lr0.01", "seed1000"), os.path.join(tune_dir, "standard-lr0.001", "seed1000"))
+    os.rename(
+        os.path.join(tune_dir, "standard-lr0.01", "seed1000"), os.path.join(tune_dir, "standard-lr0.001", "seed1000")
+    )
     with pytest.raises(ConfigError, match="is the record of arm 'standard-lr0.01' seed 1000 \\(a copied file"):
         tune.choose(cfg, tune_dir)
 
@@ -318,9 +399,12 @@ def test_only_the_master_process_writes_the_choice(tmp_path, capsys):
 
 def test_an_arm_that_diverged_at_every_rate_is_one_line(tmp_path):
     losses = LOSSES | {("attnres", r): (None, 2.0, 2.0) for r in RATES}
-    with pytest.raises(ConfigError, match=r"^arm 'attnres': no rate finished on every tuning seed \(0.001: seed 1000 "
-                                          r"diverged; 0.003: seed 1000 diverged; 0.01: seed 1000 diverged\); add "
-                                          r"smaller rates to tune_learning_rates$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^arm 'attnres': no rate finished on every tuning seed \(0.001: seed 1000 "
+        r"diverged; 0.003: seed 1000 diverged; 0.01: seed 1000 diverged\); add "
+        r"smaller rates to tune_learning_rates$",
+    ):
         tune.choose(config(tmp_path), tuned(tmp_path, losses))
 
 
@@ -335,9 +419,10 @@ def test_the_compared_seeds_never_choose(tmp_path):
 def test_tuned_arms_are_the_arms_at_their_chosen_rates(tmp_path):
     cfg = config(tmp_path, min_lr=1e-4)
     arms = tune.tuned_arms(cfg, tune.choose(cfg, tuned(tmp_path)))
-    assert arms == {"standard": dict(residual="standard", learning_rate=0.003, min_lr=pytest.approx(3e-3 / 30)),
-                    "attnres": dict(residual="attnres", attnres_block_size=2, learning_rate=0.001,
-                                    min_lr=pytest.approx(1e-3 / 30))}
+    assert arms == {
+        "standard": dict(residual="standard", learning_rate=0.003, min_lr=pytest.approx(3e-3 / 30)),
+        "attnres": dict(residual="attnres", attnres_block_size=2, learning_rate=0.001, min_lr=pytest.approx(1e-3 / 30)),
+    }
     assert cfg["arms"]["standard"] == {"residual": "standard"}  # the run's arms untouched
     tuned_cfg = dict(cfg, arms=arms)
     records.check_config(tuned_cfg, 1)  # and a grid that passes the run's checks
@@ -347,20 +432,34 @@ def test_tuned_arms_are_the_arms_at_their_chosen_rates(tmp_path):
 # -----------------------------------------------------------------------------
 # the one command, end to end
 
-needs_snippet = pytest.mark.skipif("tune_learning_rates" not in train.DEFAULTS,
-                                   reason="needs the train.py snippet: the tune_* keys and the tuned protocol in main")
+needs_snippet = pytest.mark.skipif(
+    "tune_learning_rates" not in train.DEFAULTS,
+    reason="needs the train.py snippet: the tune_* keys and the tuned protocol in main",
+)
 
 
 def run_train(args):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @needs_snippet
 def test_one_command_tunes_on_tuning_seeds_then_pairs_at_each_arms_rate(shards, tmp_path, capsys):
     out = str(tmp_path / "out")
-    args = tiny(shards, out, "--arms=standard,attnres", "--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001",
-                "--tune_iters=4")
+    args = tiny(
+        shards,
+        out,
+        "--arms=standard,attnres",
+        "--tune_learning_rates=1e-3,3e-2",
+        "--tune_seeds=1000,1001",
+        "--tune_iters=4",
+    )
     proc = run_train(args)  # the one command, as a user types it
     assert proc.returncode == 0, proc.stderr[-3000:]
     tune_dir = os.path.join(out, "tune")
@@ -392,18 +491,32 @@ def test_one_command_tunes_on_tuning_seeds_then_pairs_at_each_arms_rate(shards, 
         train.main(args + ["--tune_learning_rates=1e-3,3e-2,0.1"])  # refused before the tuning trains a new rate
     assert not os.path.exists(os.path.join(tune_dir, "standard-lr0.1"))
     with pytest.raises(ConfigError, match="^tune_seeds and seeds share 0: "):
-        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", "--tune_learning_rates=1e-3",
-                        "--tune_seeds=0,1000", "--tune_iters=4"))
+        train.main(
+            tiny(
+                shards,
+                str(tmp_path / "o2"),
+                "--arms=standard",
+                "--tune_learning_rates=1e-3",
+                "--tune_seeds=0,1000",
+                "--tune_iters=4",
+            )
+        )
     assert not os.path.exists(tmp_path / "o2" / "tune")
 
 
 def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_its_rates(shards, tmp_path, monkeypatch):
     # every validation token each cell reads, counted where it is read (validation_batch), as positions in the shard
     out, E, T = str(tmp_path / "out"), 1000, 16
-    args = tiny(shards, out, "--arms=standard", "--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001",
-                "--tune_iters=4")
+    args = tiny(
+        shards, out, "--arms=standard", "--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001", "--tune_iters=4"
+    )
     shard, read, cell = {}, {}, []
-    real_open, real_batch, real_cell, real_choose = train.open_data, train.validation_batch, train.train_cell, tune.choose
+    real_open, real_batch, real_cell, real_choose = (
+        train.open_data,
+        train.validation_batch,
+        train.train_cell,
+        tune.choose,
+    )
 
     def open_data(*a):
         shard["val"], train_shards = real_open(*a)
@@ -416,6 +529,7 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
 
     def killed(*a, **k):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(train, "open_data", open_data)
     monkeypatch.setattr(train, "validation_batch", validation_batch)
     monkeypatch.setattr(train, "train_cell", lambda arm, *a: (cell.append(arm), real_cell(arm, *a)))
@@ -428,8 +542,11 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
     assert sorted(read) == ["standard-lr0.001", "standard-lr0.03"]
     for arm, positions in read.items():  # every tuning cell read the tuning text whole, and no test token
         assert positions == tuning_text and not positions & test_text, arm
-    with pytest.raises(ConfigError, match=r"tune/config.json was made with other settings: tune_learning_rates "
-                                          r"\(\[0.001, 0.03\] -> \[0.001, 0.03, 0.1\]\); .*--allow_changes=True"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tune/config.json was made with other settings: tune_learning_rates "
+        r"\(\[0.001, 0.03\] -> \[0.001, 0.03, 0.1\]\); .*--allow_changes=True",
+    ):
         train.main(args + ["--tune_learning_rates=1e-3,3e-2,0.1"])  # the killed tuning, with another rate list
     assert not os.path.exists(os.path.join(out, "tune", "standard-lr0.1"))
     monkeypatch.setattr(tune, "choose", real_choose)
@@ -437,10 +554,22 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
     train.main(args)  # the same command: the tuning done, the choice made, the compared cell trained
     assert sorted(read) == ["standard"] and read["standard"] == test_text  # the reported text, as before the split
     assert read_json(os.path.join(out, "tune", "choice.json"))["tuning_text"] == dict(first_token=E, tokens=E)
-    with pytest.raises(ConfigError, match=r"^the tuned protocol chooses rates on the 1,600 validation tokens after the "
-                                          r"1,600 it reports \(eval_tokens\), but the validation shard holds 3,000, fewer "
-                                          r"than 3,200; set --eval_tokens=1500 or less, or give a longer validation "
-                                          r"shard$"):
-        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", "--tune_learning_rates=1e-3",
-                        "--tune_seeds=1000,1001", "--tune_iters=4", "--eval_tokens=1600"))
+    with pytest.raises(
+        ConfigError,
+        match=r"^the tuned protocol chooses rates on the 1,600 validation tokens after the "
+        r"1,600 it reports \(eval_tokens\), but the validation shard holds 3,000, fewer "
+        r"than 3,200; set --eval_tokens=1500 or less, or give a longer validation "
+        r"shard$",
+    ):
+        train.main(
+            tiny(
+                shards,
+                str(tmp_path / "o2"),
+                "--arms=standard",
+                "--tune_learning_rates=1e-3",
+                "--tune_seeds=1000,1001",
+                "--tune_iters=4",
+                "--eval_tokens=1600",
+            )
+        )
     assert not os.path.exists(tmp_path / "o2" / "tune")

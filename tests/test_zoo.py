@@ -48,6 +48,7 @@ def head(model, x):
 
 # --- postnorm ---------------------------------------------------------------------------------------
 
+
 def postnorm_reference(model, idx):
     res, eps = model.residual, model.config.norm_eps
     x = model.transformer.wte(idx)
@@ -57,6 +58,7 @@ def postnorm_reference(model, idx):
 
 
 # --- LAuReL -----------------------------------------------------------------------------------------
+
 
 def low_rank_skip(res, k, x):
     """B_k A_k x one rank-one term at a time: sum_r B[:, r] <A[r], x>."""
@@ -79,6 +81,7 @@ def laurel_reference(model, idx):
 
 # --- Frac-Connections -------------------------------------------------------------------------------
 
+
 def frac_reference(model, idx):
     """The stream as m fractions; each weight from one fraction's normalised features, one at a time."""
     res, eps, m = model.residual, model.config.norm_eps, model.residual.FRACTIONS
@@ -86,18 +89,25 @@ def frac_reference(model, idx):
     for k in range(2 * model.config.n_layer):
         feats = [h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) for h in H]
         s_read, s_mix, s_write = res.dynamic_scale[k]
-        read = [[res.read_static[k, j, i] + s_read * torch.tanh(feats[j] @ res.read_dynamic[k][:, i])
-                 for i in range(m)] for j in range(m)]  # read[j][i] (B, T): fraction j's part of input i
+        read = [
+            [res.read_static[k, j, i] + s_read * torch.tanh(feats[j] @ res.read_dynamic[k][:, i]) for i in range(m)]
+            for j in range(m)
+        ]  # read[j][i] (B, T): fraction j's part of input i
         x = torch.cat([sum(read[j][i].unsqueeze(-1) * H[j] for j in range(m)) for i in range(m)], dim=-1)
         out = sublayer(model, k, x).chunk(m, dim=-1)
-        H = [sum((res.mix_static[k, j, i] + s_mix * torch.tanh(feats[j] @ res.mix_dynamic[k][:, i])).unsqueeze(-1)
-                 * H[j] for j in range(m))
-             + (res.write_static[k, i] + s_write * torch.tanh(feats[i] @ res.write_dynamic[k])).unsqueeze(-1) * out[i]
-             for i in range(m)]
+        H = [
+            sum(
+                (res.mix_static[k, j, i] + s_mix * torch.tanh(feats[j] @ res.mix_dynamic[k][:, i])).unsqueeze(-1) * H[j]
+                for j in range(m)
+            )
+            + (res.write_static[k, i] + s_write * torch.tanh(feats[i] @ res.write_dynamic[k])).unsqueeze(-1) * out[i]
+            for i in range(m)
+        ]
     return head(model, torch.cat(H, dim=-1))
 
 
 # --- MUDDFormer -------------------------------------------------------------------------------------
+
 
 def mudd_reference(model, idx):
     """After each layer, each way's aggregation over the layer outputs, one source and one way at a time."""
@@ -118,9 +128,14 @@ def mudd_reference(model, idx):
     return head(model, r)
 
 
-REFERENCES = {"postnorm": postnorm_reference, "laurel_rw": laurel_reference, "laurel_lr": laurel_reference,
-              "laurel": laurel_reference, "frac": frac_reference,
-              "muddformer": mudd_reference}
+REFERENCES = {
+    "postnorm": postnorm_reference,
+    "laurel_rw": laurel_reference,
+    "laurel_lr": laurel_reference,
+    "laurel": laurel_reference,
+    "frac": frac_reference,
+    "muddformer": mudd_reference,
+}
 
 
 @pytest.mark.parametrize("variant", ZOO)
@@ -167,9 +182,11 @@ def test_muddformer_is_standard_at_init_and_reads_four_ways():
     randomize_routing(model)
     seen = []
     for block in model.transformer.h:
+
         def attention(x_q, x_k, x_v, gain, sublayer=block.attention):
             seen.append((x_q is x_k, x_k is x_v, torch.equal(x_q, x_k), torch.equal(x_k, x_v)))
             return sublayer(x_q, x_k, x_v, gain)
+
         block.attention = attention
     with torch.no_grad():
         model(tokens())
@@ -182,9 +199,17 @@ def test_two_ranks_under_fsdp_train_the_zoo_as_one_process_with_moe(shards, tmp_
     # every new scheme through train.py: 2 ranks under FSDP2 (its parameters sharded like any scheme's),
     # MoE layers and activation checkpointing on, against one process: the same losses within fp32 rounding
     import report
+
     monkeypatch.setattr(report, "main", lambda argv: None)
-    args = [f"--arms={','.join(ZOO)}", "--batch_size=8", "--max_iters=4", "--eval_interval=2", "--n_experts=4",
-            "--moe_top_k=2", "--activation_checkpointing=True"]
+    args = [
+        f"--arms={','.join(ZOO)}",
+        "--batch_size=8",
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--n_experts=4",
+        "--moe_top_k=2",
+        "--activation_checkpointing=True",
+    ]
     ranks = torchrun("train.py", tiny(shards, tmp_path / "fsdp", *args, "--fsdp=True"))
     assert ranks.returncode == 0, ranks.stderr[-2000:]
     train.main(tiny(shards, tmp_path / "single", *args))
@@ -200,7 +225,8 @@ def test_the_leaderboards_train_every_registered_scheme_under_the_tuned_protocol
     settings = settings_of(path)
     registered = [name for name in RESIDUALS if name != "gated"]  # gated: the README's example, tests only
     assert settings["arms"] == {name: {"residual": name} for name in registered}, (
-        f"{path}: list every scheme of model.RESIDUALS, at its defaults, in the registry's order")
+        f"{path}: list every scheme of model.RESIDUALS, at its defaults, in the registry's order"
+    )
     assert {"standard", "scaled_residual"} <= set(settings["arms"])  # both baselines, each paired with every arm
     assert len(settings["seeds"]) >= 6 and not set(settings["seeds"]) & set(settings["tune_seeds"])
     assert len(settings["tune_learning_rates"]) >= 2 and settings["n_layer"] >= 12
