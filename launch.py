@@ -22,20 +22,19 @@ on the shared filesystem, what a preemption costs, a one-node SLURM to try this 
 
 import contextlib
 import io
-import json
 import os
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 # no torch at the top: submitit's job process imports this file to run a Worker, which starts train.py
-from common import ConfigError, DataError, process_exists, read_json, read_lock, run, write_json
+from common import ConfigError, DataError, read_json, run, write_json
 from configurator import coerce, configure, parse_literal
+from grid_files import KINDS, cell_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -599,96 +598,6 @@ def status_text(status, unit):
             f"{unit}: {status['spent_s'] / 3600:.2f} spent, {left}",
         ]
     )
-
-
-KINDS = ("finished", "diverged", "training", "resumable", "pending", "unreadable")
-
-
-def cell_state(cell_dir, max_iters):
-    """(kind, what the cell is doing, the device-seconds it has used, its step). Device-seconds are
-    wall time x processes, from its result, else its checkpoint (a cell in training: at its last one)."""
-    from progress import duration
-
-    result_path, ckpt_path = os.path.join(cell_dir, "result.json"), os.path.join(cell_dir, "ckpt.pt")
-    if os.path.exists(result_path):
-        try:
-            r = read_json(result_path, strict=False)
-        except (OSError, ValueError) as e:  # torn by a kill mid-write of another tool, not UTF-8
-            raise DataError(f"{result_path} cannot be read ({e}); move it aside to train the cell again") from None
-        try:
-            used = number(r["wall_time_s"], "wall_time_s") * number(r["config"]["world_size"], "world_size")
-            steps = number(r["steps"], "steps")
-            if r["status"] == "diverged":
-                return "diverged", f"diverged at step {steps} ({r['reason']})", used, steps
-            return "finished", f"finished, val_loss {number(r['val_loss'], 'val_loss'):.4f}", used, steps
-        except (KeyError, TypeError, ValueError) as e:
-            why = f"no {e}" if isinstance(e, KeyError) else e
-            raise DataError(
-                f"{result_path} is not a result train.py writes ({why}); move it aside to train the cell again"
-            ) from None
-    ckpt = checkpoint_summary(ckpt_path) if os.path.exists(ckpt_path) else dict(step=0, wall_time_s=0.0, world=1)
-    used = ckpt["wall_time_s"] * ckpt["world"]
-    pid, host = read_lock(os.path.join(cell_dir, "lock"))
-    if pid and (host != socket.gethostname() or not pid.isdigit() or process_exists(int(pid))):
-        last = last_log_record(os.path.join(cell_dir, "log.jsonl"))
-        eta = f", {duration(last['eta_cell_s'])} left" if last.get("eta_cell_s") is not None else ""
-        return (
-            "training",
-            f"training: {host} pid {pid}, step {last.get('step', 0)}/{max_iters}{eta}",
-            used,
-            ckpt["step"],
-        )
-    if ckpt["step"]:
-        return "resumable", f"resumable at step {ckpt['step']}", used, ckpt["step"]
-    return "pending", "pending", used, 0
-
-
-def checkpoint_summary(path):
-    """A checkpoint's step, wall time and world size, read without loading its tensors (mmap)."""
-    import pickle
-
-    import torch
-
-    try:
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
-        raise DataError(
-            f"{path} cannot be read as a checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-            f"delete it to train the cell from scratch"
-        ) from None
-    try:
-        return dict(
-            step=number(ckpt["step"], "step"),
-            wall_time_s=number(ckpt["wall_time_s"], "wall_time_s"),
-            world=number(ckpt["config"]["world_size"], "world_size"),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        why = f"no {e}" if isinstance(e, KeyError) else e
-        raise DataError(
-            f"{path} is not a checkpoint train.py writes ({why}); delete it to train the cell from scratch"
-        ) from None
-
-
-def number(value, name):
-    """value when it is a number (an int or a float, not a bool), else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} is {value!r}, not a number")
-    return value
-
-
-def last_log_record(path):
-    """The log's last whole record ({} without one)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue  # a line being written
-    return {}
 
 
 def worker_outcome(folder, task):

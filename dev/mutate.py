@@ -816,7 +816,7 @@ MUTANTS = [
         "submitit's requeue limit back to its default 3: a worker ends on its 4th time limit",
     ),
     (
-        "launch.py",
+        "grid_files.py",
         "if pid and (host != socket.gethostname() or not pid.isdigit() or process_exists(int(pid))):",
         "if pid and (not pid.isdigit() or process_exists(int(pid))):",
         "tests/test_cluster.py",

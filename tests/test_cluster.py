@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+import grid_files
 import launch
 import cells
 import train
@@ -187,7 +188,7 @@ def test_a_signal_checkpoints_at_a_step_boundary_and_the_same_command_resumes_as
     stop = stopped_at_random_step(tiny(shards, tmp_path / "stopped", *args), monkeypatch, signum, 10)
     cell = tmp_path / "stopped" / "attnres" / "seed0"
     assert not (cell / "result.json").exists() and not (cell / "lock").exists()
-    assert launch.cell_state(str(cell), 10)[:2] == ("resumable", f"resumable at step {stop}")
+    assert grid_files.cell_state(str(cell), 10)[:2] == ("resumable", f"resumable at step {stop}")
     with stop_on_signals():
         train.main(tiny(shards, tmp_path / "stopped", *args))
     same_cells(tmp_path / "stopped", tmp_path / "whole", [("attnres", 0)])
@@ -244,7 +245,7 @@ def test_two_ranks_stopped_by_a_signal_resume_as_never_stopped(two_nodes, shards
     # and bit for bit as the two nodes: the same world size
     proc = torchrun(tmp_path, shards, wait=False)
     at, log = random.randrange(1, STEPS // 2), tmp_path / "attnres" / "seed0" / "log.jsonl"
-    while launch.last_log_record(str(log)).get("step", 0) < at:
+    while grid_files.last_log_record(str(log)).get("step", 0) < at:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.01)
     with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:  # torchrun's workers, one per rank
@@ -279,7 +280,7 @@ def test_status_lists_each_cell_and_the_hours_spent_and_left(shards, tmp_path, m
         "pending",
     ]
     finished = result(tmp_path, "attnres", 0)["wall_time_s"]
-    resumable = launch.checkpoint_summary(str(tmp_path / "attnres" / "seed1" / "ckpt.pt"))["wall_time_s"]
+    resumable = grid_files.checkpoint_summary(str(tmp_path / "attnres" / "seed1" / "ckpt.pt"))["wall_time_s"]
     assert status["spent_s"] == pytest.approx(finished + resumable)
     # at the measured rate of attnres (its finished cell's seconds per step), every arm's for rd_attnres
     assert status["left_s"] == pytest.approx(finished / 8 * ((8 - stop) + 8 + 8))
@@ -396,14 +397,14 @@ def test_a_worker_waiting_on_a_tuning_cell_of_a_silent_worker_on_another_host_gi
 def test_the_state_of_a_cell_whose_result_lacks_a_field_is_one_line(tmp_path):
     good = dict(status="finished", steps=10, val_loss=2.5, wall_time_s=3.0, config=dict(world_size=2))
     (tmp_path / "result.json").write_text(json.dumps(good))
-    assert launch.cell_state(str(tmp_path), 10) == ("finished", "finished, val_loss 2.5000", 6.0, 10)
+    assert grid_files.cell_state(str(tmp_path), 10) == ("finished", "finished, val_loss 2.5000", 6.0, 10)
     for broken, why in (
         (dict(good, config=None), "'NoneType' object is not subscriptable"),
         ({k: v for k, v in good.items() if k != "wall_time_s"}, "no 'wall_time_s'"),
     ):
         (tmp_path / "result.json").write_text(json.dumps(broken))
         with pytest.raises(DataError, match=rf"result.json is not a result train.py writes \({why}\); move it aside"):
-            launch.cell_state(str(tmp_path), 10)
+            grid_files.cell_state(str(tmp_path), 10)
 
 
 def fake_slurm(tmp_path, monkeypatch, sbatch="echo 'Submitted batch job 7'", sinfo="echo '2|24105|(null)|debug*'"):

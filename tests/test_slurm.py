@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+import grid_files
 import launch
 import train
 from common import DataError
@@ -79,7 +80,7 @@ def job_of(logs):
 def trainer(out, arm, at_step):
     """The pid of the process training the cell, once its log has reached at_step."""
     cell = out / arm / "seed0"
-    until(lambda: launch.last_log_record(str(cell / "log.jsonl")).get("step", 0) >= at_step, f"{arm} at {at_step}")
+    until(lambda: grid_files.last_log_record(str(cell / "log.jsonl")).get("step", 0) >= at_step, f"{arm} at {at_step}")
     return int((cell / "lock").read_text().split()[0])
 
 
