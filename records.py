@@ -32,7 +32,8 @@ from grid_files import (
     as_compared,
     cell_dir,
     check_owner,
-    check_result,  # noqa: F401
+    check_result,
+    describe_done,  # noqa: F401  (re-exported: cells.py and the tests call records.describe_done)
     read_record,
 )
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
