@@ -610,7 +610,7 @@ def test_moving_or_reordering_definitions_and_adding_a_scheme_no_arm_trains_lock
     sinkhorn = cut(folder, "model.py", "sinkhorn")  # a definition moved below the others
     edit("model.py", "\nRESIDUALS = dict(", "\n" + sinkhorn + "\n\n\nRESIDUALS = dict(")
     # a new scheme: its class and its registry entry (and the registry's class, as importing the new model.py gives)
-    edit("model.py", "scaled_residual=ScaledResidual)", "scaled_residual=ScaledResidual, gated2=GatedResidual)")
+    edit("model.py", "scaled_residual=ScaledResidual,\n)", "scaled_residual=ScaledResidual, gated2=GatedResidual)")
     (folder / "model.py").write_text((folder / "model.py").read_text() + "\n\n" + README_SCHEME)
     monkeypatch.setitem(RESIDUALS, "gated2", RESIDUALS["gated"])
     now = records.code_record()
