@@ -156,8 +156,11 @@ def choose(cfg, tune_dir, master=True):
             choice=choice,
             reason=reason,
         )
-        check_recorded(os.path.join(tune_dir, "choice.json"), recorded_choice(tune_dir), record)
-        write_json(os.path.join(tune_dir, "choice.json"), record)
+        recorded = recorded_choice(tune_dir)
+        check_recorded(os.path.join(tune_dir, "choice.json"), recorded, record)
+        # an unchanged choice keeps its file: a newer choice.json would make every rerun write the report again
+        if recorded != json.loads(json.dumps(record)):
+            write_json(os.path.join(tune_dir, "choice.json"), record)
         for arm in choice:
             print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({reason[arm]})")
     return choice

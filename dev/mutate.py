@@ -760,7 +760,7 @@ MUTANTS = [
     ),
     (
         "tune.py",
-        "check_recorded(os.path.join(tune_dir, \"choice.json\"), recorded_choice(tune_dir), record)",
+        "check_recorded(os.path.join(tune_dir, \"choice.json\"), recorded, record)",
         "None",
         "tests/test_tune.py",
         "a hand-edited choice.json silently rewritten",
@@ -850,6 +850,14 @@ MUTANTS = [
         "sorted(set(before) | set(now))",
         "tests/test_records.py",
         "fixing write_report or moving find_data refuses every rerun of every grid",
+    ),
+    # an unchanged tuning choice rewritten on every run, so every rerun of a tuned grid writes its report again
+    (
+        "tune.py",
+        "if recorded != json.loads(json.dumps(record)):",
+        "if True:",
+        "tests/test_tune.py",
+        "an unchanged choice.json rewritten: its newer file makes every rerun write the report again",
     ),
 ]
 

@@ -176,8 +176,12 @@ def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller
     assert "tuned: attnres at learning_rate 0.001 (the lowest mean)" in printed
     assert grid_files.tuning_problem(record, os.path.dirname(tune_dir)) is None  # what tune writes, the report reads
     before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
+    written = os.stat(os.path.join(tune_dir, "choice.json")).st_mtime_ns
     assert tune.choose(cfg, tune_dir) == choice  # rerun: the same choice, the same file
     assert open(os.path.join(tune_dir, "choice.json"), "rb").read() == before
+    assert os.stat(os.path.join(tune_dir, "choice.json")).st_mtime_ns == written, (
+        "an unchanged choice rewritten: its newer choice.json makes every rerun write the report again"
+    )
     assert [n for n in os.listdir(tune_dir) if n.startswith("choice.json.")] == []  # no temporary left
 
 
