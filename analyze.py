@@ -6,7 +6,7 @@ $ python analyze.py out/rd_attnres/seed0                   # the cell's whole fi
 $ python analyze.py out/dar/seed0 --max_tokens=65536 --device=cuda
 
 Loads the cell's ckpt.pt and config.json (written by train.py) and evaluates on the cell's own
-fixed validation set (the first eval_tokens tokens of its validation shard, as train.py does;
+fixed validation set (its eval_layout sequences of its validation shard, as train.py reads them;
 --max_tokens takes fewer, recorded). Writes into the cell folder analysis.json, analysis.md and,
 when matplotlib is installed, analysis_interventions.png and analysis_cosine.png:
 
@@ -117,15 +117,14 @@ def accumulate(total, value, weight):
 
 
 @torch.no_grad()
-def representations(model, val, evaluation, runtime):
-    """GPT.routing_diagnostics averaged over the tokens of the fixed validation set (evaluation: its
-    block_size, eval_tokens and eval_batch_size, as train.evaluate takes them)."""
-    T, B = evaluation.block_size, evaluation.eval_batch_size
-    n_seq = (evaluation.eval_tokens - 1) // T
+def representations(model, val_rows, evaluation, runtime):
+    """GPT.routing_diagnostics averaged over the tokens of the fixed validation set (val_rows, its sequences;
+    evaluation: its block_size and eval_batch_size, as train.evaluate takes them)."""
+    B, n_seq = evaluation.eval_batch_size, len(val_rows)
     model.eval()
     total = None
     for i in tqdm(range(0, n_seq, B), desc="representations", leave=False):
-        x, _ = train.validation_batch(val, range(i, min(i + B, n_seq)), T, runtime.device)
+        x, _ = train.validation_batch(val_rows, range(i, min(i + B, n_seq)), runtime.device)
         with runtime.autocast:
             total = accumulate(
                 total, model.routing_diagnostics(x), len(x) / n_seq
@@ -362,12 +361,17 @@ def main(argv):
         dict(device=args.device, dtype=args.dtype or cfg["dtype"], fsdp=False)
     )  # one process, whole model
     data_dir = resolve_data_dir(cfg["data_dir"])  # as train.py resolved it (recorded absolute since)
-    val = open_shard(find_shards(data_dir)[0], model.config.vocab_size)
-    T = model.config.block_size
-    if records.validation_hash(val, cfg["eval_tokens"], T) != cfg["val_hash"]:  # a shorter shard differs too
+    text = records.ValidationText(open_shard(find_shards(data_dir)[0], model.config.vocab_size), cfg.get("tokenizer"))
+    T, layout = model.config.block_size, cfg.get("eval_layout", "first")  # cells made before eval_layout: 'first'
+    try:
+        val_hash = text.hash(cfg["eval_tokens"], T, layout)
+    except ConfigError:  # a shorter shard
+        val_hash = None
+    if val_hash != cfg["val_hash"]:
         raise ConfigError(
-            f"the first eval_tokens={cfg['eval_tokens']:,} tokens of the validation shard in {data_dir} "
-            f"are not the ones the cell was evaluated on (val_hash differs): restore the cell's data there"
+            f"the validation sequences ({cfg['eval_tokens']:,} eval_tokens, eval_layout {layout!r}) of the validation "
+            f"shard in {data_dir} are not the ones the cell was evaluated on (val_hash differs): restore the cell's "
+            f"data there"
         )
     eval_tokens = min(args.max_tokens or cfg["eval_tokens"], cfg["eval_tokens"])
     if eval_tokens < T + 1:
@@ -387,7 +391,8 @@ def main(argv):
             f"are of the current code"
         )
     model.to(runtime.device)
-    evaluation = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=cfg["eval_batch_size"])
+    evaluation = SimpleNamespace(block_size=T, eval_batch_size=cfg["eval_batch_size"])
+    val = text.rows(cfg["eval_tokens"], T, layout)[: (eval_tokens - 1) // T]  # --max_tokens: the first of them
     base, rows = interventions(model, val, evaluation, runtime)
     tokens = (eval_tokens - 1) // T * T
     a = dict(

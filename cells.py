@@ -112,6 +112,8 @@ class Cell:
     state: CellState
     log: CellLog
     init_hash: str
+    val_rows: np.ndarray  # the validation sequences it is evaluated on (records.ValidationText.rows)
+    validation: dict  # what they are, for the report (records.ValidationText.described)
     tasks: list | None  # this rank's share of the CORE tasks, encoded for the cell (downstream.encode_tasks)
 
     @property
@@ -148,7 +150,7 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
         model=dataclasses.asdict(config),
         code=grid.code,
         machine=machine_record(runtime),
-        val_hash=records.validation_hash(val, settings.eval_tokens, settings.block_size),
+        val_hash=val.hash(settings.eval_tokens, settings.block_size, settings.eval_layout),
     )
     torch.manual_seed(seed_for(seed, INIT))  # the seed's shared init, bit-identical across arms
     model = GPT(config)
@@ -196,7 +198,21 @@ def open_cell(arm, seed, cfg, grid, val, runtime):
             grid.bundle.tasks, get_tokenizer(settings.tokenizer), settings.block_size, runtime.rank, runtime.world
         )
     )
-    return Cell(settings, record, model, compiled, train_model, optimizer, state, log, init_hash, tasks)
+    where = settings.eval_tokens, settings.block_size, settings.eval_layout
+    return Cell(
+        settings,
+        record,
+        model,
+        compiled,
+        train_model,
+        optimizer,
+        state,
+        log,
+        init_hash,
+        val.rows(*where),
+        val.described(*where),
+        tasks,
+    )
 
 
 def save_cell(cell, data, loss_sum, grid, runtime):
@@ -258,6 +274,7 @@ def finish_cell(cell, data, val_loss, sequence_losses, diverged, routing, grid, 
             init_hash=cell.init_hash,
             data_hash=data.hash,
             eval_tokens=(s.eval_tokens - 1) // s.block_size * s.block_size,
+            validation=cell.validation,
             changes=state.changes,
             wall_time_s=cell.log.wall_time_s(),
         )

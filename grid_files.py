@@ -40,11 +40,15 @@ def cell_dir(out_dir, arm, seed):
 # settings recorded as lists whose order changes nothing: the rates a tuning tries train the same cells and give the
 # same choice in any order
 UNORDERED_KEYS = ("tune_learning_rates",)
+# settings added later, as records made before them compare: the behaviour they had then
+ABSENT_MEANS = {"eval_layout": "first"}
 
 
 def as_compared(key, value):
     """A recorded setting as two records compare it (the rerun check, the report's pairing): sorted where its order
     changes nothing (UNORDERED_KEYS)."""
+    if value is None and key in ABSENT_MEANS:
+        return ABSENT_MEANS[key]
     if key in UNORDERED_KEYS and isinstance(value, list):
         try:
             return sorted(value)
@@ -614,8 +618,12 @@ TUNING_CHECKS = (
     ("min_lr_ratio", lambda r: is_finite(r) and 0 <= r <= 1, "a fraction in [0, 1]"),
     (
         "tuning_text",
-        lambda t: isinstance(t, dict) and all(is_seed(t.get(k)) for k in ("first_token", "tokens")),
-        "a dict of first_token and tokens",
+        lambda t: (
+            isinstance(t, dict)
+            and is_seed(t.get("tokens"))
+            and (t.get("layout") == "spread" and t.get("sequences") == "odd" or is_seed(t.get("first_token")))
+        ),
+        "a dict of first_token and tokens, or of layout 'spread', sequences 'odd' and tokens",
     ),
     ("test_tokens", lambda n: is_seed(n) and n > 0, "a positive integer"),
     ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
@@ -644,7 +652,7 @@ def tuning_problem(record, out_dir):
         )
     if problem := missing_or_wrong(record, TUNING_CHECKS):
         return problem
-    if record["tuning_text"]["first_token"] < record["test_tokens"]:
+    if record["tuning_text"].get("layout") != "spread" and record["tuning_text"]["first_token"] < record["test_tokens"]:
         return (
             f"tuning_text begins at token {record['tuning_text']['first_token']}, inside the reported validation "
             f"text (its first {record['test_tokens']} tokens)"

@@ -184,6 +184,11 @@ def check_config(cfg, world, command_line=()):
             raise ConfigError(f"{key}={cfg[key]} must be in [0, 1)")
     if not 0 <= cfg["cooldown_frac"] <= 1:
         raise ConfigError(f"cooldown_frac={cfg['cooldown_frac']} must be in [0, 1]")
+    if cfg["eval_layout"] not in EVAL_LAYOUTS:
+        raise ConfigError(
+            f"eval_layout={cfg['eval_layout']!r}: choose spread (sequences across the whole validation shard) or first"
+            f" (its first eval_tokens, as grids made before the setting)"
+        )
     check_learning_rates(cfg, cfg, "")
     seeds = cfg["seeds"]
     if not seeds or any(type(s) is not int or s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
@@ -597,7 +602,7 @@ def differences(old, new):
     (when code_changes finds a definition the run computes with changed)."""
     skip = NOT_RESULT_KEYS + ("model", "code", "changes", "machine")  # machine: provenance (cells.open_cell)
     diff = {
-        k: [old.get(k), new.get(k)]
+        k: [as_compared(k, old.get(k)), as_compared(k, new.get(k))]  # a setting added since: its old behaviour
         for k in sorted(set(old) | set(new))
         if k not in skip and as_compared(k, old.get(k)) != as_compared(k, new.get(k))
     }
@@ -667,7 +672,7 @@ def check_cell(cfg, arm, seed, code, val):
     if not os.path.exists(config_path):
         return {}  # a checkpoint alone: resume refuses it, naming what to do
     cell = cell_config(cfg, arm, seed)
-    new = dict(cell, code=code, val_hash=validation_hash(val, cell["eval_tokens"], cell["block_size"]))
+    new = dict(cell, code=code, val_hash=val.hash(cell["eval_tokens"], cell["block_size"], cell["eval_layout"]))
     recorded = read_record(config_path, "restore it, or delete the folder to start it again")
     return check_rerun(config_path, recorded, new, cfg["allow_changes"])
 
@@ -764,6 +769,7 @@ def write_result(
     init_hash,
     data_hash,
     eval_tokens,
+    validation,
     changes,
     wall_time_s,
 ):
@@ -802,6 +808,7 @@ def write_result(
         reason=diverged,
         tokens=tokens,
         steps=steps,
+        validation=validation,  # the text evaluated, in words for the report (val_hash in pairing pins it)
         params=model.num_params(non_embedding=False),
         non_embedding_params=model.num_params(),
         active_params=model.num_params(non_embedding=False, active=True),
@@ -829,9 +836,82 @@ def shared_init_hash(model):
     return h.hexdigest()
 
 
-def validation_hash(val, eval_tokens, T):
-    """sha256 of the validation tokens evaluated: the whole sequences of T + 1 in the first eval_tokens."""
-    return hashlib.sha256(np.ascontiguousarray(val[: (eval_tokens - 1) // T * T + 1])).hexdigest()
+# where the validation sequences lie in the validation shard (eval_layout): 'spread' evenly over all of it, so every
+# held-out document long enough is read; 'first' its first eval_tokens, one document of the bundled corpora (every
+# grid made before eval_layout existed, whose records lack the key: grid_files.as_compared reads that as 'first')
+EVAL_LAYOUTS = ("spread", "first")
+
+
+class ValidationText:
+    """The sequences of T + 1 tokens a grid evaluates, cut from the validation shard. part 'test': the reported ones;
+    'tune': the tuned protocol's, which never share a token with them. 'spread': the shard cut into slots of T + 1
+    tokens, 2 n of them picked at even spacing (n = (eval_tokens - 1) // T), the even picks reported and the odd
+    ones tuning, so both sets cover the whole shard. 'first': the first eval_tokens tokens as n sequences that share
+    their boundary tokens (tuning: the eval_tokens after them). The layout is a recorded setting and val_hash pins
+    the tokens, so cells of two layouts never pair."""
+
+    def __init__(self, shard, tokenizer, part="test"):
+        self.shard, self.tokenizer, self.part = shard, tokenizer, part
+
+    def starts(self, eval_tokens, T, layout):
+        n = (eval_tokens - 1) // T
+        if layout == "first":
+            first = eval_tokens if self.part == "tune" else 0
+            if first + n * T + 1 > len(self.shard):
+                raise ConfigError(
+                    f"the tuned protocol chooses rates on the {eval_tokens:,} validation tokens after the "
+                    f"{eval_tokens:,} it reports (eval_layout='first'), but the validation shard holds "
+                    f"{len(self.shard):,}; set --eval_tokens={len(self.shard) // 2} or less, or --eval_layout=spread"
+                )
+            return first + T * np.arange(n)
+        slots = len(self.shard) // (T + 1)
+        if 2 * n > slots:
+            raise ConfigError(
+                f"eval_layout='spread' reads 2 x {n:,} sequences of {T + 1} tokens (the reported ones and the tuning "
+                f"ones between them) but the validation shard holds {slots:,} ({len(self.shard):,} tokens); set "
+                f"--eval_tokens={slots // 2 * T + 1} or less, or give a longer validation shard"
+            )
+        picks = (np.arange(2 * n) * 2 + 1) * slots // (4 * n)  # the middle of each of 2 n equal stretches
+        return picks[self.part == "tune" :: 2] * (T + 1)
+
+    def rows(self, eval_tokens, T, layout):
+        """The sequences, an (n, T + 1) array."""
+        starts = self.starts(eval_tokens, T, layout)
+        return np.stack([self.shard[s : s + T + 1] for s in starts]).astype(np.uint16)
+
+    def hash(self, eval_tokens, T, layout):
+        """val_hash: sha256 of the tokens evaluated ('first': the contiguous stretch, as grids before eval_layout
+        recorded it; 'spread': the starts and the sequences)."""
+        starts = self.starts(eval_tokens, T, layout)
+        if layout == "first":
+            return hashlib.sha256(np.ascontiguousarray(self.shard[starts[0] : starts[-1] + T + 1])).hexdigest()
+        rows = self.rows(eval_tokens, T, layout)
+        return hashlib.sha256(b"spread" + starts.astype(np.int64).tobytes() + rows.tobytes()).hexdigest()
+
+    def described(self, eval_tokens, T, layout):
+        """What report.md names: the layout, sequences, tokens, the documents they touch out of those held out
+        (documents begin with end-of-text: docs/shards.md) and the bytes of text they hold."""
+        starts, rows = self.starts(eval_tokens, T, layout), self.rows(eval_tokens, T, layout)
+        tokenizer = TOKENIZERS[self.tokenizer]() if self.tokenizer in TOKENIZERS else None
+        if tokenizer is None:  # a shard of no known tokenizer: documents and bytes cannot be told
+            return dict(layout=layout, part=self.part, sequences=len(rows), tokens=len(rows) * T)
+        begins = np.flatnonzero(np.asarray(self.shard) == tokenizer.eot)
+        if not len(begins) or begins[0] != 0:  # a shard that starts mid-document
+            begins = np.concatenate([[0], begins])
+        first = np.searchsorted(begins, starts, side="right") - 1
+        last = np.searchsorted(begins, starts + T, side="right") - 1
+        touched = set().union(*(range(a, b + 1) for a, b in zip(first, last)))
+        lengths = np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)] + [0])
+        lengths[tokenizer.eot] = 0
+        return dict(
+            layout=layout,
+            part=self.part,
+            sequences=len(rows),
+            tokens=len(rows) * T,
+            documents=len(touched),
+            held_out_documents=len(begins),
+            bytes=int(lengths[np.minimum(rows, tokenizer.vocab_size)].sum()),
+        )
 
 
 def train_data_fingerprint(train_paths, manifest):

@@ -834,14 +834,20 @@ def tuning_lines(record, arms, results, cost):
     and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
     rates = sorted({row["learning_rate"] for rows in record["table"].values() for row in rows.values()})
     text, seeds = record["tuning_text"], record["tune_seeds"]
+    where = (
+        "the validation sequences between the reported ones (the odd of 2 x n slots spread evenly over the "
+        "validation shard; the reported ones are the even)"
+        if text.get("layout") == "spread"
+        else f"the validation shard's {text['tokens']:,} tokens from token {text['first_token']:,} (the reported "
+        f"validation set is its first {record['test_tokens']:,})"
+    )
     lines = [
         "## Learning-rate tuning",
         "",
         f"Each arm's learning rate was chosen before the compared seeds trained, on text they are not judged on: "
         f"every arm ran at each rate below on tuning seeds {', '.join(map(str, seeds))} (never a compared seed) "
         f"for {record['tune_iters']} of the {record['max_iters']} steps (the whole schedule in them, min_lr "
-        f"{record['min_lr_ratio']:g} x the rate), evaluated on the validation shard's {text['tokens']:,} tokens "
-        f"from token {text['first_token']:,} (the reported validation set is its first {record['test_tokens']:,}). "
+        f"{record['min_lr_ratio']:g} x the rate), evaluated on {where}. "
         f"A rate counts only where every tuning seed finished below its step-0 loss; a larger rate beats a "
         f"smaller one only when it is better on every tuning seed and its mean is lower by more than the s.d. of "
         f"its own seeds' losses; each arm's choice is the smallest rate no larger one beats (never above the "
@@ -1351,6 +1357,23 @@ def recorded_values(results, read):
     return list(dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values()))
 
 
+def validation_words(described):
+    """A cell's record of its validation text (records.ValidationText.described) in words."""
+    if not isinstance(described, dict):
+        return "validation text not described (a cell made before that record)"
+    where = (
+        "spread evenly over the validation shard"
+        if described.get("layout") == "spread"
+        else "the first of the validation shard (eval_layout 'first')"
+    )
+    words = f"{described.get('sequences')} sequences {where}"
+    if is_seed(described.get("documents")) and is_seed(described.get("held_out_documents")):
+        words += f", in {described['documents']} of its {described['held_out_documents']} documents"
+    if is_seed(described.get("bytes")):
+        words += f", {described['bytes']:,} bytes of text"
+    return words
+
+
 def data_lines(results, config):
     """The data the cells were trained and evaluated on, as their records say: corpus, tokens trained, the
     validation text; and the code commit."""
@@ -1380,9 +1403,9 @@ def data_lines(results, config):
         + (f", val_hash {str(h)[:12]}" if h else "")
         for n, m, h in map(json.loads, evaluated)
     )
-    documents = recorded_values(results, lambda r: record(r).get("validation"))  # the documents, where recorded
-    if documents != ["null"]:
-        validation += "; documents: " + said(documents)
+    described = [json.loads(v) for v in recorded_values(results, lambda r: r.get("validation"))]
+    if any(isinstance(d, dict) for d in described):  # what the text was, where the cells record it
+        validation += "; " + "; ".join(validation_words(d) for d in described)
     commits = recorded_values(
         results,
         lambda r: [((r.get("code") or record(r).get("code") or {}).get(k)) for k in ("git_commit", "git_dirty")],

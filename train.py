@@ -53,7 +53,8 @@ verify_shards = False  # also check each shard's sha256 against manifest.json at
 init_from = ""  # warm start every cell from this standard checkpoint; "" = the seed's init
 eval_interval = 25  # evaluate and checkpoint every N steps
 log_interval = 10
-eval_tokens = 8192  # the fixed validation set: whole sequences in the validation shard's first N tokens
+eval_tokens = 8192  # the fixed validation set: (eval_tokens - 1) // block_size whole sequences of the validation shard
+eval_layout = "spread"  # where they lie: evenly across the whole shard ('first': its first eval_tokens; records.py)
 eval_batch_size = 8  # sequences per evaluation forward; does not change the result
 allow_changes = False  # go on with cells recorded under other settings or code (recorded in them)
 # downstream: the CORE in-context tasks (downstream.py) on each cell's model, logged, and written as downstream.json
@@ -156,10 +157,9 @@ def to_device(tokens, device):
     return x.to(device), y.to(device)
 
 
-def validation_batch(val, seq_ids, T, device):
-    """Validation sequences seq_ids (whole sequences of T + 1 tokens) as (inputs, targets)."""
-    rows = [val[j * T : j * T + T + 1] for j in seq_ids]
-    return to_device(np.stack(rows) if rows else np.zeros((0, T + 1), dtype=np.uint16), device)
+def validation_batch(val_rows, seq_ids, device):
+    """Validation sequences seq_ids (rows of records.ValidationText.rows, T + 1 tokens each) as (inputs, targets)."""
+    return to_device(val_rows[np.asarray(seq_ids, dtype=np.int64)], device)
 
 
 def micro_batches(n, batch_size):
@@ -200,15 +200,15 @@ def learning_rate_at(step, cell):
 
 
 @torch.no_grad()
-def sequence_losses(model, val, cell, runtime):
+def sequence_losses(model, val_rows, cell, runtime):
     """The mean NLL (nats/token) of each sequence of the fixed validation set, as a float64 array in
-    sequence order, whole on every rank (the text's share of the uncertainty: report.py). The set: the
-    first cell.eval_tokens tokens of the validation shard as whole sequences of cell.block_size + 1, split
+    sequence order, whole on every rank (the text's share of the uncertainty: report.py). The set: the cell's
+    rows of records.ValidationText (sequences of cell.block_size + 1 tokens), split
     over ranks, each sequence's token losses summed in fp64, so the result does not depend on eval_batch_size
     or the world size beyond fp32 rounding. model may be the compiled module: every batch has one shape (a
     short last one padded with ignored targets), so evaluation compiles once; every rank runs as many."""
     T = cell.block_size
-    n_seq = (cell.eval_tokens - 1) // T
+    n_seq = len(val_rows)
     ours = np.arange(runtime.rank, n_seq, runtime.world)
     per_rank = -(-n_seq // runtime.world)
     B = min(cell.eval_batch_size, per_rank)
@@ -216,7 +216,7 @@ def sequence_losses(model, val, cell, runtime):
     model.eval()
     for i in range(0, per_rank, B):
         rows = ours[i : i + B]
-        x, y = validation_batch(val, rows, T, runtime.device)
+        x, y = validation_batch(val_rows, rows, runtime.device)
         x, y = F.pad(x, (0, 0, 0, B - len(x))), F.pad(y, (0, 0, 0, B - len(y)), value=-1)
         with runtime.autocast:
             _, loss = model(x, y, reduction="none")
@@ -227,17 +227,16 @@ def sequence_losses(model, val, cell, runtime):
     return (sums / T).cpu().numpy()
 
 
-def evaluate(model, val, cell, runtime):
+def evaluate(model, val_rows, cell, runtime):
     """Mean NLL (nats/token) on the fixed validation set: the mean of sequence_losses (every sequence
     has block_size tokens)."""
-    return float(sequence_losses(model, val, cell, runtime).mean())
+    return float(sequence_losses(model, val_rows, cell, runtime).mean())
 
 
 @torch.no_grad()
-def routing_summary(model, val, cell, runtime):
+def routing_summary(model, val_rows, runtime):
     """Routing diagnostics (GPT.routing_diagnostics) on the first few validation sequences."""
-    n = min(4, (len(val) - 1) // cell.block_size)
-    x, _ = validation_batch(val, range(n), cell.block_size, runtime.device)
+    x, _ = validation_batch(val_rows, range(min(4, len(val_rows))), runtime.device)
     model.eval()
     with runtime.autocast:
         diag = model.routing_diagnostics(x)
@@ -268,12 +267,12 @@ def train_cell(arm, seed, cfg, grid, train_shards, val, runtime):
     while True:
         if state.step % s.eval_interval == 0 or state.step == s.max_iters:
             t_eval = time.monotonic()
-            losses = sequence_losses(cell.compiled, val, s, runtime)
+            losses = sequence_losses(cell.compiled, cell.val_rows, s, runtime)
             val_loss = float(losses.mean())
             if not math.isfinite(val_loss):
                 diverged = f"validation loss {val_loss} at step {state.step}"
                 break
-            routing = routing_summary(model, val, s, runtime)  # on every rank: an FSDP forward is collective
+            routing = routing_summary(model, cell.val_rows, runtime)  # on every rank: an FSDP forward is collective
             log.evaluated(state.step, val_loss, routing, time.monotonic() - t_eval)
             evaluate_downstream(cell, grid, runtime)
             if state.step > 0:
@@ -399,9 +398,11 @@ def main(argv):
         if cfg["downstream_bundle"]
         else None
     )  # every rank
-    val, train_shards = open_data(cfg, data, min(m.vocab_size for m in models.values()), init.tokenizer)
+    shard, train_shards = open_data(cfg, data, min(m.vocab_size for m in models.values()), init.tokenizer)
+    val = records.ValidationText(shard, cfg["tokenizer"])
     for config in models.values():  # enough tokens for a sequence of every arm, before anything is written
         TrainData(train_shards, config.block_size, 0)
+        val.starts(cfg["eval_tokens"], config.block_size, cfg["eval_layout"])  # and for its validation sequences
     if cfg["tune_learning_rates"]:  # the tuned protocol: each arm's rate chosen on the tuning seeds, then the grid
         records.GridRecord(dict(cfg, arms={}), code)  # a rerun under other settings or code: refused before tuning
         tuning = tune.tuning_config(cfg)

@@ -115,16 +115,25 @@ def tuning_config(cfg):
 
 
 def tuning_text(cfg, val):
-    """The tuning cells' validation text: the eval_tokens tokens of the validation shard right after the first
-    eval_tokens, which the paired comparison reports, so a rate is never chosen on the text it is judged on."""
+    """The tuning cells' validation text (records.ValidationText, part 'tune'): sequences that share no token with
+    the ones the paired comparison reports, so a rate is never chosen on the text it is judged on. 'spread': the
+    slots between the reported ones; 'first': the eval_tokens tokens right after the reported first eval_tokens."""
     n = cfg["eval_tokens"]
-    if len(val) < 2 * n:
+    if cfg["eval_layout"] == "first" and len(val.shard) < 2 * n:
         raise ConfigError(
             f"the tuned protocol chooses rates on the {n:,} validation tokens after the {n:,} it reports "
-            f"(eval_tokens), but the validation shard holds {len(val):,}, fewer than {2 * n:,}; set "
-            f"--eval_tokens={len(val) // 2} or less, or give a longer validation shard"
+            f"(eval_tokens), but the validation shard holds {len(val.shard):,}, fewer than {2 * n:,}; set "
+            f"--eval_tokens={len(val.shard) // 2} or less, or give a longer validation shard"
         )
-    return val[n : 2 * n]
+    return records.ValidationText(val.shard, val.tokenizer, part="tune")
+
+
+def tuning_record(cfg):
+    """Where choice.json says the tuning text lay: 'first', from token eval_tokens on; 'spread', the odd slots."""
+    n = cfg["eval_tokens"]
+    if cfg["eval_layout"] == "first":
+        return dict(first_token=n, tokens=n)
+    return dict(layout="spread", sequences="odd", tokens=n)
 
 
 def choose(cfg, tune_dir, master=True):
@@ -150,7 +159,7 @@ def choose(cfg, tune_dir, master=True):
             seeds=list(cfg["seeds"]),
             learning_rates=rates,
             min_lr_ratio=float(f"{cfg['min_lr'] / cfg['learning_rate']:.12g}"),
-            tuning_text=dict(first_token=n, tokens=n),
+            tuning_text=tuning_record(cfg),
             test_tokens=n,
             table=table,
             choice=choice,

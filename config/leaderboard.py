@@ -59,3 +59,4 @@ n_head = 4
 n_embd = 64
 max_iters = 600
 eval_interval = 60
+eval_tokens = 16384  # 127 sequences spread over the validation shard: every held-out document of both corpora

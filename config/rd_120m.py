@@ -23,5 +23,5 @@ min_lr = 6e-5
 warmup_iters = 250
 
 eval_interval = 250
-eval_tokens = 10_485_760
+eval_tokens = 4_194_305  # 4,096 sequences spread over the 10,485,760-token validation shard (docs/protocol.md)
 eval_batch_size = 32

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import analyze
 import common
 import machine
+import records
 import train
 from common import ConfigError, DataError
 from data.shards import write_shard
@@ -45,20 +46,26 @@ def stream():
     return (np.arange(40_000) % 17 + rng.integers(0, 3, 40_000)).astype(np.uint16)
 
 
+@pytest.fixture(scope="module")
+def val_rows(stream):
+    """The fixed validation set of EVAL on the stream: its first eval_tokens as sequences (eval_layout 'first')."""
+    return records.ValidationText(stream, None).rows(EVAL.eval_tokens, EVAL.block_size, "first")
+
+
 def make(variant, seed=0):
     torch.manual_seed(seed)
     return GPT(GPTConfig(**TINY, **VARIANTS[variant]))
 
 
-def test_effective_sources_and_cosine_matrices(stream):
+def test_effective_sources_and_cosine_matrices(val_rows):
     model = make("attnres_full")  # uniform weights at init: S effective sources at every read
-    rep = analyze.representations(model, stream, EVAL, CPU)
+    rep = analyze.representations(model, val_rows, EVAL, CPU)
     for name, w in rep["weights"].items():
         assert abs(rep["effective_sources"][name] - len(w)) < 1e-4
     with torch.no_grad():
         for p in (model.residual.query, model.residual.key_gain):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    rep = analyze.representations(model, stream, EVAL, CPU)
+    rep = analyze.representations(model, val_rows, EVAL, CPU)
     # mean over tokens of exp(H): between 1 and S, and at least exp of the mean entropy (Jensen)
     for name, w in rep["weights"].items():
         assert 1 - 1e-6 <= rep["effective_sources"][name] <= len(w) + 1e-6
@@ -69,7 +76,7 @@ def test_effective_sources_and_cosine_matrices(stream):
     torch.testing.assert_close(cos, cos.T)
     torch.testing.assert_close(cos.diagonal(), torch.ones(len(cos)))
     assert cos.shape == (2 * TINY["n_layer"] + 1,) * 2 and cos.min() < 0.9
-    x, _ = train.validation_batch(stream, range((EVAL.eval_tokens - 1) // 16), 16, "cpu")
+    x, _ = train.validation_batch(val_rows, range(len(val_rows)), "cpu")
     sources = []
     with torch.no_grad():  # the sources of Full AttnRes: the embedding and every sublayer output
         h = model.transformer.wte(x)
@@ -193,14 +200,14 @@ def nll_by_hand(model, x, y, change=None):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_intervention_nll_is_the_cross_entropy_under_the_change(variant, stream):
+def test_intervention_nll_is_the_cross_entropy_under_the_change(variant, val_rows):
     model = randomize(make(variant), seed=1)
     if not model.interventions():
         pytest.skip(f"{variant} lists no interventions (ResidualScheme.interventions is optional): none to evaluate")
-    base, rows = analyze.interventions(model, stream, EVAL, CPU)
+    base, rows = analyze.interventions(model, val_rows, EVAL, CPU)
     assert [change for change, _ in rows] == model.interventions()
     assert model.residual.intervention is None, "GPT.intervene() must switch every intervention off again"
-    x, y = train.validation_batch(stream, range((EVAL.eval_tokens - 1) // 16), 16, "cpu")
+    x, y = train.validation_batch(val_rows, range(len(val_rows)), "cpu")
     assert abs(base - nll_by_hand(model, x, y)) < 1e-6
     for change, nll in rows:
         assert abs(nll - nll_by_hand(model, x, y, change)) < 1e-6, change
@@ -256,7 +263,8 @@ def test_analysis_json_recomputed_by_hand(grid, stream, variant, tmp_path):
     analyze.main([cell, "--device=cpu"])
     a = json.load(open(os.path.join(cell, "analysis.json")))
     model.eval()
-    x, y = train.validation_batch(stream[:2000], range((cfg["eval_tokens"] - 1) // 16), 16, "cpu")
+    val = records.ValidationText(stream[:2000], None).rows(cfg["eval_tokens"], 16, cfg["eval_layout"])
+    x, y = train.validation_batch(val, range(len(val)), "cpu")
     base = nll_by_hand(model, x, y)
     assert abs(a["base_nll"] - base) < 1e-6
     for r in a["interventions"]:  # delta = NLL with the change - NLL without: positive when the change hurts

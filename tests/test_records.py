@@ -732,11 +732,11 @@ def test_check_rerun_refuses_another_cell_and_changed_settings_unless_allowed():
 
 def test_a_copied_result_or_record_is_not_a_new_seed(tmp_path):
     cfg = grid_cfg(tmp_path, arms={"a": {"residual": "standard"}}, seeds=[0, 7])
-    val = np.arange(20000, dtype=np.uint16)
+    val = records.ValidationText(np.arange(20000, dtype=np.uint16), None)
     seed0, seed7 = tmp_path / "a" / "seed0", tmp_path / "a" / "seed7"
     seed0.mkdir(parents=True)
     cell = records.cell_config(cfg, "a", 0)
-    record = dict(cell, code=CODE, val_hash=records.validation_hash(val, cell["eval_tokens"], cell["block_size"]))
+    record = dict(cell, code=CODE, val_hash=val.hash(cell["eval_tokens"], cell["block_size"], cell["eval_layout"]))
     (seed0 / "config.json").write_text(json.dumps(record))
     (seed0 / "result.json").write_text(json.dumps(dict(arm="a", seed=0, status="finished", val_loss=1.0)))
     assert records.check_cell(cfg, "a", 0, CODE, val) == {}
@@ -793,6 +793,7 @@ def test_a_huge_finite_loss_is_recorded_without_a_perplexity(tmp_path):
         init_hash="i",
         data_hash="d",
         eval_tokens=8,
+        validation=dict(layout="spread", sequences=1, tokens=8),
         changes=[],
         wall_time_s=1.0,
     )

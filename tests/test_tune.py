@@ -154,7 +154,8 @@ def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller
     assert record["choice"] == choice and record["tune_seeds"] == [1000, 1001, 1002] and record["tune_iters"] == 125
     assert record["seeds"] == [0, 1, 2] and record["max_iters"] == 250 and record["learning_rates"] == RATES
     assert record["min_lr_ratio"] == pytest.approx(0.1)
-    assert record["tuning_text"] == dict(first_token=8192, tokens=8192) and record["test_tokens"] == 8192
+    assert record["tuning_text"] == dict(layout="spread", sequences="odd", tokens=8192)
+    assert record["test_tokens"] == 8192
     row = record["table"]["standard"]["0.01"]
     assert row["val_loss"] == {"1000": 2.24, "1001": 2.32, "1002": 2.31} and row["problem"] is None
     assert row["mean"] == pytest.approx(2.29, abs=1e-12) and row["sd"] == pytest.approx(0.0019**0.5, abs=1e-12)
@@ -514,35 +515,38 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
     args = tiny(
         shards, out, "--arms=standard", "--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001", "--tune_iters=4"
     )
-    shard, read, cell = {}, {}, []
-    real_open, real_batch, real_cell, real_choose = (
-        train.open_data,
+    where, read, cell = {}, {}, []  # where: id of a cell's validation rows -> their starts in the shard
+    real_rows, real_batch, real_cell, real_choose = (
+        records.ValidationText.rows,
         train.validation_batch,
         train.train_cell,
         tune.choose,
     )
 
-    def open_data(*a):
-        shard["val"], train_shards = real_open(*a)
-        return shard["val"], train_shards
+    def rows(self, *a):
+        val_rows = real_rows(self, *a)
+        where[id(val_rows)] = (val_rows, self.starts(*a))  # the array kept alive, so its id stays its own
+        return val_rows
 
-    def validation_batch(val, seq_ids, T, device):  # val is the shard or a view into it: its offset from the address
-        first = (val.__array_interface__["data"][0] - shard["val"].__array_interface__["data"][0]) // val.itemsize
-        read.setdefault(cell[-1], set()).update(first + j * T + t for j in seq_ids for t in range(T + 1))
-        return real_batch(val, seq_ids, T, device)
+    def validation_batch(val_rows, seq_ids, device):
+        starts = where[id(val_rows)][1]
+        read.setdefault(cell[-1], set()).update(starts[j] + t for j in seq_ids for t in range(T + 1))
+        return real_batch(val_rows, seq_ids, device)
 
     def killed(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train, "open_data", open_data)
+    monkeypatch.setattr(records.ValidationText, "rows", rows)
     monkeypatch.setattr(train, "validation_batch", validation_batch)
     monkeypatch.setattr(train, "train_cell", lambda arm, *a: (cell.append(arm), real_cell(arm, *a)))
     monkeypatch.setattr(report, "main", lambda argv: None)
     monkeypatch.setattr(tune, "choose", killed)  # killed after the tuning cells, before the choice
     with pytest.raises(KeyboardInterrupt):
         train.main(args)
-    n_seq = (E - 1) // T
-    tuning_text, test_text = set(range(E, E + n_seq * T + 1)), set(range(n_seq * T + 1))
+    n_seq, slots = (E - 1) // T, 3000 // (T + 1)  # the validation shard: 3,000 tokens (the error below)
+    picks = [(2 * k + 1) * slots // (4 * n_seq) * (T + 1) for k in range(2 * n_seq)]  # spread: even test, odd tune
+    tuning_text, test_text = ({p + t for p in picks[i::2] for t in range(T + 1)} for i in (1, 0))
+    assert len(tuning_text) == len(test_text) == n_seq * (T + 1) and min(tuning_text) < max(test_text)
     assert sorted(read) == ["standard-lr0.001", "standard-lr0.03"]
     for arm, positions in read.items():  # every tuning cell read the tuning text whole, and no test token
         assert positions == tuning_text and not positions & test_text, arm
@@ -557,7 +561,9 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
     read.clear()
     train.main(args)  # the same command: the tuning done, the choice made, the compared cell trained
     assert sorted(read) == ["standard"] and read["standard"] == test_text  # the reported text, as before the split
-    assert read_json(os.path.join(out, "tune", "choice.json"))["tuning_text"] == dict(first_token=E, tokens=E)
+    assert read_json(os.path.join(out, "tune", "choice.json"))["tuning_text"] == dict(
+        layout="spread", sequences="odd", tokens=E
+    )
     with pytest.raises(
         ConfigError,
         match=r"^the tuned protocol chooses rates on the 1,600 validation tokens after the "
@@ -574,6 +580,14 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
                 "--tune_seeds=1000,1001",
                 "--tune_iters=4",
                 "--eval_tokens=1600",
+                "--eval_layout=first",
             )
         )
     assert not os.path.exists(tmp_path / "o2" / "tune")
+    with pytest.raises(  # spread: the reported and the tuning sequences need 2 x 99 slots of 17; 176 fit
+        ConfigError,
+        match=r"^eval_layout='spread' reads 2 x 99 sequences of 17 tokens \(the reported ones and the tuning ones "
+        r"between them\) but the validation shard holds 176 \(3,000 tokens\); set --eval_tokens=1409 or less",
+    ):
+        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", "--eval_tokens=1600"))
+    assert not os.path.exists(tmp_path / "o2")
