@@ -52,7 +52,7 @@ arms = {
 }
 seeds = [0, 1, 2, 3, 4, 5]
 tune_learning_rates = [3e-3, 1e-2]
-tune_seeds = [1000, 1001, 1002]
+tune_seeds = [1000, 1001]
 tune_iters = 150
 n_layer = 12
 n_head = 4
