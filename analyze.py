@@ -28,6 +28,7 @@ import os
 from dataclasses import fields
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -392,7 +393,8 @@ def main(argv):
         )
     model.to(runtime.device)
     evaluation = SimpleNamespace(block_size=T, eval_batch_size=cfg["eval_batch_size"])
-    val = text.rows(cfg["eval_tokens"], T, layout)[: (eval_tokens - 1) // T]  # --max_tokens: the first of them
+    rows = text.rows(cfg["eval_tokens"], T, layout)
+    val = rows[np.arange((eval_tokens - 1) // T) * len(rows) // ((eval_tokens - 1) // T)]  # --max_tokens: spread too
     base, rows = interventions(model, val, evaluation, runtime)
     tokens = (eval_tokens - 1) // T * T
     a = dict(

@@ -256,7 +256,7 @@ def main(argv):
         "--warmup_iters=10",
         "--eval_interval=20",
         "--log_interval=10",
-        "--eval_tokens=102401",
+        "--eval_tokens=61441",  # 60 sequences of 1,024 and 60 for tuning between them: 120 of the 125 slots
         f"--out_dir={train_out}",
     ]
     if dry:

@@ -7,6 +7,8 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
                embedding skip (the modded-nanogpt / nanochat dense baseline).
 - attnres:     Attention Residuals (Kimi Team, arXiv 2603.15031). Each sublayer reads a softmax
                mix of earlier block outputs; attnres_block_size=1 is Full AttnRes, >1 Block.
+- delta_attnres: Delta Attention Residuals (arXiv 2605.18855): the standard stream, and each sublayer's
+               input adds a softmax read over the embedding and every earlier sublayer output.
 - rd_attnres:  Role-Decoupled AttnRes (arXiv 2608.01075; design inferred from the abstract): the
                attention sublayer reads its queries/keys and its values through separate routes.
 - dar:         Dual Attention Residuals (arXiv 2607.18730; inferred from the abstract): two
@@ -712,6 +714,56 @@ class AttnRes(ResidualScheme):
         if (k + 1) % self.block_size == 0:  # the block is sealed: it becomes a source of the next block's reads
             return self.open_block(state.blocks + [partial], k + 1)
         return state._replace(partial=partial)
+
+
+class DeltaAttnRes(ResidualScheme):
+    """
+    Delta Attention Residuals (Luo, Cai and Hu, arXiv 2605.18855; the per-sublayer form of the authors' code):
+    the stream stays the standard one, x <- x + f_k(.), and each sublayer's input ADDS a softmax read over the
+    embedding and every earlier sublayer output (the deltas): x + sum_i softmax_i(<w_k, RMSNorm(v_i)>) v_i,
+    where AttnRes replaces the stream by such a read. Sublayer 0 reads x alone (nothing to add yet), the output
+    is the stream itself (no output read). NOT `standard` at init: the uniform read adds the sources' mean; the
+    authors draw the queries as their model's other weights (normal, std 0.02) and so does this.
+    Intervention ("uniform", read name): that read's weights become uniform (a zero query).
+    """
+
+    standard_at_init = False
+    intervention_kinds = ("uniform",)
+
+    class Deltas(NamedTuple):
+        """The state: the standard stream x and the sources its reads add from: the embedding, then every
+        sublayer output so far (empty before sublayer 0 has written). Inside the class, so that adding the
+        scheme changes no definition another scheme computes with (records.code_record)."""
+
+        x: torch.Tensor
+        sources: list
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * (2 * config.n_layer - 1) * config.n_embd  # a query and a key gain for reads 1 .. 2L - 1
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.query = nn.Parameter(torch.randn(self.n_sublayers - 1, config.n_embd) * 0.02)  # row k - 1: read k
+        self.key_gain = nn.Parameter(torch.ones(self.n_sublayers - 1, config.n_embd))
+        self.eps = config.norm_eps
+
+    def start(self, x):
+        return self.Deltas(x, [])
+
+    def interventions(self):
+        return [("uniform", self.name_of(k)) for k in range(1, self.n_sublayers)]
+
+    def read(self, state, k):
+        if not state.sources or self.is_output(k):
+            return state.x
+        directions = self.uniform(self.query[k - 1 : k], self.name_of(k)) * self.key_gain[k - 1]
+        (added,), weights, _ = depth_read(state.sources, state.sources, directions, self.eps)
+        self.note(self.name_of(k), lambda: weights[..., 0, :])
+        return state.x + added
+
+    def write(self, state, k, out):
+        return self.Deltas(state.x + out, (state.sources or [state.x]) + [out])
 
 
 class RDAttnRes(AttnRes):
@@ -1426,6 +1478,7 @@ RESIDUALS = dict(
     laurel=Laurel,
     frac=FracConnections,
     muddformer=MUDDFormer,
+    delta_attnres=DeltaAttnRes,
     scaled_residual=ScaledResidual,
 )
 

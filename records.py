@@ -651,8 +651,13 @@ def check_rerun(path, old, new, allow):
             if "code" in diff and recorded.get("git_commit")
             else ""
         )
+        hint = (
+            " (eval_layout: give --eval_layout=first for a grid made before that setting)"
+            if "eval_layout" in diff
+            else ""
+        )
         raise ConfigError(
-            f"{path} was made with other settings: {named}; rerun with the recorded ones{at}, use a new "
+            f"{path} was made with other settings: {named}; rerun with the recorded ones{at}{hint}, use a new "
             f"--out_dir for the new ones, or add --allow_changes=True to go on here (recorded in every "
             f"cell it touches; the report pairs a seed only where its arms' records agree, and names "
             f"seeds trained under other versions)"
@@ -837,7 +842,8 @@ def shared_init_hash(model):
 
 
 # where the validation sequences lie in the validation shard (eval_layout): 'spread' evenly over all of it, so every
-# held-out document long enough is read; 'first' its first eval_tokens, one document of the bundled corpora (every
+# held-out document longer than the spacing of the reported sequences (about 1/n of the shard) is read; 'first' its
+# first eval_tokens, one document of the bundled corpora (every
 # grid made before eval_layout existed, whose records lack the key: grid_files.as_compared reads that as 'first')
 EVAL_LAYOUTS = ("spread", "first")
 
@@ -858,10 +864,10 @@ class ValidationText:
         if layout == "first":
             first = eval_tokens if self.part == "tune" else 0
             if first + n * T + 1 > len(self.shard):
+                what = f"the {eval_tokens:,} tokens after the {eval_tokens:,} reported" if first else "its first"
                 raise ConfigError(
-                    f"the tuned protocol chooses rates on the {eval_tokens:,} validation tokens after the "
-                    f"{eval_tokens:,} it reports (eval_layout='first'), but the validation shard holds "
-                    f"{len(self.shard):,}; set --eval_tokens={len(self.shard) // 2} or less, or --eval_layout=spread"
+                    f"eval_layout='first' reads {what} {eval_tokens:,} tokens of the validation shard, which holds "
+                    f"{len(self.shard):,}; lower eval_tokens, or set --eval_layout=spread"
                 )
             return first + T * np.arange(n)
         slots = len(self.shard) // (T + 1)

@@ -63,6 +63,7 @@ from scipy import stats
 
 from common import DataError, Parser, remove_stale_temporaries, run, write_atomic, write_text
 from grid_files import (
+    ABSENT_MEANS,
     TUNE_DIR,
     as_compared,
     close,
@@ -161,7 +162,7 @@ def mixed_versions(results, arms, seeds):
         v = {k: pairing.get(k) for k in ("code", "scheme_code", "eval_tokens", "val_hash", "init_from", "changes")}
         for group in ("settings", "arm_settings"):  # the arm's own settings (its learning rate) may not differ either
             v |= {f"{group}.{k}": as_compared(k, x) for k, x in (pairing.get(group) or {}).items()}
-        return v
+        return {f"settings.{k}": old for k, old in ABSENT_MEANS.items()} | v  # recorded before the key: as then
 
     per_seed = {s: {arm: values(results[arm, s]["pairing"]) for arm in arms} for s in seeds}
     notes = []

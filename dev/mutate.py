@@ -223,9 +223,9 @@ MUTANTS = [
         "a non-finite training loss does not stop the cell",
     ),
     (
-        "train.py",
-        "n_seq = (cell.eval_tokens - 1) // T",
-        "n_seq = cell.eval_tokens // T",
+        "records.py",
+        "n = (eval_tokens - 1) // T\n        if layout == \"first\":",
+        "n = eval_tokens // T\n        if layout == \"first\":",
         "tests/test_train.py",
         "evaluation reads a sequence past eval_tokens when it is a multiple of block_size",
     ),

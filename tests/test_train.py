@@ -168,14 +168,15 @@ def test_gradients_equal_for_any_split_of_the_step():
 
 def test_evaluation_is_independent_of_eval_batch_size(shards):
     model = tiny_model()
-    val = open_shard(os.path.join(shards, "val_000000.bin"))
+    shard = open_shard(os.path.join(shards, "val_000000.bin"))
+    val = records.ValidationText(shard, None).rows(1000, 16, "first")  # the first 1000 tokens' 62 sequences
     cell = dict(block_size=16, eval_tokens=1000)
     losses = [
         train.evaluate(model, val, SimpleNamespace(**cell, eval_batch_size=b), ONE_PROCESS) for b in (1, 7, 62, 100)
     ]
     assert max(losses) - min(losses) < 1e-6
     # the reference: per-token losses of the 62 whole sequences in the first 1000 tokens, one pass
-    seqs = torch.from_numpy(np.stack([val[j * 16 : j * 16 + 17] for j in range(62)]).astype(np.int64))
+    seqs = torch.from_numpy(np.stack([shard[j * 16 : j * 16 + 17] for j in range(62)]).astype(np.int64))
     with torch.no_grad():
         logits, _ = model(seqs[:, :-1], seqs[:, 1:])
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten()).item()
@@ -188,7 +189,7 @@ def test_evaluation_is_independent_of_eval_batch_size(shards):
     assert per_sequence.mean() == pytest.approx(losses[1], abs=1e-12)
     # two ranks' halves, summed as the all-reduce does, are the same set
     half = SimpleNamespace(**cell | dict(eval_tokens=500, eval_batch_size=7))
-    assert abs(train.evaluate(model, val, half, ONE_PROCESS) - losses[0]) > 1e-6
+    assert abs(train.evaluate(model, val[:31], half, ONE_PROCESS) - losses[0]) > 1e-6
 
 
 # --- the run contract: one tiny grid (2 arms x 2 seeds), trained once, one behaviour per test -------
@@ -388,7 +389,9 @@ def test_the_data_sets_the_vocabulary(shards, tmp_path, monkeypatch):
     from data.prepare import prepare
 
     monkeypatch.setattr(report, "main", lambda argv: None)
-    unset = lambda data, out: [a for a in tiny(data, out, "--max_iters=1", "--arms=attnres") if "vocab_size" not in a]
+    unset = lambda data, out: [
+        a for a in tiny(data, out, "--max_iters=1", "--arms=attnres", "--eval_tokens=900") if "vocab_size" not in a
+    ]  # 900: the 2 x 56 sequences of 17 tokens that eval_layout='spread' reads fit the 2,000-token validation shard
     train.main(unset(shards, tmp_path / "gpt2"))
     assert result(tmp_path / "gpt2", "attnres")["config"]["vocab_size"] == 50304
     (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
@@ -708,9 +711,11 @@ def test_pairing_and_reruns_cover_the_data_and_what_ran(shards, tmp_path, monkey
     first = result(tmp_path / "o", "attnres")
     config = first["config"]
     val = np.fromfile(data / "val_000000.bin", dtype=np.uint16)[-3000:]  # past the header: the tokens themselves
-    assert (
-        first["pairing"]["val_hash"] == config["val_hash"] == hashlib.sha256(val[: 62 * 16 + 1].tobytes()).hexdigest()
-    )
+    # the 62 reported sequences: every other one of 124 slots of 17 tokens, each the middle of 124 equal stretches
+    starts = np.array([(2 * j + 1) * (3000 // 17) // (4 * 62) * 17 for j in range(0, 124, 2)], dtype=np.int64)
+    rows = np.stack([val[s : s + 17] for s in starts])
+    spread = hashlib.sha256(b"spread" + starts.tobytes() + rows.tobytes()).hexdigest()
+    assert first["pairing"]["val_hash"] == config["val_hash"] == spread
     assert (config["device"], config["dtype"], config["torch_version"]) == ("cpu", "float32", torch.__version__)
     assert first["pairing"]["settings"]["dtype"] == "float32" and config["data_dir"] == str(data)
     # the same run asked for differently is no change: --device=auto on this CPU, data_dir relative to here
@@ -842,8 +847,9 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
     ckpt = torch.load(tmp_path / "a" / "attnres" / "seed0" / "ckpt.pt", weights_only=True)
     model = GPT(GPTConfig(**ckpt["config"]["model"]))
     model.load_state_dict(ckpt["model"])
-    val = open_shard(os.path.join(shards, "val_000000.bin"))
-    eager = train.evaluate(model, val, SimpleNamespace(block_size=16, eval_tokens=600, eval_batch_size=8), ONE_PROCESS)
+    val = records.ValidationText(open_shard(os.path.join(shards, "val_000000.bin")), None)
+    rows = val.rows(600, 16, ckpt["config"]["eval_layout"])  # the cell's own sequences
+    eager = train.evaluate(model, rows, SimpleNamespace(block_size=16, eval_tokens=600, eval_batch_size=8), ONE_PROCESS)
     assert abs(eager - logged(tmp_path / "a", "attnres", key="val_loss")[-1]) < 1e-5
 
 
@@ -866,12 +872,13 @@ def test_evaluation_covers_every_whole_sequence_in_eval_tokens(eval_tokens):
     targets = [p for j in range(eval_tokens) for p in range(j * T + 1, j * T + T + 1) if j * T + T < eval_tokens]
     for batch in (1, 3, 64):
         cell = SimpleNamespace(block_size=T, eval_tokens=eval_tokens, eval_batch_size=batch)
-        mean = train.evaluate(TargetMean(), val, cell, ONE_PROCESS)
+        rows = records.ValidationText(val, None).rows(eval_tokens, T, "first")
+        mean = train.evaluate(TargetMean(), rows, cell, ONE_PROCESS)
         assert mean == pytest.approx(np.mean(val[targets].astype(np.float64)), rel=1e-12)
         per_sequence = [
             np.mean(val[j * T + 1 : j * T + T + 1].astype(np.float64)) for j in range((eval_tokens - 1) // T)
         ]
-        assert train.sequence_losses(TargetMean(), val, cell, ONE_PROCESS).tolist() == pytest.approx(
+        assert train.sequence_losses(TargetMean(), rows, cell, ONE_PROCESS).tolist() == pytest.approx(
             per_sequence, rel=1e-12
         )
     assert len(targets) == (eval_tokens - 1) // T * T  # what result.json records as eval_tokens
@@ -1046,6 +1053,7 @@ RERUN_REFUSED = dict(
     compile=True,
     eval_interval=1,
     eval_tokens=900,
+    eval_layout="first",
     optimizer="muon",
     activation_checkpointing=True,
     n_experts=2,

@@ -1,6 +1,6 @@
 """
 The field's schemes beside ours (issue #50): postnorm, the LAuReL family (laurel_rw, laurel_lr, laurel),
-frac (Frac-Connections) and muddformer. Each model equals, on the same weights with its routing
+frac (Frac-Connections), muddformer and delta_attnres. Each model equals, on the same weights with its routing
 parameters random, a plain-loop float64 implementation written here from the paper's equations (one
 source, one fraction, one way at a time; no code of model.py's schemes); each is `standard` at init where
 the paper's init gives it (postnorm is not, and says so). The generic contract (zero init, gradients,
@@ -18,7 +18,7 @@ from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torc
 from model import RESIDUALS
 from test_configs import settings_of
 
-ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer"]
+ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer", "delta_attnres"]
 
 
 def reference_model(variant, seed=0):
@@ -128,6 +128,36 @@ def mudd_reference(model, idx):
     return head(model, r)
 
 
+# --- Delta AttnRes ----------------------------------------------------------------------------------
+
+
+def delta_reference(model, idx):
+    """The standard stream; each sublayer's input adds a softmax over the embedding and the outputs so far."""
+    res, eps = model.residual, model.config.norm_eps
+    x = model.transformer.wte(idx)
+    sources = []
+    for k in range(2 * model.config.n_layer):
+        given = x
+        if sources:
+            u = res.query[k - 1] * res.key_gain[k - 1]
+            logits = torch.stack([(s * u).sum(-1) / torch.sqrt(s.pow(2).mean(-1) + eps) for s in sources], -1)
+            a = logits.softmax(-1)
+            given = x + sum(a[..., i, None] * s for i, s in enumerate(sources))
+        out = sublayer(model, k, given)
+        sources = (sources or [x]) + [out]  # the embedding is the first source, once sublayer 0 has run
+        x = x + out
+    return head(model, x)
+
+
+def test_delta_attnres_adds_to_the_stream_and_is_not_standard_at_init():
+    with torch.no_grad():  # the uniform read adds the sources' mean at init
+        assert rel_err(make("delta_attnres")(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) > 1e-3
+        model = make("delta_attnres").double()
+        model.residual.query.zero_()
+        model.residual.key_gain.zero_()  # every logit 0: uniform weights, whatever the sources
+        assert rel_err(model(tokens(), tokens())[0], delta_reference(model, tokens())) < 1e-10
+
+
 REFERENCES = {
     "postnorm": postnorm_reference,
     "laurel_rw": laurel_reference,
@@ -135,6 +165,7 @@ REFERENCES = {
     "laurel": laurel_reference,
     "frac": frac_reference,
     "muddformer": mudd_reference,
+    "delta_attnres": delta_reference,
 }
 
 

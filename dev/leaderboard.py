@@ -1,0 +1,127 @@
+"""
+docs/leaderboard.md's table, from a finished leaderboard grid (config/leaderboard.py) and the grids of `standard`
+alone at longer budgets that give each scheme's gain at equal wall time. Reads only what the grids wrote.
+
+$ python dev/leaderboard.py out/leaderboard_pydoc out/leaderboard_pydoc_standard900 \
+      out/leaderboard_pydoc_standard1200 out/leaderboard_pydoc_standard2400
+
+Per scheme: its paired delta against `standard` and against `scaled_residual` as report.py computed it (paired.json:
+the mean, the one 95% interval the report quotes, seeds in favour, the t-test's p, the delta the grid detects, the
+verdict); its step-time ratio to `standard` in the same grid (each cell's mean training ms/step from its log.jsonl,
+the first log interval left out, paired by seed, then the mean of the ratios); and its gain at equal wall time:
+per seed, the scheme's final loss minus the loss `standard` reaches in ratio x max_iters steps, read off
+`standard`'s final losses of that seed at max_iters and the longer budgets (linear in log steps). Where ratio x
+max_iters is beyond the longest budget the longest is used and the cell says so (the gain at equal time is then
+no better than shown).
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from paired_stats import paired_statistics, verdict  # noqa: E402
+
+BASELINES = ("standard", "scaled_residual")
+
+
+def read(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def ms_per_step(cell):
+    """Mean training ms/step of a cell, from its log.jsonl (the first interval, with allocation and warm-up, out)."""
+    with open(os.path.join(cell, "log.jsonl")) as f:
+        times = [r["ms_per_step"] for r in map(json.loads, f) if "ms_per_step" in r]
+    return float(np.mean(times[1:] or times))
+
+
+def final_losses(grid, arm):
+    """{seed: final val_loss} of an arm's finished cells, and the budget (max_iters) they trained."""
+    losses, steps = {}, set()
+    for name in os.listdir(os.path.join(grid, arm)):
+        path = os.path.join(grid, arm, name, "result.json")
+        if name.startswith("seed") and os.path.exists(path) and (r := read(path))["status"] == "finished":
+            losses[int(name[4:])] = r["val_loss"]
+            steps.add(r["steps"])
+    if len(steps) != 1:
+        sys.exit(f"error: {grid}/{arm}: cells of {sorted(steps)} steps; one budget per grid")
+    return losses, steps.pop()
+
+
+def at_steps(points, n):
+    """Loss at n steps, linear in log steps between the measured budgets; beyond the longest, the longest's."""
+    budgets = sorted(points)
+    if n >= budgets[-1]:
+        return points[budgets[-1]], n > budgets[-1]
+    return float(np.interp(math.log(n), [math.log(b) for b in budgets], [points[b] for b in budgets])), False
+
+
+def cell(st):
+    word, ci, _ = verdict(st)
+    p = st.get("p_ttest")
+    detects = st["power"]["detectable_effect"]
+    return (
+        f"{st['mean']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}], {st['wins']}/{st['n']}, p {p:.2g}"
+        + (f", detects {detects:.3f}" if detects else "")
+        + f": **{word}**"
+        if ci
+        else f"{st['mean']:+.4f}, {st['wins']}/{st['n']}: **{word}**"
+    )
+
+
+def main(grid, *longer):
+    paired = read(os.path.join(grid, "paired.json"))
+    arms = list(read(os.path.join(grid, "config.json"))["arms"])
+    loss = {arm: final_losses(grid, arm)[0] for arm in arms}
+    max_iters = final_losses(grid, "standard")[1]
+    budgets = {max_iters: loss["standard"]}
+    for g in longer:
+        losses, steps = final_losses(g, "standard")
+        budgets[steps] = losses
+    seeds = sorted(set.intersection(*(set(b) for b in budgets.values())))
+    speed = {
+        arm: {s: ms_per_step(os.path.join(grid, arm, f"seed{s}")) for s in loss[arm] if s in loss["standard"]}
+        for arm in arms
+    }
+    print(
+        "| scheme | vs `standard`: mean [95% CI], seeds in favour, p, detectable | vs `scaled_residual` | "
+        "step time / `standard` | gain at equal wall time vs `standard`: mean [95% CI t], seeds in favour |"
+    )
+    print("|---|---|---|---|---|")
+    for arm in arms:
+        against = [
+            cell(paired["by_reference"][ref]["arms"][arm])
+            if arm in paired["by_reference"].get(ref, {}).get("arms", {})
+            else "-"
+            for ref in BASELINES
+        ]
+        ratios = {s: speed[arm][s] / speed["standard"][s] for s in speed[arm]}
+        ratio = float(np.mean(list(ratios.values())))
+        gains, beyond = [], False
+        for s in seeds:
+            if s in loss[arm] and s in ratios:
+                base, past = at_steps({b: budgets[b][s] for b in budgets}, ratios[s] * max_iters)
+                gains.append(loss[arm][s] - base)
+                beyond |= past
+        st = paired_statistics(gains)
+        equal = (
+            "-"
+            if arm == "standard"
+            else f"{st['mean']:+.4f} [{st['ci95'][0]:+.4f}, {st['ci95'][1]:+.4f}], {st['wins']}/{st['n']}"
+            if st["n"] > 1
+            else f"{st['mean']:+.4f}, {st['wins']}/{st['n']}"
+            + (f" (beyond {max(budgets)} steps: at best this)" if beyond else "")
+        )
+        print(f"| `{arm}` | {against[0]} | {against[1]} | {ratio:.2f} | {equal} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(*sys.argv[1:])
