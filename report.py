@@ -1570,6 +1570,35 @@ def wall_time_lines(arms, seeds, wall):
     return lines + [""]
 
 
+def step_time(log):
+    """A cell's training ms/step: the mean of its log's intervals, the first (allocation, warm-up) left out; or None."""
+    times = [r["ms_per_step"] for r in log if is_finite(r.get("ms_per_step"))]
+    return float(np.mean(times[1:] or times)) if times else None
+
+
+def step_time_lines(arms, seeds, logs, reference):
+    """Each arm's training ms/step per seed and its step time over the reference's, the mean over the seeds both
+    logged of arm / reference: what a gain costs, measured in the same grid (so on its machine and under its load)."""
+    times = {(a, s): step_time(logs.get((a, s), [])) for a in arms for s in seeds}
+    if all(t is None for t in times.values()):
+        return []
+    lines = [
+        f"Training step time (ms/step, each cell's logged intervals but the first; ratio: the mean over seeds of "
+        f"the arm's over {md(reference)}'s, measured in this grid):",
+        "",
+        "| arm | " + " | ".join(f"seed {s}" for s in seeds) + f" | ratio to {md(reference)} |",
+        "|---" * (len(seeds) + 2) + "|",
+    ]
+    for arm in arms:
+        both = [times[arm, s] / times[reference, s] for s in seeds if times[arm, s] and times.get((reference, s))]
+        lines.append(
+            f"| {md(arm)} | "
+            + " | ".join("-" if times[arm, s] is None else f"{times[arm, s]:.1f}" for s in seeds)
+            + f" | {f'{np.mean(both):.2f}' if both else '-'} |"
+        )
+    return lines + [""]
+
+
 def main(argv):
     args = parse_args(argv)
     remove_stale_temporaries(os.path.join(args.out_dir, "report.md"), every=True)  # a killed report's, any file's
@@ -1634,6 +1663,7 @@ def main(argv):
     wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
     if any(t is not None for t in wall.values()):
         lines += wall_time_lines(arms, seeds, wall)
+    lines += step_time_lines(arms, seeds, logs, references[0])
     if notes:
         lines += ["Skipped:", "", *(f"- {md(n)}" for n in notes), ""]
     summary = "\n".join(lines)

@@ -7,8 +7,8 @@ $ python dev/leaderboard.py out/leaderboard_pydoc out/leaderboard_pydoc_standard
 
 Per scheme: its paired delta against `standard` and against `scaled_residual` as report.py computed it (paired.json:
 the mean, the one 95% interval the report quotes, seeds in favour, the t-test's p, the delta the grid detects, the
-verdict); its step-time ratio to `standard` in the same grid (each cell's mean training ms/step from its log.jsonl,
-the first log interval left out, paired by seed, then the mean of the ratios); and its gain at equal wall time:
+verdict); its step-time ratio to `standard` in the same grid (report.md's: each cell's mean training ms/step from
+its log.jsonl, the first interval left out, the mean over seeds of the ratios); and its gain at equal wall time:
 per seed, the scheme's final loss minus the loss `standard` reaches in ratio x max_iters steps, read off
 `standard`'s final losses of that seed at max_iters and the longer budgets (linear in log steps). Where ratio x
 max_iters is beyond the longest budget the longest is used and the cell says so (the gain at equal time is then
@@ -24,7 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from grid_files import read_log  # noqa: E402
 from paired_stats import paired_statistics, verdict  # noqa: E402
+from report import step_time  # noqa: E402
 
 BASELINES = ("standard", "scaled_residual")
 
@@ -35,10 +37,8 @@ def read(path):
 
 
 def ms_per_step(cell):
-    """Mean training ms/step of a cell, from its log.jsonl (the first interval, with allocation and warm-up, out)."""
-    with open(os.path.join(cell, "log.jsonl")) as f:
-        times = [r["ms_per_step"] for r in map(json.loads, f) if "ms_per_step" in r]
-    return float(np.mean(times[1:] or times))
+    """A cell's training ms/step, as report.md's step-time table has it."""
+    return step_time(read_log(os.path.join(cell, "log.jsonl"))[0])
 
 
 def final_losses(grid, arm):

@@ -327,6 +327,27 @@ def test_old_and_unfinished_cells_are_not_paired(tmp_path, no_matplotlib):
     assert "Wall time" not in text, "no wall time recorded: no wall-time table"
 
 
+def test_each_arms_step_time_is_beside_the_references_seed_by_seed(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+
+    def timed(arm, seed, first, later):  # the logged intervals: the first (warm-up) at `first`, the rest at `later`
+        log = out / arm / f"seed{seed}" / "log.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        timings = iter([first] + [later] * len(records))
+        for r in records:
+            if "ms_per_step" in r:
+                r["ms_per_step"] = next(timings)
+        log.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    for seed in (0, 1, 2, 3):  # two training records each: the first is left out
+        timed("parent", seed, 900.0, 10.0 * (seed + 1))
+        timed("rd", seed, 5.0, 15.0 * (seed + 1) if seed % 2 == 0 else 60.0 * (seed + 1) / 2)
+    _, text = run(out)
+    # ratios 1.5, 3.0, 1.5, 3.0: their mean 2.25, not the ratio of the means
+    assert "| parent | 10.0 | 20.0 | 30.0 | 40.0 | 1.00 |" in text, text
+    assert "| rd | 15.0 | 60.0 | 45.0 | 120.0 | 2.25 |" in text, text
+
+
 def test_stray_folders_and_damaged_files_are_skipped_with_a_note(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     (out / "rd" / "seed_old").mkdir()
