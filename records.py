@@ -556,7 +556,8 @@ def code_record():
 
 def code_changes(old, new, schemes):
     """The definitions that differ between two code records (code_record) for a run of these schemes:
-    every definition but the registry's classes that none of them computes with. A record of an
+    every definition but the registry's classes that none of them computes with (a scheme the old record lacks
+    computes with none). A record of an
     earlier version (one fingerprint per file) compares as a whole."""
     if not all(
         isinstance(r, dict) and isinstance(r.get("definitions"), dict) and isinstance(r.get("schemes"), dict)
@@ -564,6 +565,9 @@ def code_changes(old, new, schemes):
     ):
         same = isinstance(old, dict) and isinstance(new, dict) and old.get("fingerprint") == new.get("fingerprint")
         return [] if same else ["all of it: recorded per file by an earlier version"]
+    # a scheme the recorded code did not have trained none of its cells: new, it changed nothing they computed (so a
+    # grid goes on with an arm of a scheme added since)
+    schemes = {s for s in schemes if s in old["schemes"]}
     registered = {c for r in (old, new) for used in r["schemes"].values() for c in used}
     used = {c for r in (old, new) for s in schemes for c in r["schemes"].get(s, ())}
     before, now = old["definitions"], new["definitions"]

@@ -616,6 +616,7 @@ def test_moving_or_reordering_definitions_and_adding_a_scheme_no_arm_trains_lock
     now = records.code_record()
     assert now["definitions"]["seed_for"] == recorded["definitions"]["seed_for"]
     assert records.code_changes(recorded, now, trained) == []  # the grid of every scheme model.py had
+    assert records.code_changes(recorded, now, trained | {"gated2"}) == []  # and an arm of the new one added to it
     for scheme in trained:
         assert records.code_changes(recorded, now, {scheme}) == [], scheme
     assert records.code_changes(recorded, now, {"gated"}) == ["GatedResidual"]  # conftest's: not in the files before
