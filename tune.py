@@ -166,6 +166,7 @@ def choose(cfg, tune_dir, master=True):
             reason=reason,
         )
         recorded = recorded_choice(tune_dir)
+        record = with_recorded_arms(recorded, record)
         check_recorded(os.path.join(tune_dir, "choice.json"), recorded, record)
         # an unchanged choice keeps its file: a newer choice.json would make every rerun write the report again
         if recorded != json.loads(json.dumps(record)):
@@ -187,6 +188,22 @@ CHOICE_SETTINGS = (
 )  # what a choice.json was made under; the rest follows from its tuning cells
 
 
+def with_recorded_arms(recorded, record):
+    """record, keeping the arms a choice.json of the same tuning has and this run does not train (a rerun of some
+    arms, or one that adds arms, extends the record rather than losing the others' choices)."""
+    if not recorded or any(recorded.get(k) != json.loads(json.dumps(record[k])) for k in CHOICE_SETTINGS):
+        return record
+    if not all(isinstance(recorded.get(k), dict) for k in ("table", "choice", "reason")):
+        return record
+    return dict(
+        record,
+        **{
+            k: {a: v for a, v in recorded[k].items() if a not in record[k]} | record[k]
+            for k in ("table", "choice", "reason")
+        },
+    )
+
+
 def check_recorded(path, recorded, record):
     """A choice.json written before is replaced only by what it would be anyway, or by another tuning's (its
     settings changed, --allow_changes; or reasons worded by another version: said in one line); one of the same
@@ -201,6 +218,14 @@ def check_recorded(path, recorded, record):
     ]
     if differ == ["reason"]:  # the same choice from the same losses, said in another version's words
         print(f"note: {path} rewritten: its reasons in this version's words")
+        return
+    new = json.loads(json.dumps(record))
+    if set(differ) <= {"table", "choice", "reason"} and all(
+        isinstance(recorded[k], dict) and all(new[k].get(arm) == value for arm, value in recorded[k].items())
+        for k in ("table", "choice", "reason")
+    ):  # every recorded arm as it was: arms were added
+        added = sorted(set(new["choice"]) - set(recorded["choice"]))
+        print(f"note: {path} rewritten: arms {', '.join(added)} added, the recorded arms' choices as they were")
         return
     raise ConfigError(
         f"{path} differs from the choice its tuning cells give (in {', '.join(differ)}): edited by "

@@ -65,10 +65,11 @@ def at_steps(points, n):
 def cell(st):
     word, ci, _ = verdict(st)
     p = st.get("p_ttest")
-    detects = st["power"]["detectable_effect"]
+    detects, needed = st["power"]["detectable_effect"], st["power"]["seeds_needed"]
     return (
         f"{st['mean']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}], {st['wins']}/{st['n']}, p {p:.2g}"
         + (f", detects {detects:.3f}" if detects else "")
+        + (f" ({st['power']['effect']:g}: {needed} seeds)" if needed else "")
         + f": **{word}**"
         if ci
         else f"{st['mean']:+.4f}, {st['wins']}/{st['n']}: **{word}**"

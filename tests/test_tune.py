@@ -22,7 +22,7 @@ import records
 import report
 import train
 import tune
-from common import ConfigError, read_json
+from common import ConfigError, read_json, write_json
 from helpers import result, tiny, write_tuning_cell
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +144,27 @@ def tuned(tmp_path, losses=LOSSES):
         for seed, loss in zip((1000, 1001, 1002), ends):
             write_tuning_cell(tune_dir, arm, rate, seed, loss, 125)
     return tune_dir
+
+
+def test_an_arm_added_to_a_tuned_grid_extends_its_choice_and_a_rerun_of_some_arms_keeps_the_others(tmp_path, capsys):
+    two = dict(arms={k: v for k, v in ARMS3["arms"].items() if k != "dar"})
+    tune_dir = tuned(tmp_path)
+    assert tune.choose(config(tmp_path, **two), tune_dir) == {"standard": 0.003, "attnres": 0.001}
+    path = os.path.join(tune_dir, "choice.json")
+    first = read_json(path)
+    assert tune.choose(config(tmp_path, **ARMS3), tune_dir)["dar"] == 0.003  # dar added: not an edited file
+    assert "arms dar added, the recorded arms' choices as they were" in capsys.readouterr().out
+    grown = read_json(path)
+    assert {k: grown[k] for k in first if k not in ("table", "choice", "reason")} == {
+        k: v for k, v in first.items() if k not in ("table", "choice", "reason")
+    }
+    assert all(grown[k][arm] == first[k][arm] for k in ("table", "choice", "reason") for arm in first["choice"])
+    assert tune.choose(config(tmp_path, arms={"dar": ARMS3["arms"]["dar"]}), tune_dir) == {"dar": 0.003}
+    assert read_json(path) == grown  # a rerun of one arm keeps the other arms' choices
+    grown["choice"]["standard"] = 0.01  # but a recorded arm's choice that its cells do not give: refused
+    write_json(path, grown)
+    with pytest.raises(ConfigError, match="differs from the choice its tuning cells give"):
+        tune.choose(config(tmp_path, **ARMS3), tune_dir)
 
 
 def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller(tmp_path, capsys):
