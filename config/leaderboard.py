@@ -9,8 +9,9 @@
 # Traded for time on the 2-core CPU: 12 layers rather than calibrate's 16, 600 steps rather than 1,000, two rates,
 # two tuning seeds. Measured (docs/comparisons.md, 'The leaderboard's shape'): on the Python docs the shape is
 # outside the plateau-escape regime; on Shakespeare it is NOT (one seed of six escapes late), so run Shakespeare at
-# more steps before reading its table. Measured cost on the Python docs (docs/leaderboard.md): about 80 minutes
-# with two workers (the tuning 11), mHC 3.7x and HC 2x `standard`'s step time.
+# more steps before reading its table. Measured cost on the Python docs (docs/leaderboard.md): 77 minutes for the
+# first 14 schemes with two workers (the tuning about 11); step time over `standard`'s from 1.08 (LAuReL-RW) to 3.9
+# (mHC), Delta AttnRes 2.2.
 # $ python launch.py --cluster=local --workers=2 --gpus_per_node=0 config/leaderboard.py \
 #       --data_dir=data/pydoc_bytes --out_dir=out/leaderboard_pydoc
 # $ python launch.py --cluster=local --workers=2 --gpus_per_node=0 config/leaderboard.py  # out/leaderboard_shakespeare
