@@ -204,7 +204,8 @@ def test_cancel_ends_the_grid_s_jobs_after_their_running_cells_checkpoint_and_sa
 ):
     monkeypatch.setattr(launch, "QUEUE_POLL_S", 0.5)
     out, logs = tmp_path / "grid", tmp_path / "logs"
-    args = [*CPU, "--workers=2", "--concurrency=1", f"--logs={logs}", *tiny(shards, out, *GRID)]  # one runs, one waits
+    # one runs, one waits; 4,000 steps: on an idle machine the grid's 40 can end before the cancel reaches the cell
+    args = [*CPU, "--workers=2", "--concurrency=1", f"--logs={logs}", *tiny(shards, out, *GRID, "--max_iters=4000")]
     launch.main(args)
     job = job_of(logs)
     trainer(out, "standard", 2)
