@@ -393,8 +393,9 @@ def main(argv):
         )
     model.to(runtime.device)
     evaluation = SimpleNamespace(block_size=T, eval_batch_size=cfg["eval_batch_size"])
-    rows = text.rows(cfg["eval_tokens"], T, layout)
-    val = rows[np.arange((eval_tokens - 1) // T) * len(rows) // ((eval_tokens - 1) // T)]  # --max_tokens: spread too
+    every = text.rows(cfg["eval_tokens"], T, layout)
+    n_seq = (eval_tokens - 1) // T
+    val = every[np.arange(n_seq) * len(every) // n_seq]  # --max_tokens: an even subset, spread as the whole
     base, rows = interventions(model, val, evaluation, runtime)
     tokens = (eval_tokens - 1) // T * T
     a = dict(

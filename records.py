@@ -847,8 +847,8 @@ def shared_init_hash(model):
 
 # where the validation sequences lie in the validation shard (eval_layout): 'spread' evenly over all of it, so every
 # held-out document longer than the spacing of the reported sequences (about 1/n of the shard) is read; 'first' its
-# first eval_tokens, one document of the bundled corpora (every
-# grid made before eval_layout existed, whose records lack the key: grid_files.as_compared reads that as 'first')
+# first eval_tokens, one document of the bundled corpora (every grid made before eval_layout existed, whose records
+# lack the key: grid_files.as_compared reads that as 'first')
 EVAL_LAYOUTS = ("spread", "first")
 
 
@@ -862,6 +862,7 @@ class ValidationText:
 
     def __init__(self, shard, tokenizer, part="test"):
         self.shard, self.tokenizer, self.part = shard, tokenizer, part
+        self.made = {}  # (what, eval_tokens, T, layout) -> rows or description: each cell of a grid asks again
 
     def starts(self, eval_tokens, T, layout):
         n = (eval_tokens - 1) // T
@@ -885,9 +886,12 @@ class ValidationText:
         return picks[self.part == "tune" :: 2] * (T + 1)
 
     def rows(self, eval_tokens, T, layout):
-        """The sequences, an (n, T + 1) array."""
-        starts = self.starts(eval_tokens, T, layout)
-        return np.stack([self.shard[s : s + T + 1] for s in starts]).astype(np.uint16)
+        """The sequences, an (n, T + 1) array (one per setting: callers only read it)."""
+        key = ("rows", eval_tokens, T, layout)
+        if key not in self.made:
+            starts = self.starts(eval_tokens, T, layout)
+            self.made[key] = np.stack([self.shard[s : s + T + 1] for s in starts]).astype(np.uint16)
+        return self.made[key]
 
     def hash(self, eval_tokens, T, layout):
         """val_hash: sha256 of the tokens evaluated ('first': the contiguous stretch, as grids before eval_layout
@@ -901,6 +905,12 @@ class ValidationText:
     def described(self, eval_tokens, T, layout):
         """What report.md names: the layout, sequences, tokens, the documents they touch out of those held out
         (documents begin with end-of-text: docs/shards.md) and the bytes of text they hold."""
+        key = ("described", eval_tokens, T, layout)
+        if key not in self.made:
+            self.made[key] = self.description(eval_tokens, T, layout)
+        return self.made[key]
+
+    def description(self, eval_tokens, T, layout):
         starts, rows = self.starts(eval_tokens, T, layout), self.rows(eval_tokens, T, layout)
         tokenizer = TOKENIZERS[self.tokenizer]() if self.tokenizer in TOKENIZERS else None
         if tokenizer is None:  # a shard of no known tokenizer: documents and bytes cannot be told
