@@ -1,9 +1,9 @@
 """
-docs/leaderboard.md's table, from a finished leaderboard grid (config/leaderboard.py) and the grids of `standard`
-alone at longer budgets that give each scheme's gain at equal wall time. Reads only what the grids wrote.
+docs/leaderboard.md's tables, one per corpus, from finished leaderboard grids (config/leaderboard.py, one per
+corpus) and, beside each, the grids of `standard` alone at longer budgets that give each scheme's gain at equal
+wall time: the folders named GRID_standardN (N = their max_iters). Reads only what the grids wrote.
 
-$ python dev/leaderboard.py out/leaderboard_pydoc out/leaderboard_pydoc_standard900 \
-      out/leaderboard_pydoc_standard1200 out/leaderboard_pydoc_standard2400
+$ python dev/leaderboard.py out/leaderboard_pydoc out/leaderboard_shakespeare
 
 Per scheme: its paired delta against `standard` and against `scaled_residual` as report.py computed it (paired.json:
 the mean, the one 95% interval the report quotes, seeds in favour, the t-test's p, the delta the grid detects, the
@@ -12,12 +12,14 @@ its log.jsonl, the first interval left out, the mean over seeds of the ratios); 
 per seed, the scheme's final loss minus the loss `standard` reaches in ratio x max_iters steps, read off
 `standard`'s final losses of that seed at max_iters and the longer budgets (linear in log steps). Where ratio x
 max_iters is beyond the longest budget the longest is used and the cell says so (the gain at equal time is then
-no better than shown).
+no better than shown). Given two or more grids, each row also says whether its verdict against each baseline holds
+on every corpus: the same *ahead* or *behind* on all of them.
 """
 
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -76,13 +78,21 @@ def cell(st):
     )
 
 
-def main(grid, *longer):
+def longer_grids(grid):
+    """The grids of `standard` alone beside a leaderboard grid, longest last: GRID_standardN."""
+    parent, name = os.path.split(os.path.abspath(grid))
+    found = [f for f in os.listdir(parent) if re.fullmatch(re.escape(name) + r"_standard\d+", f)]
+    return [os.path.join(parent, f) for f in sorted(found, key=lambda f: int(f.rsplit("standard", 1)[1]))]
+
+
+def rows(grid):
+    """{arm: (cell vs each baseline, verdict vs each baseline, step-time ratio, gain at equal wall time)}."""
     paired = read(os.path.join(grid, "paired.json"))
     arms = list(read(os.path.join(grid, "config.json"))["arms"])
     loss = {arm: final_losses(grid, arm)[0] for arm in arms}
     max_iters = final_losses(grid, "standard")[1]
     budgets = {max_iters: loss["standard"]}
-    for g in longer:
+    for g in longer_grids(grid):
         losses, steps = final_losses(g, "standard")
         budgets[steps] = losses
     seeds = sorted(set.intersection(*(set(b) for b in budgets.values())))
@@ -90,20 +100,10 @@ def main(grid, *longer):
         arm: {s: ms_per_step(os.path.join(grid, arm, f"seed{s}")) for s in loss[arm] if s in loss["standard"]}
         for arm in arms
     }
-    print(
-        "| scheme | vs `standard`: mean [95% CI], seeds in favour, p, detectable | vs `scaled_residual` | "
-        "step time / `standard` | gain at equal wall time vs `standard`: mean [95% CI t], seeds in favour |"
-    )
-    print("|---|---|---|---|---|")
+    out = {}
     for arm in arms:
-        against = [
-            cell(paired["by_reference"][ref]["arms"][arm])
-            if arm in paired["by_reference"].get(ref, {}).get("arms", {})
-            else "-"
-            for ref in BASELINES
-        ]
+        stats = [paired["by_reference"].get(ref, {}).get("arms", {}).get(arm) for ref in BASELINES]
         ratios = {s: speed[arm][s] / speed["standard"][s] for s in speed[arm]}
-        ratio = float(np.mean(list(ratios.values())))
         gains, beyond = [], False
         for s in seeds:
             if s in loss[arm] and s in ratios:
@@ -117,9 +117,56 @@ def main(grid, *longer):
             else f"{st['mean']:+.4f} [{st['ci95'][0]:+.4f}, {st['ci95'][1]:+.4f}], {st['wins']}/{st['n']}"
             if st["n"] > 1
             else f"{st['mean']:+.4f}, {st['wins']}/{st['n']}"
-            + (f" (beyond {max(budgets)} steps: at best this)" if beyond else "")
+        ) + (f" (beyond {max(budgets)} steps: at best this)" if beyond else "")
+        out[arm] = (
+            [cell(x) if x else "-" for x in stats],
+            [verdict(x)[0] if x else None for x in stats],
+            float(np.mean(list(ratios.values()))),
+            equal,
         )
-        print(f"| `{arm}` | {against[0]} | {against[1]} | {ratio:.2f} | {equal} |")
+    return out
+
+
+def holds(verdicts):
+    """Whether one verdict against a baseline holds on every corpus: the same ahead or behind on each."""
+    if None in verdicts:
+        return "-"
+    if verdicts[0] != "not detectable at this size" and len(set(verdicts)) == 1:
+        return f"yes ({verdicts[0]})"
+    return "no (" + " / ".join("n.d." if v.startswith("not") else v for v in verdicts) + ")"
+
+
+# what may differ between the corpora's grids: where they lie, the text itself, and the code (the report of each
+# grid checks its own cells' code)
+PER_CORPUS = {"out_dir", "data_dir", "train_data_sha256", "code", "changes"}
+
+
+def main(*grids):
+    configs = [read(os.path.join(g, "config.json")) for g in grids]
+    if differ := sorted(
+        {k for c in configs[1:] for k in (c.keys() | configs[0].keys()) - PER_CORPUS if c.get(k) != configs[0].get(k)}
+    ):
+        sys.exit(
+            f"error: {grids[0]} and the other grids differ in {', '.join(differ)}; a table across corpora "
+            "compares one setting: rerun a grid with the other's values (config/leaderboard.py)"
+        )
+    tables = {g: rows(g) for g in grids}
+    for grid, table in tables.items():
+        cfg = read(os.path.join(grid, "config.json"))
+        longer = ", ".join(os.path.relpath(g) for g in longer_grids(grid)) or "no longer grid"
+        print(f"\n{grid} ({cfg['data_dir']}; equal time from {longer})\n")
+        print(
+            "| scheme | vs `standard`: mean [95% CI], seeds in favour, p, detectable | vs `scaled_residual` | "
+            + ("holds on both corpora (vs `standard`; vs `scaled_residual`) | " if len(grids) > 1 else "")
+            + "step time / `standard` | gain at equal wall time vs `standard`: mean [95% CI t], seeds in favour |"
+        )
+        print("|---|---|---|" + ("---|" if len(grids) > 1 else "") + "---|---|")
+        for arm, (against, _, ratio, equal) in table.items():
+            both = ""
+            if len(grids) > 1:
+                per = [[t[arm][1][i] if arm in t else None for t in tables.values()] for i in range(len(BASELINES))]
+                both = f" {holds(per[0])}; {holds(per[1])} |"
+            print(f"| `{arm}` | {against[0]} | {against[1]} |{both} {ratio:.2f} | {equal} |")
 
 
 if __name__ == "__main__":
