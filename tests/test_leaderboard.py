@@ -1,0 +1,85 @@
+"""
+dev/leaderboard.py, docs/leaderboard.md's tables: read off real tiny grids (two "corpora" and a longer `standard`
+grid beside one), the cross-corpus verdict, the equal-time interpolation, and the refusal to put grids of two
+settings in one table.
+"""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+import train
+from helpers import tiny
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
+import leaderboard  # noqa: E402
+
+ARMS = "--arms=standard,scaled_residual,attnres"
+
+
+def grid(shards, out, *extra):
+    train.main(tiny(shards, out, ARMS, "--seeds=0,1", *extra))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def grids(shards, tmp_path_factory):
+    d = tmp_path_factory.mktemp("leaderboard")
+    one, two = grid(shards, d / "board_a"), grid(shards, d / "board_b")
+    train.main(tiny(shards, d / "board_a_standard16", "--arms=standard", "--seeds=0,1", "--max_iters=16"))
+    return one, two
+
+
+def test_each_corpus_gets_a_row_per_arm_with_the_verdict_across_corpora(grids, capsys):
+    leaderboard.main(*grids)
+    out = capsys.readouterr().out
+    assert out.count("| `attnres` |") == 2 and out.count("holds on both corpora") == 2, out
+    assert "equal time from " + os.path.relpath(grids[0] + "_standard16") in out, "the longer grid is found by name"
+    assert "equal time from no longer grid" in out, "the second grid has none beside it"
+    row = next(line for line in out.splitlines() if line.startswith("| `standard` |"))
+    assert row.split(" | ")[-2:] == ["1.00", "- |"], "standard against itself: ratio 1, no gain"
+
+
+def test_the_gain_at_equal_time_reads_standard_off_the_longer_budgets(grids):
+    def final(g, arm, s):
+        with open(os.path.join(g, arm, f"seed{s}", "result.json")) as f:
+            return json.load(f)["val_loss"]
+
+    rows = leaderboard.rows(grids[0])
+    gains = []
+    for s in (0, 1):  # per seed: attnres's loss minus standard's at attnres's time, between the 8- and 16-step runs
+        ratio = leaderboard.ms_per_step(os.path.join(grids[0], "attnres", f"seed{s}")) / leaderboard.ms_per_step(
+            os.path.join(grids[0], "standard", f"seed{s}")
+        )
+        standard = {8: final(grids[0], "standard", s), 16: final(grids[0] + "_standard16", "standard", s)}
+        gains.append(final(grids[0], "attnres", s) - leaderboard.at_steps(standard, ratio * 8)[0])
+    assert rows["attnres"][3].startswith(f"{sum(gains) / 2:+.4f} ["), rows["attnres"][3]
+    assert rows["standard"][2] == 1.0
+
+
+def test_at_steps_is_linear_in_log_steps_and_says_when_beyond():
+    points = {600: 2.0, 2400: 1.8}
+    assert leaderboard.at_steps(points, 1200) == (pytest.approx(1.9), False)  # 1200 is the log midpoint
+    assert leaderboard.at_steps(points, 600) == (pytest.approx(2.0), False)
+    assert leaderboard.at_steps(points, 3000) == (1.8, True)
+    assert leaderboard.at_steps(points, 2400) == (1.8, False)
+    assert math.isclose(leaderboard.at_steps({1: 1.0, 100: 0.0}, 10)[0], 0.5)
+
+
+def test_a_verdict_holds_across_corpora_only_when_it_is_the_same_ahead_or_behind():
+    nd = "not detectable at this size"
+    assert leaderboard.holds(["ahead", "ahead"]) == "yes (ahead)"
+    assert leaderboard.holds(["behind", "behind"]) == "yes (behind)"
+    assert leaderboard.holds(["ahead", nd]) == "no (ahead / n.d.)"
+    assert leaderboard.holds(["ahead", "behind"]) == "no (ahead / behind)"
+    assert leaderboard.holds([nd, nd]) == "no (n.d. / n.d.)"
+    assert leaderboard.holds([None, "ahead"]) == "-"
+
+
+def test_grids_of_two_settings_are_refused_with_the_keys_that_differ(grids, shards, tmp_path):
+    other = grid(shards, tmp_path / "board_c", "--max_iters=12")
+    with pytest.raises(SystemExit, match="differ in max_iters; a table across corpora compares one setting"):
+        leaderboard.main(grids[0], other)
