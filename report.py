@@ -1576,12 +1576,15 @@ def step_time(log):
     return float(np.mean(times[1:] or times)) if times else None
 
 
-def step_time_lines(arms, seeds, logs, reference):
+def step_time_lines(arms, seeds, logs, reference, results):
     """Each arm's training ms/step per seed and its step time over the reference's, the mean over the seeds both
-    logged of arm / reference: what a gain costs, measured in the same grid (so on its machine and under its load)."""
+    logged of arm / reference: what a gain costs, measured in the same grid (so on its machine and under its load).
+    A seed whose two cells recorded different machines (machine_of) is left out of the ratio, with a note: a
+    grid continued on another host would otherwise price a scheme by the hosts' speeds."""
     times = {(a, s): step_time(logs.get((a, s), [])) for a in arms for s in seeds}
     if all(t is None for t in times.values()):
         return []
+    logged = lambda a, s: times[a, s] and times.get((reference, s))
     lines = [
         f"Training step time (ms/step, each cell's logged intervals but the first; ratio: the mean over seeds of "
         f"the arm's over {md(reference)}'s, measured in this grid):",
@@ -1589,14 +1592,33 @@ def step_time_lines(arms, seeds, logs, reference):
         "| arm | " + " | ".join(f"seed {s}" for s in seeds) + f" | ratio to {md(reference)} |",
         "|---" * (len(seeds) + 2) + "|",
     ]
+    apart, used = {}, set()
     for arm in arms:
-        both = [times[arm, s] / times[reference, s] for s in seeds if times[arm, s] and times.get((reference, s))]
+        both = []
+        for s in seeds:
+            if not logged(arm, s):
+                continue
+            here, there = (machine_of(results.get((a, s)) or {}) for a in (arm, reference))  # None: not recorded
+            if here and there and here != there:
+                apart.setdefault(arm, []).append(s)
+                continue
+            both.append(times[arm, s] / times[reference, s])
+            used.add(json.dumps(there, sort_keys=True))
         lines.append(
             f"| {md(arm)} | "
             + " | ".join("-" if times[arm, s] is None else f"{times[arm, s]:.1f}" for s in seeds)
             + f" | {f'{np.mean(both):.2f}' if both else '-'} |"
         )
-    return lines + [""]
+    lines.append("")
+    for arm, left in apart.items():
+        lines.append(
+            f"{md(arm)}: seed(s) {', '.join(map(str, left))} left out of its ratio: its cell and {md(reference)}'s "
+            "trained on different machines (their result.json's config.machine); rerun one of the two beside the "
+            "other to price it."
+        )
+    if len(used) > 1:
+        lines.append(f"The ratios come from {len(used)} machines (each seed's two cells on one).")
+    return lines + ([""] if apart or len(used) > 1 else [])
 
 
 def main(argv):
@@ -1663,7 +1685,7 @@ def main(argv):
     wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
     if any(t is not None for t in wall.values()):
         lines += wall_time_lines(arms, seeds, wall)
-    lines += step_time_lines(arms, seeds, logs, references[0])
+    lines += step_time_lines(arms, seeds, logs, references[0], results)
     if notes:
         lines += ["Skipped:", "", *(f"- {md(n)}" for n in notes), ""]
     summary = "\n".join(lines)

@@ -8,7 +8,8 @@ $ python dev/leaderboard.py out/leaderboard_pydoc out/leaderboard_shakespeare
 Per scheme: its paired delta against `standard` and against `scaled_residual` as report.py computed it (paired.json:
 the mean, the one 95% interval the report quotes, seeds in favour, the t-test's p, the delta the grid detects, the
 verdict); its step-time ratio to `standard` in the same grid (report.md's: each cell's mean training ms/step from
-its log.jsonl, the first interval left out, the mean over seeds of the ratios); and its gain at equal wall time:
+its log.jsonl, the first interval left out, the mean over the seeds whose two cells recorded one machine of the
+ratios); and its gain at equal wall time:
 per seed, the scheme's final loss minus the loss `standard` reaches in ratio x max_iters steps, read off
 `standard`'s final losses of that seed at max_iters and the longer budgets (linear in log steps). Where ratio x
 max_iters is beyond the longest budget the longest is used and the cell says so (the gain at equal time is then
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grid_files import read_log  # noqa: E402
 from paired_stats import paired_statistics, verdict  # noqa: E402
-from report import step_time  # noqa: E402
+from report import machine_of, step_time  # noqa: E402
 
 BASELINES = ("standard", "scaled_residual")
 
@@ -43,14 +44,17 @@ def ms_per_step(cell):
     return step_time(read_log(os.path.join(cell, "log.jsonl"))[0])
 
 
-def final_losses(grid, arm):
-    """{seed: final val_loss} of an arm's finished cells, and the budget (max_iters) they trained."""
+def final_losses(grid, arm, machines=None):
+    """{seed: final val_loss} of an arm's finished cells, and the budget (max_iters) they trained; machines, a
+    dict given, gets each cell's recorded machine by seed."""
     losses, steps = {}, set()
     for name in os.listdir(os.path.join(grid, arm)):
         path = os.path.join(grid, arm, name, "result.json")
         if name.startswith("seed") and os.path.exists(path) and (r := read(path))["status"] == "finished":
             losses[int(name[4:])] = r["val_loss"]
             steps.add(r["steps"])
+            if machines is not None:
+                machines[int(name[4:])] = machine_of(r)
     if len(steps) != 1:
         sys.exit(f"error: {grid}/{arm}: cells of {sorted(steps)} steps; one budget per grid")
     return losses, steps.pop()
@@ -89,7 +93,8 @@ def rows(grid):
     """{arm: (cell vs each baseline, verdict vs each baseline, step-time ratio, gain at equal wall time)}."""
     paired = read(os.path.join(grid, "paired.json"))
     arms = list(read(os.path.join(grid, "config.json"))["arms"])
-    loss = {arm: final_losses(grid, arm)[0] for arm in arms}
+    machines = {arm: {} for arm in arms}
+    loss = {arm: final_losses(grid, arm, machines[arm])[0] for arm in arms}
     max_iters = final_losses(grid, "standard")[1]
     budgets = {max_iters: loss["standard"]}
     for g in longer_grids(grid):
@@ -97,7 +102,11 @@ def rows(grid):
         budgets[steps] = losses
     seeds = sorted(set.intersection(*(set(b) for b in budgets.values())))
     speed = {
-        arm: {s: ms_per_step(os.path.join(grid, arm, f"seed{s}")) for s in loss[arm] if s in loss["standard"]}
+        arm: {
+            s: ms_per_step(os.path.join(grid, arm, f"seed{s}"))
+            for s in loss[arm]
+            if s in loss["standard"] and machines[arm][s] == machines["standard"][s]  # a host's speed is no cost
+        }
         for arm in arms
     }
     out = {}
@@ -121,7 +130,7 @@ def rows(grid):
         out[arm] = (
             [cell(x) if x else "-" for x in stats],
             [verdict(x)[0] if x else None for x in stats],
-            float(np.mean(list(ratios.values()))),
+            float(np.mean(list(ratios.values()))) if ratios else None,  # None: no seed whose two cells share a host
             equal,
         )
     return out
@@ -166,7 +175,8 @@ def main(*grids):
             if len(grids) > 1:
                 per = [[t[arm][1][i] if arm in t else None for t in tables.values()] for i in range(len(BASELINES))]
                 both = f" {holds(per[0])}; {holds(per[1])} |"
-            print(f"| `{arm}` | {against[0]} | {against[1]} |{both} {ratio:.2f} | {equal} |")
+            cost = "-" if ratio is None else f"{ratio:.2f}"
+            print(f"| `{arm}` | {against[0]} | {against[1]} |{both} {cost} | {equal} |")
 
 
 if __name__ == "__main__":

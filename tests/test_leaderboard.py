@@ -7,6 +7,8 @@ settings in one table.
 import json
 import math
 import os
+import re
+import shutil
 import sys
 
 import pytest
@@ -83,3 +85,20 @@ def test_grids_of_two_settings_are_refused_with_the_keys_that_differ(grids, shar
     other = grid(shards, tmp_path / "board_c", "--max_iters=12")
     with pytest.raises(SystemExit, match="differ in max_iters; a table across corpora compares one setting"):
         leaderboard.main(grids[0], other)
+
+
+def test_a_seed_trained_on_another_host_than_standards_prices_nothing(grids, tmp_path):
+    moved = str(tmp_path / "board")
+    shutil.copytree(grids[0], moved)
+    path = os.path.join(moved, "attnres", "seed1", "result.json")
+    with open(path) as f:
+        result = json.load(f)
+    result["config"]["machine"] = dict(result["config"]["machine"], cpu_capability="AVX512")  # continued elsewhere
+    with open(path, "w") as f:
+        json.dump(result, f)
+    one = leaderboard.ms_per_step(os.path.join(moved, "attnres", "seed0")) / leaderboard.ms_per_step(
+        os.path.join(moved, "standard", "seed0")
+    )
+    rows = leaderboard.rows(moved)
+    assert rows["attnres"][2] == pytest.approx(one), "the ratio is seed 0's alone"
+    assert re.search(r", [01]/1\b", rows["attnres"][3]), "the gain at equal time, seed 0 alone: " + rows["attnres"][3]

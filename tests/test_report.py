@@ -348,6 +348,24 @@ def test_each_arms_step_time_is_beside_the_references_seed_by_seed(tmp_path, no_
     assert "| rd | 15.0 | 60.0 | 45.0 | 120.0 | 2.25 |" in text, text
 
 
+def test_a_seed_whose_two_cells_trained_on_different_machines_is_left_out_of_the_ratio(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    for arm in ("parent", "rd"):
+        for seed in (0, 1, 2, 3):
+            host = "AVX512" if (arm, seed) == ("rd", 1) else "AVX2"  # one cell of the grid ran on another host
+            edit(out, arm, seed, lambda r: r.setdefault("config", {}).update(machine=dict(cpu_capability=host)))
+            log = out / arm / f"seed{seed}" / "log.jsonl"
+            records = [json.loads(line) for line in log.read_text().splitlines()]
+            for r in records:
+                if "ms_per_step" in r:
+                    r["ms_per_step"] = 10.0 * (2 if arm == "rd" else 1) * (4 if (arm, seed) == ("rd", 1) else 1)
+            log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    _, text = run(out)
+    assert "| rd | 20.0 | 80.0 | 20.0 | 20.0 | 2.00 |" in text, "the other host's 4x slower cell priced rd at 3.50"
+    assert "rd: seed(s) 1 left out of its ratio" in text, text
+    assert "machines" not in text.split("left out of its ratio")[0].split("Training step time")[-1]
+
+
 def test_stray_folders_and_damaged_files_are_skipped_with_a_note(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     (out / "rd" / "seed_old").mkdir()
