@@ -9,6 +9,8 @@ A GPT whose residual connections are pluggable: one decoder, every depth-routing
                mix of earlier block outputs; attnres_block_size=1 is Full AttnRes, >1 Block.
 - delta_attnres: Delta Attention Residuals (arXiv 2605.18855): the standard stream, and each sublayer's
                input adds a softmax read over the embedding and every earlier sublayer output.
+- mhar:        Multi-Head Attention Residuals (arXiv 2607.27230): AttnRes with 4 depth softmaxes per
+               read, each routing a quarter of the channels.
 - rd_attnres:  Role-Decoupled AttnRes (arXiv 2608.01075; design inferred from the abstract): the
                attention sublayer reads its queries/keys and its values through separate routes.
 - dar:         Dual Attention Residuals (arXiv 2607.18730; inferred from the abstract): two
@@ -714,6 +716,46 @@ class AttnRes(ResidualScheme):
         if (k + 1) % self.block_size == 0:  # the block is sealed: it becomes a source of the next block's reads
             return self.open_block(state.blocks + [partial], k + 1)
         return state._replace(partial=partial)
+
+
+class MultiHeadAttnRes(AttnRes):
+    """
+    MHAR, Multi-Head Attention Residuals (Luo et al. 2026, arXiv 2607.27230, as the hyper-connection-factory
+    code defines it): AttnRes whose every read is HEADS softmaxes over the same sources, head h routing its own
+    d / HEADS channels. Head h's logit is its channels' share of AttnRes's, <(w * g)_h, s_h> / rms(s) (the norm
+    over all d channels), and channels h of the read are sum_i alpha_hi s_i[h]. Through the one depth read:
+    HEADS directions, each w * g masked to one head's channels, and each route's output keeps its head's
+    channels. Zero queries make every head uniform, the AttnRes read: `standard` at init. The parameters and
+    the block structure (attnres_block_size) are AttnRes's; the HEADS full-width mixes of which one slice each
+    is kept cost HEADS times AttnRes's mixing (bench.py measures it).
+    """
+
+    HEADS = 4  # the peer's default
+
+    @staticmethod
+    def check(config):
+        AttnRes.check(config)
+        if config.n_embd % MultiHeadAttnRes.HEADS != 0:
+            raise ValueError(
+                f"n_embd={config.n_embd} must split into mhar's {MultiHeadAttnRes.HEADS} depth heads; "
+                f"use a multiple of {MultiHeadAttnRes.HEADS}"
+            )
+
+    def directions(self, k):
+        """(HEADS, d): AttnRes's direction of read k, row h kept on head h's channels only."""
+        u = super().directions(k)
+        heads = torch.eye(self.HEADS, dtype=u.dtype, device=u.device)
+        return heads.repeat_interleave(u.size(-1) // self.HEADS, dim=1) * u
+
+    def read(self, state, k):
+        outputs, weights, _ = self.full_read(state, k)
+        # the heads' mean is the share of the read's channels each source gives; each head's own under 'heads/'
+        self.note(self.name_of(k), lambda: weights.mean(-2))
+        self.note(f"heads/{self.name_of(k)}", lambda: weights)
+        if self.is_output(k):
+            self.note("source_cosine/out", lambda: cosine_matrix(state.blocks))
+        width = outputs[0].size(-1) // self.HEADS
+        return torch.cat([out[..., h * width : (h + 1) * width] for h, out in enumerate(outputs)], dim=-1)
 
 
 class DeltaAttnRes(ResidualScheme):
@@ -1479,6 +1521,7 @@ RESIDUALS = dict(
     frac=FracConnections,
     muddformer=MUDDFormer,
     delta_attnres=DeltaAttnRes,
+    mhar=MultiHeadAttnRes,
     scaled_residual=ScaledResidual,
 )
 
@@ -1719,7 +1762,8 @@ class GPT(nn.Module):
         after the shared embedding, the two streams' cosine) and source_cosine (S x S at the output,
         per stream: out.s0, out.s1); AttnRes's and DenseFormer's source_cosine; HC/mHC's
         stream_mixing (M[i, j], H_i <- sum_j M[i, j] H_j) and stream_cosine; DenseFormer's dwa (per
-        layer, named by its MLP sublayer); scaled_residual's scales (lambda_k, mu_k per sublayer). DAR's
+        layer, named by its MLP sublayer); scaled_residual's scales (lambda_k, mu_k per sublayer); MHAR's
+        heads (each head's weights, heads x sources; its `weights` are the heads' mean). DAR's
         depth weights are per stream: attn.{l}.s0, ....
         MoE models (n_experts > 1) add, per layer mlp.{l}: expert_load (the fraction of tokens that reach
         each expert: k/E each when balanced, summing to k) and router_entropy (of the scores normalised

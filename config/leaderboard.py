@@ -1,5 +1,6 @@
 # The leaderboard (issue #50), laptop shape: every registered scheme (model.RESIDUALS at its defaults: the
-# AttnRes family with Delta AttnRes, HC, mHC, DenseFormer, Post-LN, the LAuReL family, Frac-Connections, MUDDFormer)
+# AttnRes family with Delta AttnRes and MHAR, HC, mHC, DenseFormer, Post-LN, the LAuReL family, Frac-Connections,
+# MUDDFormer)
 # paired against both `standard` and `scaled_residual` (the report pairs every arm with each), under the tuned
 # protocol, once per bundled corpus. 12 layers x 64 (4 heads), where Block AttnRes (S=4) reads 6 blocks; 600 steps
 # of 1,024 byte tokens after 100 warmup steps; validation on 127 sequences spread over the held-out text (every
@@ -35,6 +36,7 @@ arms = {
         "frac",
         "muddformer",
         "delta_attnres",
+        "mhar",
         "scaled_residual",
     )
 }

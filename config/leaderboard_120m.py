@@ -7,10 +7,11 @@
 # detectable effect, not this comment, says what the grid can separate.
 # Cost, model.flops_per_token(1024) x tokens at an assumed 40% MFU of an H100 (989e12 bf16 FLOP/s):
 #   FLOP/token: 8.548e8 (standard, scaled_residual, laurel_rw, denseformer) to 8.654e8 (mhc, 4 streams);
-#               laurel_lr, laurel 8.583e8; muddformer 8.563e8; delta_attnres 8.550e8; the 15 arms sum to 1.2843e10
-#   tuning:   1.2843e10 x 3 rates x 3 seeds x 954 x 2^19 tokens = 5.78e19 FLOP / (0.4 x 989e12) / 3600 = 41 H100-hours
-#   compared: 1.2843e10 x 6 seeds          x 3815 x 2^19 tokens = 1.54e20 FLOP / (0.4 x 989e12) / 3600 = 108 H100-hours
-#   225 runs (135 tuning, 90 compared): about 149 H100-hours, 18.6 hours on one node of 8. FLOPs only: the schemes'
+#               laurel_lr, laurel 8.583e8; muddformer 8.563e8; delta_attnres, mhar 8.550e8; the 16 arms sum to
+#               1.3698e10
+#   tuning:   1.3698e10 x 3 rates x 3 seeds x 954 x 2^19 tokens = 6.17e19 FLOP / (0.4 x 989e12) / 3600 = 43 H100-hours
+#   compared: 1.3698e10 x 6 seeds          x 3815 x 2^19 tokens = 1.64e20 FLOP / (0.4 x 989e12) / 3600 = 115 H100-hours
+#   240 runs (144 tuning, 96 compared): about 159 H100-hours, 19.8 hours on one node of 8. FLOPs only: the schemes'
 #   memory-bound mixing is not in them (the peer measured throughput vs pre-norm of 0.78x for Frac, 0.74x
 #   MUDDFormer, 0.49x mHC), so expect 20-40% more wall time; bench.py at this shape measures each arm's ratio.
 # $ python data/prepare.py --max_tokens=2.1e9
@@ -37,6 +38,7 @@ arms = {
         "frac",
         "muddformer",
         "delta_attnres",
+        "mhar",
         "scaled_residual",
     )
 }

@@ -1,6 +1,6 @@
 """
 The field's schemes beside ours (issue #50): postnorm, the LAuReL family (laurel_rw, laurel_lr, laurel),
-frac (Frac-Connections), muddformer and delta_attnres. Each model equals, on the same weights with its routing
+frac (Frac-Connections), muddformer, delta_attnres and mhar. Each model equals, on the same weights with its routing
 parameters random, a plain-loop float64 implementation written here from the paper's equations (one
 source, one fraction, one way at a time; no code of model.py's schemes); each is `standard` at init where
 the paper's init gives it (postnorm is not, and says so). The generic contract (zero init, gradients,
@@ -18,7 +18,7 @@ from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torc
 from model import RESIDUALS
 from test_configs import settings_of
 
-ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer", "delta_attnres"]
+ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer", "delta_attnres", "mhar"]
 
 
 def reference_model(variant, seed=0):
@@ -158,6 +158,45 @@ def test_delta_attnres_adds_to_the_stream_and_is_not_standard_at_init():
         assert rel_err(model(tokens(), tokens())[0], delta_reference(model, tokens())) < 1e-10
 
 
+# --- MHAR -------------------------------------------------------------------------------------------
+
+
+def mhar_reference(model, idx):
+    """Block AttnRes whose reads are one softmax per channel group: group h's logits from its own channels of
+    query, key gain and source, the norm over all of a source's channels; its channels mixed by its weights."""
+    res, cfg = model.residual, model.config
+    H, size, eps = res.HEADS, cfg.attnres_block_size, cfg.norm_eps
+    group = cfg.n_embd // H
+
+    def read(sources, k):
+        channels = []
+        for h in range(H):
+            part = slice(h * group, (h + 1) * group)
+            u = res.query[k, part] * res.key_gain[k, part]
+            logits = [(s[..., part] * u).sum(-1) / torch.sqrt(s.pow(2).mean(-1) + eps) for s in sources]
+            a = torch.stack(logits, -1).softmax(-1)
+            channels.append(sum(a[..., i, None] * s[..., part] for i, s in enumerate(sources)))
+        return torch.cat(channels, -1)
+
+    blocks, partial = [model.transformer.wte(idx)], []  # the sealed blocks; the open block's sum (empty: none yet)
+    for k in range(2 * cfg.n_layer):
+        out = sublayer(model, k, read(blocks + partial, k))
+        partial = [partial[0] + out] if partial else [out]
+        if (k + 1) % size == 0:
+            blocks, partial = blocks + partial, []
+    return head(model, read(blocks + partial, 2 * cfg.n_layer))
+
+
+def test_mhar_of_one_head_is_attnres_and_its_heads_route_apart(monkeypatch):
+    mhar, attnres = make("mhar"), make("attnres")
+    randomize_routing(mhar)
+    attnres.load_state_dict(mhar.state_dict())
+    with torch.no_grad():
+        assert rel_err(mhar(tokens(), tokens())[0], attnres(tokens(), tokens())[0]) > 1e-3
+        monkeypatch.setattr(type(mhar.residual), "HEADS", 1)
+        assert torch.equal(mhar(tokens(), tokens())[0], attnres(tokens(), tokens())[0])
+
+
 REFERENCES = {
     "postnorm": postnorm_reference,
     "laurel_rw": laurel_reference,
@@ -166,6 +205,7 @@ REFERENCES = {
     "frac": frac_reference,
     "muddformer": mudd_reference,
     "delta_attnres": delta_reference,
+    "mhar": mhar_reference,
 }
 
 
