@@ -723,11 +723,10 @@ class MultiHeadAttnRes(AttnRes):
     MHAR, Multi-Head Attention Residuals (Luo et al. 2026, arXiv 2607.27230, as the hyper-connection-factory
     code defines it): AttnRes whose every read is HEADS softmaxes over the same sources, head h routing its own
     d / HEADS channels. Head h's logit is its channels' share of AttnRes's, <(w * g)_h, s_h> / rms(s) (the norm
-    over all d channels), and channels h of the read are sum_i alpha_hi s_i[h]. Through the one depth read:
-    HEADS directions, each w * g masked to one head's channels, and each route's output keeps its head's
-    channels. Zero queries make every head uniform, the AttnRes read: `standard` at init. The parameters and
-    the block structure (attnres_block_size) are AttnRes's; the HEADS full-width mixes of which one slice each
-    is kept cost HEADS times AttnRes's mixing (bench.py measures it).
+    over all d channels), and channels h of the read are sum_i alpha_hi s_i[h]. Through the depth read's
+    weights-only pair (as DAR): HEADS directions, each w * g masked to one head's channels, then one mix of the
+    sources with each head's weights on its channels. Zero queries make every head uniform, the AttnRes read:
+    `standard` at init. The parameters and the block structure (attnres_block_size) are AttnRes's.
     """
 
     HEADS = 4  # the peer's default
@@ -747,15 +746,26 @@ class MultiHeadAttnRes(AttnRes):
         heads = torch.eye(self.HEADS, dtype=u.dtype, device=u.device)
         return heads.repeat_interleave(u.size(-1) // self.HEADS, dim=1) * u
 
+    def open_block(self, blocks, k):
+        reads = reads_in_block(k, self.block_size, self.n_sublayers)
+        return History(blocks, None, depth_weights_sealed(blocks, {j: self.directions(j) for j in reads}, self.eps))
+
     def read(self, state, k):
-        outputs, weights, _ = self.full_read(state, k)
+        read, sources = state.sealed_reads[k], state.sources()
+        if state.partial is not None:
+            read = depth_weights_extend(read, state.partial, self.directions(k), self.eps)
+        weights = read.weights  # (B, T, HEADS, n)
         # the heads' mean is the share of the read's channels each source gives; each head's own under 'heads/'
         self.note(self.name_of(k), lambda: weights.mean(-2))
         self.note(f"heads/{self.name_of(k)}", lambda: weights)
         if self.is_output(k):
             self.note("source_cosine/out", lambda: cosine_matrix(state.blocks))
-        width = outputs[0].size(-1) // self.HEADS
-        return torch.cat([out[..., h * width : (h + 1) * width] for h, out in enumerate(outputs)], dim=-1)
+        with torch.autocast(sources[0].device.type, enabled=False):  # accumulated in the weights' fp32
+            x = sum(
+                weights[..., i, None] * s.to(weights.dtype).unflatten(-1, (self.HEADS, -1))
+                for i, s in enumerate(sources)
+            )
+        return x.flatten(-2).to(sources[0].dtype)
 
 
 class DeltaAttnRes(ResidualScheme):
