@@ -758,6 +758,7 @@ class MultiHeadAttnRes(AttnRes):
         # the heads' mean is the share of the read's channels each source gives; each head's own under 'heads/'
         self.note(self.name_of(k), lambda: weights.mean(-2))
         self.note(f"heads/{self.name_of(k)}", lambda: weights)
+        self.note(f"head_entropy/{self.name_of(k)}", lambda: -torch.special.xlogy(weights, weights).sum(-1))
         if self.is_output(k):
             self.note("source_cosine/out", lambda: cosine_matrix(state.blocks))
         with torch.autocast(sources[0].device.type, enabled=False):  # accumulated in the weights' fp32
@@ -1773,7 +1774,8 @@ class GPT(nn.Module):
         per stream: out.s0, out.s1); AttnRes's and DenseFormer's source_cosine; HC/mHC's
         stream_mixing (M[i, j], H_i <- sum_j M[i, j] H_j) and stream_cosine; DenseFormer's dwa (per
         layer, named by its MLP sublayer); scaled_residual's scales (lambda_k, mu_k per sublayer); MHAR's
-        heads (each head's weights, heads x sources; its `weights` are the heads' mean). DAR's
+        heads (each head's weights, heads x sources; its `weights`, so its entropy, are the heads' mean)
+        and head_entropy (each head's own, averaged over tokens). DAR's
         depth weights are per stream: attn.{l}.s0, ....
         MoE models (n_experts > 1) add, per layer mlp.{l}: expert_load (the fraction of tokens that reach
         each expert: k/E each when balanced, summing to k) and router_entropy (of the scores normalised

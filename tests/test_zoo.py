@@ -187,6 +187,15 @@ def mhar_reference(model, idx):
     return head(model, read(blocks + partial, 2 * cfg.n_layer))
 
 
+@pytest.mark.parametrize("size", [1, 2, 8])  # the peer's default, Full (1); the registry's default, 4, is in ZOO
+def test_mhar_matches_its_reference_at_every_block_size(size):
+    model = make("mhar", attnres_block_size=size)
+    randomize_routing(model)
+    model, idx = model.double(), tokens()
+    with torch.no_grad():
+        assert rel_err(model(idx, idx)[0], mhar_reference(model, idx)) < 1e-10
+
+
 def test_mhar_of_one_head_is_attnres_and_its_heads_route_apart(monkeypatch):
     mhar, attnres = make("mhar").double(), make("attnres").double()
     randomize_routing(mhar)
