@@ -129,8 +129,9 @@ class CellLog:
                 ms_per_step=dt * 1000,
                 tokens_per_s=tokens_per_s,
                 mfu=mfu,
-                eta_cell_s=round(eta_cell, 1),
-                eta_grid_s=round(eta_grid, 1),
+                # to the millisecond: a tenth of a second would write a tiny run's time left as none
+                eta_cell_s=round(eta_cell, 3),
+                eta_grid_s=round(eta_grid, 3),
             )
         )
         self.t_last = time.monotonic()
