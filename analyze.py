@@ -17,7 +17,8 @@ when matplotlib is installed, analysis_interventions.png and analysis_cosine.png
 - representations, averaged over the same tokens: per read the mean weights over its sources and
   the effective number of sources, exp(entropy) per token averaged over tokens; at the output
   read, the cosine-similarity matrix of the depth sources per stream; DAR's cross-stream cosine per
-  block and HC/mHC's per pair of streams; RD's QK/V divergence per layer;
+  block and HC/mHC's per pair of streams; RD's QK/V divergence per layer; MHAR's weights and
+  entropy per head;
 - for DAR, a summary of what its claims need: the own_keys and one_stream deltas, the cross-stream
   cosine per block, and per stream the mean off-diagonal source cosine and effective sources at out.
 
@@ -240,6 +241,22 @@ def markdown(a):
         lines += [
             f"| {name} | {len(w)} | {rep['effective_sources'][name]:.2f} | {' '.join(f'{v:.2f}' for v in w)} |"
             for name, w in rep["weights"].items()
+        ]
+    if "heads" in rep:  # MHAR: the table above is the heads' mean; a head can be sharp where their mean is flat
+        lines += [
+            "",
+            "## Depth heads",
+            "",
+            "Each head's own read: the entropy of its weights (nats, averaged over tokens: 0 when it takes "
+            "one source, log S when it weighs its S sources equally) and its mean weights.",
+            "",
+            "| read | head | entropy | mean weights (embedding first) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {h} | {rep['head_entropy'][name][h]:.3f} | {' '.join(f'{v:.2f}' for v in w)} |"
+            for name, heads in rep["heads"].items()
+            for h, w in enumerate(heads)
         ]
     for group, title in (
         ("dwa", "DenseFormer's depth-weighted averages (per layer, embedding first)"),

@@ -15,6 +15,11 @@ per seed, the scheme's final loss minus the loss `standard` reaches in ratio x m
 max_iters is beyond the longest budget the longest is used and the cell says so (the gain at equal time is then
 no better than shown). Given two or more grids, each row also says whether its verdict against each baseline holds
 on every corpus: the same *ahead* or *behind* on all of them.
+
+Under each table, whether the grid measures training rather than plateau escape: `standard`'s validation loss per
+seed at the evaluations nearest 10%, 20%, 30%, 50% and 100% of the budget, the seeds' spread there, and the Spearman
+correlation of their ranking there with their final one (a seed that escapes the plateau late shows as a late
+spread that does not shrink, and a ranking set only at the end).
 """
 
 import json
@@ -136,6 +141,38 @@ def rows(grid):
     return out
 
 
+def ranks(values):
+    return np.argsort(np.argsort(values))
+
+
+def plateau(grid):
+    """`standard`'s validation loss per seed at the evaluations nearest 10/20/30/50/100% of the budget, as a table:
+    a row per seed, then the seeds' spread and the Spearman correlation of their ranking with the final one."""
+    curves = {}
+    for name in sorted(os.listdir(os.path.join(grid, "standard"))):
+        if name.startswith("seed") and os.path.exists(os.path.join(grid, "standard", name, "result.json")):
+            records = read_log(os.path.join(grid, "standard", name, "log.jsonl"))[0]
+            curves[int(name[4:])] = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    curves = dict(sorted(curves.items()))  # seed 10 after seed 9
+    if len(curves) < 2:
+        return []
+    last = min(max(c) for c in curves.values())
+    steps = sorted(
+        {
+            min(set.intersection(*(set(c) for c in curves.values())), key=lambda s: abs(s - f * last))
+            for f in (0.1, 0.2, 0.3, 0.5, 1.0)
+        }
+    )
+    at = np.array([[curves[seed][s] for s in steps] for seed in curves])  # seeds x steps
+    spearman = [float(np.corrcoef(ranks(at[:, i]), ranks(at[:, -1]))[0, 1]) for i in range(len(steps) - 1)]
+    return (
+        ["| seed | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+        + [f"| {seed} | " + " | ".join(f"{v:.4f}" for v in row) + " |" for seed, row in zip(curves, at)]
+        + ["| spread (max - min) | " + " | ".join(f"{v:.3f}" for v in np.ptp(at, axis=0)) + " |"]
+        + [f"| Spearman with step {steps[-1]} | " + " | ".join(f"{r:+.2f}" for r in spearman) + " | |"]
+    )
+
+
 def holds(verdicts):
     """Whether one verdict against a baseline holds on every corpus: the same ahead or behind on each."""
     if None in verdicts:
@@ -177,6 +214,9 @@ def main(*grids):
                 both = f" {holds(per[0])}; {holds(per[1])} |"
             cost = "-" if ratio is None else f"{ratio:.2f}"
             print(f"| `{arm}` | {against[0]} | {against[1]} |{both} {cost} | {equal} |")
+        if lines := plateau(grid):
+            print(f"\n`standard`'s seeds through the budget ({grid}):\n")
+            print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,10 @@ def test_analyze_runs_on_a_trained_cell_of_every_variant(grid, variant, capsys):
             f"{variant}: a recorded cosine matrix must be symmetric with a unit diagonal (cosines of the sources "
             f"with each other)"
         )
+    for name, heads in rep.get("heads", {}).items():  # MHAR: each head's own read, not only their mean
+        for h, w in enumerate(heads):
+            row = f"| {name} | {h} | {rep['head_entropy'][name][h]:.3f} | {' '.join(f'{v:.2f}' for v in w)} |"
+            assert row in text, f"{variant}: analysis.md must show head {h} of read {name}: {row}"
     # RD's second route: a QK/V divergence wherever a read has a value route
     assert bool(rep["qk_v_jsd"]) == any(name.startswith("attn_v.") for name in rep["weights"])
     assert os.path.exists(os.path.join(cell, "analysis_interventions.png")) == bool(a["interventions"])

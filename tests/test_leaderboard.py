@@ -103,3 +103,26 @@ def test_a_seed_trained_on_another_host_than_standards_prices_nothing(grids, tmp
     rows = leaderboard.rows(moved)
     assert rows["attnres"][2] == pytest.approx(one), "the ratio is seed 0's alone"
     assert re.search(r", [01]/1\b", rows["attnres"][3]), "the gain at equal time, seed 0 alone: " + rows["attnres"][3]
+
+
+def test_the_plateau_table_reads_standards_curves_and_ranks_the_seeds(grids, tmp_path, capsys):
+    leaderboard.main(grids[0])
+    out = capsys.readouterr().out
+    assert f"`standard`'s seeds through the budget ({grids[0]})" in out
+    for s in (0, 1):  # the last column is the seed's final loss, as its result.json has it
+        with open(os.path.join(grids[0], "standard", f"seed{s}", "result.json")) as f:
+            final = json.load(f)["val_loss"]
+        row = next(line for line in out.splitlines() if line.startswith(f"| {s} | "))
+        assert row.endswith(f"| {final:.4f} |"), row
+    # three seeds on a plateau until step 60, where the first to escape ends last: a ranking that reverses
+    losses = {0: [3.3, 3.0, 2.5, 2.2, 2.00], 1: [3.4, 3.1, 2.6, 2.1, 1.95], 2: [3.5, 3.2, 2.7, 2.0, 1.90]}
+    for seed, curve in losses.items():
+        cell = tmp_path / "g" / "standard" / f"seed{seed}"
+        cell.mkdir(parents=True)
+        (cell / "result.json").write_text("{}")
+        lines = [json.dumps({"step": step, "val_loss": v}) for step, v in zip((10, 20, 30, 50, 100), curve)]
+        (cell / "log.jsonl").write_text("\n".join(lines) + "\n")
+    table = leaderboard.plateau(str(tmp_path / "g"))
+    assert table[0] == "| seed | step 10 | step 20 | step 30 | step 50 | step 100 |"
+    assert table[-2] == "| spread (max - min) | 0.200 | 0.200 | 0.200 | 0.200 | 0.100 |"
+    assert table[-1] == "| Spearman with step 100 | -1.00 | -1.00 | -1.00 | +1.00 | |"
