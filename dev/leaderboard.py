@@ -183,12 +183,22 @@ def holds(verdicts):
 
 
 # what may differ between the corpora's grids: where they lie, the text itself, and the code (the report of each
-# grid checks its own cells' code)
+# grid checks its own cells' code); and, in a tuned grid, the rates its tuning chose (setting)
 PER_CORPUS = {"out_dir", "data_dir", "train_data_sha256", "code", "changes"}
 
 
+def setting(config):
+    """A grid's config.json less what its tuning chose: each corpus's tuning picks its own rates for the same arms."""
+    if not config.get("tune_learning_rates"):
+        return config
+    chosen = {"learning_rate", "min_lr"}
+    return config | {
+        "arms": {arm: {k: v for k, v in a.items() if k not in chosen} for arm, a in config["arms"].items()}
+    }
+
+
 def main(*grids):
-    configs = [read(os.path.join(g, "config.json")) for g in grids]
+    configs = [setting(read(os.path.join(g, "config.json"))) for g in grids]
     if differ := sorted(
         {k for c in configs[1:] for k in (c.keys() | configs[0].keys()) - PER_CORPUS if c.get(k) != configs[0].get(k)}
     ):

@@ -126,3 +126,22 @@ def test_the_plateau_table_reads_standards_curves_and_ranks_the_seeds(grids, tmp
     assert table[0] == "| seed | step 10 | step 20 | step 30 | step 50 | step 100 |"
     assert table[-2] == "| spread (max - min) | 0.200 | 0.200 | 0.200 | 0.200 | 0.100 |"
     assert table[-1] == "| Spearman with step 100 | -1.00 | -1.00 | -1.00 | +1.00 | |"
+
+
+def test_the_rates_each_corpus_tuned_may_differ_and_no_other_arm_setting(grids, tmp_path, capsys):
+    def copy(g, name, **arm_settings):
+        out = str(tmp_path / name)
+        shutil.copytree(g, out)
+        with open(os.path.join(out, "config.json")) as f:
+            config = json.load(f)
+        config["tune_learning_rates"] = [1e-3, 3e-3]  # as config/leaderboard.py: each corpus tunes its own rates
+        config["arms"]["attnres"] |= arm_settings
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f)
+        return out
+
+    one = copy(grids[0], "a")
+    leaderboard.main(one, copy(grids[1], "b", learning_rate=1e-3, min_lr=1e-4))
+    assert capsys.readouterr().out.count("| `attnres` |") == 2, "the tuned rates are the corpus's, not a setting"
+    with pytest.raises(SystemExit, match="differ in arms"):
+        leaderboard.main(one, copy(grids[1], "c", attnres_block_size=1))
