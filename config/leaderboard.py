@@ -10,7 +10,9 @@
 # Traded for time on the 2-core CPU: 12 layers rather than calibrate's 16, 600 steps rather than 1,000, three
 # rates, two tuning seeds. The 100 warmup steps take the shape out of the plateau-escape regime on Shakespeare,
 # where with 20 one seed of six left the plateau late and stayed last (docs/comparisons.md, 'The leaderboard's
-# shape'); measured there before the grid: every seed of `standard` below 2.57 by step 120, within 0.022.
+# shape'); measured there before the grid: every seed of `standard` below 2.57 by step 120, within 0.022. In both
+# corpora's grids no seed of `standard` leaves the plateau late (dev/leaderboard.py prints each seed's curve).
+# Cost here, two workers: 1 h 45 min to 1 h 55 min a corpus with the tuning; the longer `standard` grids 25 min.
 # $ python launch.py --cluster=local --workers=2 --gpus_per_node=0 config/leaderboard.py  # out/leaderboard_shakespeare
 # $ python launch.py --cluster=local --workers=2 --gpus_per_node=0 config/leaderboard.py \
 #       --data_dir=data/pydoc_bytes --out_dir=out/leaderboard_pydoc

@@ -207,13 +207,16 @@ def main(*grids):
             "compares one setting: rerun a grid with the other's values (config/leaderboard.py)"
         )
     tables = {g: rows(g) for g in grids}
+    corpora = " / ".join(os.path.basename(os.path.normpath(c["data_dir"])) for c in configs)  # the verdicts' order
+    where = "both corpora" if len(grids) == 2 else "every corpus"
+    across = f"holds on {where} (verdicts on {corpora}; vs `standard`; vs `scaled_residual`)"
     for grid, table in tables.items():
         cfg = read(os.path.join(grid, "config.json"))
         longer = ", ".join(os.path.relpath(g) for g in longer_grids(grid)) or "no longer grid"
         print(f"\n{grid} ({cfg['data_dir']}; equal time from {longer})\n")
         print(
             "| scheme | vs `standard`: mean [95% CI], seeds in favour, p, detectable | vs `scaled_residual` | "
-            + ("holds on both corpora (vs `standard`; vs `scaled_residual`) | " if len(grids) > 1 else "")
+            + (f"{across} | " if len(grids) > 1 else "")
             + "step time / `standard` | gain at equal wall time vs `standard`: mean [95% CI t], seeds in favour |"
         )
         print("|---|---|---|" + ("---|" if len(grids) > 1 else "") + "---|---|")

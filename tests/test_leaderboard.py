@@ -39,6 +39,11 @@ def test_each_corpus_gets_a_row_per_arm_with_the_verdict_across_corpora(grids, c
     leaderboard.main(*grids)
     out = capsys.readouterr().out
     assert out.count("| `attnres` |") == 2 and out.count("holds on both corpora") == 2, out
+    corpora = []
+    for g in grids:
+        with open(os.path.join(g, "config.json")) as f:
+            corpora.append(os.path.basename(os.path.normpath(json.load(f)["data_dir"])))
+    assert f"holds on both corpora (verdicts on {corpora[0]} / {corpora[1]}; " in out, "the verdicts' order is named"
     assert "equal time from " + os.path.relpath(grids[0] + "_standard16") in out, "the longer grid is found by name"
     assert "equal time from no longer grid" in out, "the second grid has none beside it"
     row = next(line for line in out.splitlines() if line.startswith("| `standard` |"))
