@@ -148,12 +148,14 @@ def ranks(values):
 def plateau(grid):
     """`standard`'s validation loss per seed at the evaluations nearest 10/20/30/50/100% of the budget, as a table:
     a row per seed, then the seeds' spread and the Spearman correlation of their ranking with the final one."""
-    curves = {}
-    for name in sorted(os.listdir(os.path.join(grid, "standard"))):
-        if name.startswith("seed") and os.path.exists(os.path.join(grid, "standard", name, "result.json")):
-            records = read_log(os.path.join(grid, "standard", name, "log.jsonl"))[0]
-            curves[int(name[4:])] = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
-    curves = dict(sorted(curves.items()))  # seed 10 after seed 9
+    curves = {
+        seed: {
+            r["step"]: r["val_loss"]
+            for r in read_log(os.path.join(grid, "standard", f"seed{seed}", "log.jsonl"))[0]
+            if "val_loss" in r
+        }
+        for seed in sorted(final_losses(grid, "standard")[0])  # the finished seeds, seed 10 after seed 9
+    }
     if len(curves) < 2:
         return []
     last = min(max(c) for c in curves.values())

@@ -124,7 +124,7 @@ def test_the_plateau_table_reads_standards_curves_and_ranks_the_seeds(grids, tmp
     for seed, curve in losses.items():
         cell = tmp_path / "g" / "standard" / f"seed{seed}"
         cell.mkdir(parents=True)
-        (cell / "result.json").write_text("{}")
+        (cell / "result.json").write_text(json.dumps({"status": "finished", "val_loss": curve[-1], "steps": 100}))
         lines = [json.dumps({"step": step, "val_loss": v}) for step, v in zip((10, 20, 30, 50, 100), curve)]
         (cell / "log.jsonl").write_text("\n".join(lines) + "\n")
     table = leaderboard.plateau(str(tmp_path / "g"))
