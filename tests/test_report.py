@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -1875,3 +1876,35 @@ def test_a_grid_of_one_arm_says_so_instead_of_an_empty_table(tmp_path, no_matplo
     assert "## Paired against parent\n\nNo other arm to pair with." in text
     assert "| arm | n | wins |" not in text and "Power of the paired t-test" not in text, "no empty tables"
     assert "| parent | 3.0000 | 4.0000 |" in text, "its losses are still shown"
+
+
+ROOT = os.path.dirname(os.path.abspath(report.__file__))
+ARCHIVES = sorted(
+    name
+    for name in os.listdir(os.path.join(ROOT, "results"))
+    if os.path.isfile(os.path.join(ROOT, "results", name, "grids.tar.xz"))
+)
+
+
+@pytest.mark.parametrize("name", ARCHIVES)
+def test_each_results_archive_regenerates_its_report_byte_for_byte(tmp_path, name):
+    """results/<name>/report.md is what `python report.py out/<grid>` writes from the grids in its grids.tar.xz,
+    extracted into out/ as docs/leaderboard.md says (the title names that path): a change to the report's code that
+    moves a byte of a committed report must regenerate it."""
+    committed = os.path.join(ROOT, "results", name, "report.md")
+    with open(committed, "rb") as f:
+        expected = f.read()
+    grid = re.match(rb"# Paired report: (out/[^\n/]+)\n", expected)
+    assert grid, f"{committed}'s title names out/<grid>: regenerate it from the archive extracted into out/"
+    with tarfile.open(os.path.join(ROOT, "results", name, "grids.tar.xz")) as archive:
+        archive.extractall(tmp_path / "out", filter="data")
+    cli = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "report.py"), grid[1].decode()],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    with open(tmp_path / grid[1].decode() / "report.md", "rb") as f:
+        assert f.read() == expected, f"regenerate {committed}: cd into the extracted folder's parent and run the report"
