@@ -39,9 +39,9 @@ def cell_dir(out_dir, arm, seed):
 
 # settings recorded as lists whose order changes nothing: the rates a tuning tries train the same cells and give the
 # same choice in any order
-UNORDERED_KEYS = ("tune_learning_rates",)
+UNORDERED_KEYS = ("tune_learning_rates", "tune_routing_lr_scales")
 # settings added later, as records made before them compare: the behaviour they had then
-ABSENT_MEANS = {"eval_layout": "first"}
+ABSENT_MEANS = {"eval_layout": "first", "tune_routing_lr_scales": []}
 
 
 def as_compared(key, value):

@@ -819,6 +819,21 @@ class DeltaAttnRes(ResidualScheme):
         return self.Deltas(state.x + out, (state.sources or [state.x]) + [out])
 
 
+class DeltaAttnResPaper(DeltaAttnRes):
+    """
+    Delta AttnRes at the zero query its peer code starts from: every read starts uniform, adding the sources' mean,
+    x / (k + 1) at sublayer k (the embedding and the outputs so far sum to the stream x), which the sublayer's
+    pre-norm removes: `standard` at init up to the norms' eps.
+    """
+
+    standard_at_init = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        with torch.no_grad():
+            self.query.zero_()
+
+
 class RDAttnRes(AttnRes):
     """
     RD-AttnRes: Block AttnRes whose attention sublayer reads the same sources twice with the same
@@ -1205,6 +1220,64 @@ class ManifoldHyperConnections(MultiStream):
         return sinkhorn(logits + self.bias_res[k]), post
 
 
+class ManifoldHyperConnectionsPaper(ManifoldHyperConnections):
+    """
+    mHC at its paper's start (as the hyper-connection-factory peer reads it): the projections phi drawn N(0, 0.02^2),
+    every bias 0 (uniform doubly stochastic mixing, pre = 1/2 and post = 1 around it), a = 0.01; Sinkhorn-Knopp
+    row-softmax first, then column and row normalisations (20 in all, eps 1e-6, ending on columns); pre + 1e-6; and a
+    read-out head: the output is sum_i w_i H_i, w = sigmoid(a x' phi_head + b_head) + 1e-6. NOT `standard` at init
+    (the streams are mixed and read at 1/2 from the first step).
+    """
+
+    standard_at_init = False
+
+    @staticmethod
+    def extra_params(config):
+        n, d = config.hc_streams, config.n_embd  # the sublayers' as mHC's, and the head's phi, scale and bias
+        return ManifoldHyperConnections.extra_params(config) + n * d * n + 1 + n
+
+    def __init__(self, config):
+        super().__init__(config)
+        n, d = self.n_streams, config.n_embd
+        with torch.no_grad():
+            for phi in (self.phi_pre, self.phi_post, self.phi_res):
+                nn.init.normal_(phi, std=0.02)
+            for bias in (self.bias_pre, self.bias_post, self.bias_res):
+                bias.zero_()
+        self.head_phi = nn.Parameter(torch.randn(n * d, n) * 0.02)
+        self.head_scale = nn.Parameter(torch.full((1,), 0.01))
+        self.head_bias = nn.Parameter(torch.zeros(n))
+
+    def dead_rows(self):
+        return {"phi_res": {0}, "bias_res": {0}}  # a mix of identical streams; the head reads the last one's
+
+    @staticmethod
+    def sinkhorn_rows_first(logits, iterations=20, eps=1e-6):
+        m = logits.float().softmax(-1) + eps
+        m = m / (m.sum(-2, keepdim=True) + eps)
+        for _ in range(iterations - 1):
+            m = m / (m.sum(-1, keepdim=True) + eps)
+            m = m / (m.sum(-2, keepdim=True) + eps)
+        return m
+
+    def read_weights(self, state, k):
+        return super().read_weights(state, k) + 1e-6
+
+    def write_weights(self, state, k):
+        post = 2 * torch.sigmoid(self.scale[k, 1] * (state.features @ self.phi_post[k]) + self.bias_post[k])
+        logits = self.scale[k, 2] * (state.features @ self.phi_res[k]).unflatten(-1, (self.n_streams, self.n_streams))
+        # the paper's res[j, i] takes stream j into stream i; MultiStream's mix[i, j] does
+        return self.sinkhorn_rows_first(logits + self.bias_res[k]).transpose(-1, -2), post
+
+    def read(self, state, k):
+        if not self.is_output(k):
+            return super().read(state, k)
+        with torch.autocast(state.H.device.type, enabled=False):
+            w = torch.sigmoid(self.head_scale * (self.features(state.H) @ self.head_phi) + self.head_bias) + 1e-6
+            self.note("stream_readout/out", lambda: w)
+            return (w.unsqueeze(-1) * state.H).sum(-2)
+
+
 class Dense(NamedTuple):
     """DenseFormer state: the stream x and every layer output so far (the embedding first)."""
 
@@ -1374,6 +1447,64 @@ class Laurel(LaurelLR):
         return self.output_weight[k] * out + self.skip_weight[k] * (x + self.low_rank(x, k))
 
 
+class LaurelRWPaper(ResidualScheme):
+    """
+    LAuReL-RW with the bounded weights the paper asks for, bounded as the hyper-connection-factory peer bounds them:
+    (alpha_k, beta_k) = 2 softmax(w_k), w_k = 0 at init, so alpha + beta = 2 always and alpha = beta = 1 at init
+    (exactly `standard`: 2 x 0.5 is exact). The paper names no normalisation that starts at 1; this one is the peer's.
+    """
+
+    @staticmethod
+    def extra_params(config):
+        return 2 * 2 * config.n_layer  # w_k, two logits per sublayer
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.weight_logits = nn.Parameter(torch.zeros(self.n_sublayers, 2))
+
+    def start(self, x):
+        return x
+
+    def read(self, x, k):
+        return x
+
+    def write(self, x, k, out):
+        alpha, beta = 2 * self.weight_logits[k].softmax(0)
+        self.note(f"laurel_weights/{self.name_of(k)}", lambda: torch.stack([alpha, beta]).expand(*out.shape[:-1], 2))
+        return alpha * out + beta * x
+
+
+class LaurelLRPaper(LaurelLR):
+    """
+    LAuReL-LR at the paper's init, as the peer writes it: A_k "column orthogonal", A_k[j, i] = 1/sqrt(r d) where
+    i mod r = j (output j sums its own d/r channels), B_k = 0: exactly `standard`, and A_k x starts r = 16 times
+    smaller than under LaurelLR's A ~ N(0, 1/d) (|A x| / |x| = 1/sqrt(r d) against sqrt(r / d)).
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.n_embd
+        columns = (torch.arange(d) % self.RANK == torch.arange(self.RANK)[:, None]).float() / math.sqrt(self.RANK * d)
+        self.down = nn.Parameter(columns.repeat(self.n_sublayers, 1, 1))
+
+
+class LaurelPaper(LaurelLRPaper):
+    """LAuReL-RW+LR at the paper's recipe: x <- alpha_k f_k(x) + beta_k (x + B_k A_k x), (alpha, beta) bounded as in
+    LaurelRWPaper, A as in LaurelLRPaper, B = 0: exactly `standard` at init."""
+
+    @staticmethod
+    def extra_params(config):
+        return LaurelLR.extra_params(config) + LaurelRWPaper.extra_params(config)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.weight_logits = nn.Parameter(torch.zeros(self.n_sublayers, 2))
+
+    def write(self, x, k, out):
+        alpha, beta = 2 * self.weight_logits[k].softmax(0)
+        return alpha * out + beta * (x + self.low_rank(x, k))
+
+
 class FracConnections(ResidualScheme):
     """
     Frac-Connections (Zhu et al., arXiv 2503.14125), hyper-connections at expansion rate 1/m: the stream is
@@ -1512,6 +1643,86 @@ class MUDDFormer(ResidualScheme):
         return self.State(outputs, *mixed)
 
 
+class MUDDFormerPaper(MUDDFormer):
+    """
+    MUDDFormer at its release's recipe for deep, narrow models (PrePostDANorm: the official code's mudd_prenorm and
+    mudd_postnorm, with its PyTorch release's generator width). Each source is normalised before it is aggregated,
+    S_j = RMSNorm_j(X_j) with a gain of its own (the embedding's too); the query, key and value ways aggregate them,
+    and the residual way adds a normalised aggregation to the layer's output:
+        X^c = sum_j a^c_j S_j (c in Q, K, V),   X^R = X_{l+1} + RMSNorm^post_l(sum_j a^R_j S_j), gain 0.001 at init,
+        a = static_l + W2_l GELU(W1_l RMSNorm^gen_l(X_{l+1})),  W1 of width h rounded up past a multiple of 64
+    (h = 4 (l+2); the last layer's 4 x (l+2)), W2 = 0 at init. After the last layer only the R way, which the output
+    reads. The release's three attention norms: V's is the block's ln_1 times a gain of its own (1 + value_gain_l, 0
+    at init); Q and K share ln_1 (a gain on either would rescale W_q's or W_k's columns, which the block owns).
+    Init of the static weights: the official code starts every way at 0 with both norms on; there the query and key
+    inputs are 0 and stay 0 (every attention logit is 0, and its gradient with respect to q or k is k or q), so here
+    Q, K and V start at the newest source, as the release does without the norms, and R at 0: `standard` at init up
+    to the norms' eps (S_{l+1} is X_{l+1} normalised, which ln_1 normalises again; X^R = X_{l+1}).
+    """
+
+    @staticmethod
+    def generator_width(config, layer):
+        ways, sources = MUDDFormer.ways(config, layer), layer + 2
+        width = ways * sources * (4 if ways == 1 else 1)
+        return (width // 64 + 1) * 64
+
+    @staticmethod
+    def extra_params(config):
+        d, L = config.n_embd, config.n_layer
+        total = d + (L - 1) * d  # the embedding's source norm; V's gain in layers 1 .. L-1
+        for layer in range(L):  # generator norm, W1 (d x width), W2 (width x ways*sources), static; 2 norms
+            h, width = MUDDFormer.ways(config, layer) * (layer + 2), MUDDFormerPaper.generator_width(config, layer)
+            total += d + d * width + width * h + h + 2 * d
+        return total
+
+    def __init__(self, config):
+        super().__init__(config)
+        d, L = config.n_embd, config.n_layer
+        widths = [self.generator_width(config, layer) for layer in range(L)]
+        self.hidden_in = nn.ParameterList([nn.Parameter(torch.randn(d, w) / math.sqrt(d)) for w in widths])
+        self.hidden_out = nn.ParameterList(
+            [nn.Parameter(torch.zeros(w, s.numel())) for w, s in zip(widths, self.static)]
+        )
+        with torch.no_grad():
+            for static in self.static:
+                static[-1].zero_()  # R (the last layer's only way) at 0; Q, K, V at the newest source
+        self.generator_norm = nn.Parameter(torch.ones(L, d))
+        self.source_norm = nn.Parameter(torch.ones(L + 1, d))  # row 0: the embedding's; row l + 1: X_{l+1}'s
+        self.post_norm = nn.Parameter(torch.full((L, d), 1e-3))
+        self.value_gain = nn.Parameter(torch.zeros(L - 1, d))  # row l - 1: layer l's
+
+    def norm(self, x, weight):
+        with torch.autocast(x.device.type, enabled=False):  # the stream's dtype (fp32 under autocast)
+            return F.rms_norm(x, (x.size(-1),), weight.to(x.dtype), self.eps)
+
+    def start(self, x):
+        return self.State([self.norm(x, self.source_norm[0])], x, x, x, x)
+
+    def read_attention(self, state, k):
+        layer = layer_of(k)
+        return state.q, state.k, state.v, self.value_gain[layer - 1] if layer else None
+
+    def weights(self, x, layer):
+        """a (B, T, ways, sources) in fp32 (fp64 for fp64 x): MUDDFormer's, its generator's norm with a gain."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            normed = F.rms_norm(x.to(acc), (x.size(-1),), self.generator_norm[layer].to(acc), self.eps)
+            dynamic = F.gelu(normed @ self.hidden_in[layer].to(acc)) @ self.hidden_out[layer].to(acc)
+            return self.static[layer].to(acc) + dynamic.unflatten(-1, self.static[layer].shape)
+
+    def write(self, state, k, out):
+        if is_attention(k):
+            return state._replace(r=state.r + out)
+        layer = layer_of(k)
+        x = state.r + out
+        sources = state.outputs + [self.norm(x, self.source_norm[layer + 1])]
+        a = self.weights(x, layer)
+        self.note(f"dense_weights/{self.name_of(k)}", lambda: a)
+        *qkv, r = depth_mix(sources, a)
+        r = x + self.norm(r, self.post_norm[layer])
+        return self.State(sources, *(qkv or (None, None, None)), r)
+
+
 # -----------------------------------------------------------------------------
 # The registry and the optimizer: RESIDUALS names every scheme (the config check, train.py,
 # bench.py and the tests read it); MuonAdamW steps Muon and AdamW as one optimizer.
@@ -1533,6 +1744,12 @@ RESIDUALS = dict(
     muddformer=MUDDFormer,
     delta_attnres=DeltaAttnRes,
     mhar=MultiHeadAttnRes,
+    muddformer_paper=MUDDFormerPaper,
+    laurel_rw_paper=LaurelRWPaper,
+    laurel_lr_paper=LaurelLRPaper,
+    laurel_paper=LaurelPaper,
+    mhc_paper=ManifoldHyperConnectionsPaper,
+    delta_attnres_paper=DeltaAttnResPaper,
     scaled_residual=ScaledResidual,
 )
 

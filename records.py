@@ -90,6 +90,9 @@ NOT_COMPUTING = frozenset(
         "load_cell",
         "TrainedCell",
         "open_trained",
+        # a config default: its value is in every record that could use it (the grid's config.json), which the
+        # rerun check and the pairing compare; its assignment computes nothing
+        "tune_routing_lr_scales",
     }
 )
 
@@ -300,7 +303,8 @@ def unused_settings(cfg, config):
         unused["cooldown_frac"] = f"it applies under lr_schedule='wsd' (this run's is {cfg['lr_schedule']!r})"
     if not cfg["tune_learning_rates"]:
         unused |= dict.fromkeys(
-            ("tune_seeds", "tune_iters"), "it applies to the tuned protocol, and tune_learning_rates is empty"
+            ("tune_seeds", "tune_iters", "tune_routing_lr_scales"),
+            "it applies to the tuned protocol, and tune_learning_rates is empty",
         )
     if not RESIDUALS[config.residual].extra_params(config):
         unused["routing_lr_scale"] = f"residual={config.residual!r} has no routing parameters for it to scale"

@@ -69,6 +69,7 @@ reference_arm = ""  # the report's references, comma-separated; "" = arms standa
 tune_learning_rates = []  # e.g. [1e-3, 3e-3, 1e-2]: every arm runs at each on the tuning seeds, then at its best
 tune_seeds = [1000, 1001, 1002]  # never a compared seed; enough to see the noise a rate must beat
 tune_iters = 0  # the tuning cells' steps (their whole schedule); 0 = a quarter of max_iters
+tune_routing_lr_scales = []  # e.g. [0.1, 1]: also each routed arm's routing_lr_scale, at its chosen rate (tune.py)
 # model: every GPTConfig field is a key, with model.py's default unless set here
 n_layer = 4
 n_head = 4

@@ -14,6 +14,13 @@ the tuning cells' final validation losses, printed and written to out_dir/tune/c
 its reason) and tuned_arms (the arms at their chosen rates) for the paired grid. The compared
 seeds never choose a rate (tune_seeds and seeds may not overlap), nor does the compared text. An
 empty tune_learning_rates is the frozen protocol (one setting for every arm), the default.
+
+tune_routing_lr_scales (e.g. [0.1, 1]) also chooses each routed arm's routing rate: its routing parameters train at
+routing_lr_scale x its rate (model.py's optimizer groups), and a scheme's routing may want a rate of its own
+(MUDDFormer's depth weights blow up at the shared 1e-2; its authors route at 3e-4). The tuning grid then has, for
+each arm with routing parameters, a cell <arm>-rs<scale>-lr<rate> per scale other than 1 and rate; the rate is
+chosen as without it, from the scale-1 cells, then the scale at that rate by the same rule over the routing rates
+(rate x scale): the smallest that no larger one beats. choice.json records both.
 """
 
 import json
@@ -23,8 +30,25 @@ import sys
 import records
 from common import ConfigError, write_json
 from grid_files import TUNE_DIR, rate_name, recorded_choice, stable_choice, tuning_arm, tuning_row
+from model import RESIDUALS
 
-TUNED_KEYS = ("learning_rate", "min_lr")  # what tuning sets in each arm
+TUNED_KEYS = ("learning_rate", "min_lr")  # what tuning sets in each arm (routing_lr_scale too, with scales)
+
+
+def scales(cfg):
+    """The routing scales tried besides 1 (today's): tune_routing_lr_scales without 1, sorted."""
+    return sorted(float(s) for s in cfg["tune_routing_lr_scales"] if s != 1)
+
+
+def routed(cfg, settings):
+    """Whether an arm has routing parameters for a routing scale to act on."""
+    config = records.model_config(cfg, settings)
+    return RESIDUALS[config.residual].extra_params(config) > 0
+
+
+def scaled_arm(arm, scale):
+    """The tuning arm's stem for an arm at a routing scale: <arm>-rs<scale> (its cells: <arm>-rs<scale>-lr<rate>)."""
+    return f"{arm}-rs{rate_name(scale)}"
 
 
 def iters(cfg):
@@ -67,6 +91,13 @@ def check(cfg):
             f"tune_seeds and seeds share {', '.join(map(str, shared))}: a rate chosen on a compared "
             f"seed favours its arm on that seed; give tuning seeds apart, e.g. --tune_seeds=1000,1001,1002"
         )
+    given = cfg["tune_routing_lr_scales"]
+    if not all(type(s) in (int, float) and 0 < s <= sys.float_info.max for s in given) or len(
+        set(map(rate_name, given))
+    ) != len(given):
+        raise ConfigError(
+            f"tune_routing_lr_scales={given!r}: give distinct positive numbers, e.g. --tune_routing_lr_scales=0.1,1"
+        )
     if type(cfg["tune_iters"]) is not int or cfg["tune_iters"] < 0:
         raise ConfigError(f"tune_iters={cfg['tune_iters']!r}: give a number of steps (0 = a quarter of max_iters)")
     if not cfg["warmup_iters"] < iters(cfg) <= cfg["max_iters"]:
@@ -83,7 +114,15 @@ def check(cfg):
                 f"arm {arm!r} sets {' and '.join(own)}, which tune_learning_rates chooses for every arm; "
                 f"remove it from the arm, or set --tune_learning_rates=[] for the arms' own rates"
             )
-        name = tuning_arm(arm, max(rates, key=lambda r: len(rate_name(r))))
+        if scales(cfg) and "routing_lr_scale" in settings:
+            raise ConfigError(
+                f"arm {arm!r} sets routing_lr_scale, which tune_routing_lr_scales chooses for every routed arm; "
+                f"remove it from the arm, or set --tune_routing_lr_scales=[] for the arms' own scales"
+            )
+        longest = max(scales(cfg), key=lambda s: len(rate_name(s)), default=None)
+        name = tuning_arm(
+            arm if longest is None else scaled_arm(arm, longest), max(rates, key=lambda r: len(rate_name(r)))
+        )
         if len(name) > records.ARM_NAME_MAX:
             raise ConfigError(
                 f"tuning arm {name} is {len(name)} characters, at most {records.ARM_NAME_MAX} (a folder "
@@ -101,6 +140,15 @@ def tuning_config(cfg):
     arms = {
         tuning_arm(arm, rate): dict(settings, learning_rate=float(rate), min_lr=min_lr_at(cfg, float(rate)))
         for arm, settings in cfg["arms"].items()
+        for rate in cfg["tune_learning_rates"]
+    }
+    arms |= {
+        tuning_arm(scaled_arm(arm, scale), rate): dict(
+            settings, learning_rate=float(rate), min_lr=min_lr_at(cfg, float(rate)), routing_lr_scale=scale
+        )
+        for arm, settings in cfg["arms"].items()
+        if routed(cfg, settings)
+        for scale in scales(cfg)
         for rate in cfg["tune_learning_rates"]
     }
     return dict(
@@ -139,7 +187,8 @@ def tuning_record(cfg):
 def choose(cfg, tune_dir, master=True):
     """{arm: learning rate}: per arm, stable_choice over the tuning seeds' final validation losses (on tuning_text).
     The master process prints each arm's choice and reason and writes tune_dir/choice.json: every arm's
-    per-seed losses, mean and s.d. per rate, the choice and its reason, and the text it was made on."""
+    per-seed losses, mean and s.d. per rate, the choice and its reason, and the text it was made on; with
+    tune_routing_lr_scales, each routed arm's routing scale the same way (routing_choice)."""
     check(cfg)
     rates, seeds, budget = sorted(float(r) for r in cfg["tune_learning_rates"]), cfg["tune_seeds"], iters(cfg)
     table = {
@@ -150,6 +199,7 @@ def choose(cfg, tune_dir, master=True):
         choice[arm], reason[arm] = stable_choice(list(rows.values()))
         if choice[arm] is None:
             raise ConfigError(f"arm {arm!r}: {reason[arm]}; add smaller rates to tune_learning_rates")
+    routing = routing_choice(cfg, tune_dir, choice)
     if master:
         n = cfg["eval_tokens"]
         record = dict(
@@ -165,6 +215,8 @@ def choose(cfg, tune_dir, master=True):
             choice=choice,
             reason=reason,
         )
+        if scales(cfg):
+            record |= dict(routing_scales=scales(cfg), **routing)
         recorded = recorded_choice(tune_dir)
         record = with_recorded_arms(recorded, record)
         check_recorded(os.path.join(tune_dir, "choice.json"), recorded, record)
@@ -172,8 +224,36 @@ def choose(cfg, tune_dir, master=True):
         if recorded != json.loads(json.dumps(record)):
             write_json(os.path.join(tune_dir, "choice.json"), record)
         for arm in choice:
-            print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({reason[arm]})")
+            scale = routing["routing_choice"].get(arm)
+            also = f", routing_lr_scale {rate_name(scale)} ({routing['routing_reason'][arm]})" if scale else ""
+            print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({reason[arm]}){also}")
     return choice
+
+
+def routing_choice(cfg, tune_dir, choice):
+    """With tune_routing_lr_scales: {routing_table: {arm: {scale: row}}, routing_choice: {arm: scale}, routing_reason}
+    for each routed arm at its chosen rate, the rows of scale 1 being the rate's own; stable_choice over the routing
+    rates (rate x scale), so a smaller scale is the safer choice, taken unless a larger one beats it."""
+    found = dict(routing_table={}, routing_choice={}, routing_reason={})
+    seeds, budget = cfg["tune_seeds"], iters(cfg)
+    for arm, settings in cfg["arms"].items():
+        if not scales(cfg) or not routed(cfg, settings):
+            continue
+        rate = choice[arm]
+        rows = {
+            rate_name(scale): dict(
+                tuning_row(tune_dir, arm if scale == 1 else scaled_arm(arm, scale), rate, seeds, budget),
+                learning_rate=rate * scale,  # what stable_choice orders by: the routing parameters' rate
+            )
+            for scale in sorted(scales(cfg) + [1.0])
+        }
+        routing_rate, why = stable_choice(list(rows.values()))
+        if routing_rate is None:
+            raise ConfigError(f"arm {arm!r} at learning_rate {rate_name(rate)}: {why}; add smaller routing scales")
+        scale = next(float(s) for s, row in rows.items() if row["learning_rate"] == routing_rate)
+        found["routing_table"][arm], found["routing_choice"][arm] = rows, scale
+        found["routing_reason"][arm] = f"routing rate {rate_name(routing_rate)}: {why}"
+    return found
 
 
 CHOICE_SETTINGS = (
@@ -185,22 +265,26 @@ CHOICE_SETTINGS = (
     "min_lr_ratio",
     "tuning_text",
     "test_tokens",
+    "routing_scales",
 )  # what a choice.json was made under; the rest follows from its tuning cells
+PER_ARM = ("table", "choice", "reason", "routing_table", "routing_choice", "routing_reason")
 
 
 def with_recorded_arms(recorded, record):
-    """record, keeping the arms a choice.json of the same tuning has and this run does not train (a rerun of some
-    arms, or one that adds arms, extends the record rather than losing the others' choices)."""
-    if not recorded or any(recorded.get(k) != json.loads(json.dumps(record[k])) for k in CHOICE_SETTINGS):
+    """record, keeping the arms and compared seeds a choice.json of the same tuning has and this run does not train
+    (a rerun of some arms or seeds, or one that adds arms, extends the record rather than losing the others'
+    choices). The compared seeds never choose anything: a run of fewer is the same tuning."""
+    same = [k for k in CHOICE_SETTINGS if k != "seeds"]
+    if not recorded or any(recorded.get(k) != json.loads(json.dumps(record.get(k))) for k in same):
         return record
-    if not all(isinstance(recorded.get(k), dict) for k in ("table", "choice", "reason")):
+    if not all(isinstance(recorded.get(k), dict) for k in PER_ARM if k in record) or not isinstance(
+        recorded.get("seeds"), list
+    ):
         return record
     return dict(
         record,
-        **{
-            k: {a: v for a, v in recorded[k].items() if a not in record[k]} | record[k]
-            for k in ("table", "choice", "reason")
-        },
+        seeds=recorded["seeds"] + [s for s in record["seeds"] if s not in recorded["seeds"]],
+        **{k: {a: v for a, v in recorded[k].items() if a not in record[k]} | record[k] for k in PER_ARM if k in record},
     )
 
 
@@ -208,24 +292,25 @@ def check_recorded(path, recorded, record):
     """A choice.json written before is replaced only by what it would be anyway, or by another tuning's (its
     settings changed, --allow_changes; or reasons worded by another version: said in one line); one of the same
     tuning whose table or choice differs was edited or copied, and is refused rather than silently rewritten."""
-    if recorded is None or recorded == json.loads(json.dumps(record)):
+    new = json.loads(json.dumps(record))
+    if recorded is None or recorded == new:
         return
-    if changed := [k for k in CHOICE_SETTINGS if recorded.get(k) != record[k]]:
+    if changed := [k for k in CHOICE_SETTINGS if k != "seeds" and recorded.get(k) != new.get(k)]:
         print(f"note: {path} rewritten: this tuning's {', '.join(changed)} differ from the recorded one's")
         return
-    differ = [
-        k for k in sorted(set(recorded) | set(record)) if recorded.get(k) != json.loads(json.dumps(record.get(k)))
-    ]
+    differ = [k for k in sorted(set(recorded) | set(new)) if recorded.get(k) != new.get(k)]
     if differ == ["reason"]:  # the same choice from the same losses, said in another version's words
         print(f"note: {path} rewritten: its reasons in this version's words")
         return
-    new = json.loads(json.dumps(record))
-    if set(differ) <= {"table", "choice", "reason"} and all(
-        isinstance(recorded[k], dict) and all(new[k].get(arm) == value for arm, value in recorded[k].items())
-        for k in ("table", "choice", "reason")
-    ):  # every recorded arm as it was: arms were added
+    per_arm = [k for k in PER_ARM if k in new]
+    if set(differ) <= set(per_arm) | {"seeds"} and all(
+        isinstance(recorded.get(k), dict) and all(new[k].get(arm) == value for arm, value in recorded[k].items())
+        for k in per_arm
+    ):  # every recorded arm as it was: arms or compared seeds were added
         added = sorted(set(new["choice"]) - set(recorded["choice"]))
-        print(f"note: {path} rewritten: arms {', '.join(added)} added, the recorded arms' choices as they were")
+        seeds = [s for s in new["seeds"] if s not in recorded["seeds"]]
+        what = [f"arms {', '.join(added)}"] * bool(added) + [f"seeds {', '.join(map(str, seeds))}"] * bool(seeds)
+        print(f"note: {path} rewritten: {' and '.join(what)} added, the recorded arms' choices as they were")
         return
     raise ConfigError(
         f"{path} differs from the choice its tuning cells give (in {', '.join(differ)}): edited by "
@@ -234,8 +319,11 @@ def check_recorded(path, recorded, record):
 
 
 def tuned_arms(cfg, choice):
-    """The arms of the paired grid: each arm's settings at its chosen learning_rate (and min_lr at the run's ratio)."""
+    """The arms of the paired grid: each arm's settings at its chosen learning_rate (and min_lr at the run's ratio),
+    and at its chosen routing_lr_scale where tune_routing_lr_scales chose one other than 1."""
+    routing = routing_choice(cfg, os.path.join(cfg["out_dir"], TUNE_DIR), choice)["routing_choice"]
     return {
         arm: dict(settings, learning_rate=choice[arm], min_lr=min_lr_at(cfg, choice[arm]))
+        | ({"routing_lr_scale": routing[arm]} if routing.get(arm, 1) != 1 else {})
         for arm, settings in cfg["arms"].items()
     }

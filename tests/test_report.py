@@ -16,6 +16,7 @@ import common
 import grid_files
 import paired_stats
 import report
+from reporting import grid, paired, plots
 import tune
 from helpers import write_tuning_cell
 
@@ -252,14 +253,14 @@ def test_one_interval_is_quoted_and_the_bootstrap_only_where_calibrated(tmp_path
 def test_intervals_that_disagree_on_zero_say_why():
     st = dict(n=3, identical=False, ci95=[-0.05, 0.01], mean=-0.02)
     text = dict(n=3, ci95_t=[-0.04, 0.005], ci95=[-0.03, -0.01])
-    why = report.disagreement(st, text)
+    why = paired.disagreement(st, text)
     assert why == (
         "the bootstrap excludes 0, the seeds' t interval and the t interval over seeds and text do not: "
         "the bootstrap draws only from the 3 seeds seen and is too narrow below 20 seeds; the verdict "
         "quotes t over seeds and text"
     ), why
-    assert report.disagreement(st, dict(text, ci95=[-0.03, 0.001])) is None, "all three include 0: they agree"
-    why = report.disagreement(dict(st, ci95=[-0.05, -0.01]), dict(text, ci95=[-0.03, 0.001]))
+    assert paired.disagreement(st, dict(text, ci95=[-0.03, 0.001])) is None, "all three include 0: they agree"
+    why = paired.disagreement(dict(st, ci95=[-0.05, -0.01]), dict(text, ci95=[-0.03, 0.001]))
     assert "counts the text's variance" in why and why.startswith("the seeds' t interval excludes 0"), why
 
 
@@ -538,7 +539,7 @@ def test_delta_curve_against_scipy():
         for s in range(3)
     }
     logs["rd", 1].append(dict(step=9, tokens=250, val_loss=4.5))  # evaluated by one seed only
-    c = report.delta_curve(logs, "rd", "ref", [0, 1, 2])
+    c = paired.delta_curve(logs, "rd", "ref", [0, 1, 2])
     assert c["n"] == 3 and c["tokens"].tolist() == [0, 200, 300], "only the tokens every seed has"
     d = np.array([[arm[t][s] - ref[t][s] for t in (0, 200, 300)] for s in range(3)])
     low, high = stats.t.interval(0.95, 2, loc=d.mean(0), scale=stats.sem(d, axis=0))
@@ -546,15 +547,15 @@ def test_delta_curve_against_scipy():
         "the curve's mean and interval are scipy's t interval"
     )
     assert c["ci95_high"] == pytest.approx(high)
-    c = report.delta_curve(logs, "rd", "ref", [0, 1])  # only the seeds given (the paired ones)
+    c = paired.delta_curve(logs, "rd", "ref", [0, 1])  # only the seeds given (the paired ones)
     assert c["tokens"].tolist() == [0, 100, 200, 300] and c["mean"][1] == pytest.approx(-0.15), (
         "with seeds 0 and 1 only, the evaluation at 100 tokens that seed 2 lacks is back"
     )
-    single = report.delta_curve(logs, "rd", "ref", [0])
+    single = paired.delta_curve(logs, "rd", "ref", [0])
     assert single["mean"] == pytest.approx([0.0, -0.1, -0.1, -0.1]) and np.isnan(single["ci95_low"]).all(), (
         "one seed: a mean, no interval"
     )
-    assert len(report.delta_curve(logs, "rd", "ref", [])["tokens"]) == 0, "no seeds: an empty curve, no error"
+    assert len(paired.delta_curve(logs, "rd", "ref", [])["tokens"]) == 0, "no seeds: an empty curve, no error"
 
 
 def test_delta_curve_and_wall_time_in_the_report(tmp_path, no_matplotlib):
@@ -721,7 +722,7 @@ def test_result_json_without_its_cell_is_unreadable(tmp_path, no_matplotlib):
 def test_an_output_name_that_is_a_folder_is_one_line_before_anything_is_written(tmp_path, name):
     out = make_grid(tmp_path, {("parent", 0): 3.0, ("rd", 0): 2.9})
     (out / name).mkdir()
-    with pytest.raises(report.DataError) as e:
+    with pytest.raises(common.DataError) as e:
         report.main([str(out)])
     assert str(e.value) == f"{out / name} is a folder, where report.py writes its {name}; move or delete it"
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "parent", "rd", name]), (
@@ -774,7 +775,7 @@ def test_temporary_names_are_the_processs_own_and_never_left_behind(tmp_path, mo
         replace(src, dst)
 
     monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(report.DataError, match=r"^cannot write .*val_loss.png \(No space left on device\); free disk"):
+    with pytest.raises(common.DataError, match=r"^cannot write .*val_loss.png \(No space left on device\); free disk"):
         report.main([str(out)])
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before, (
         "a failed write leaves every file as it was"
@@ -846,7 +847,7 @@ def test_hostile_files_and_folders_are_skipped_with_a_note(tmp_path, monkeypatch
     ):
         assert note in paired["skipped"] and f"- {in_markdown(note)}" in text
     locked.append(str(out))
-    with pytest.raises(report.DataError, match=f"^cannot list {out} \\(permission denied\\); check its permissions$"):
+    with pytest.raises(common.DataError, match=f"^cannot list {out} \\(permission denied\\); check its permissions$"):
         report.main([str(out)])
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="is not a directory; give the out_dir of a train.py grid"):
@@ -1648,11 +1649,11 @@ def test_the_delta_curves_of_every_reference_are_one_figure(tmp_path):
     out = make_grid(tmp_path, BASELINE_LOSSES, arms=BASELINE_ARMS)
     arms, seeds, results, unusable, logs, _ = grid_files.load_grid(str(out))
     comparisons = {
-        ref: report.compare(ref, ["standard"][:i], arms, seeds, results, unusable, logs, 0.03)
+        ref: paired.compare(ref, ["standard"][:i], arms, seeds, results, unusable, logs, 0.03)
         for i, ref in enumerate(["standard", "scaled_residual"])
     }
     assert comparisons["scaled_residual"]["curves"]["gated"]["mean"] == pytest.approx([0, 0, -0.02])
-    figures = report.plots(str(out), arms, comparisons, {}, ("standard", 0))  # no logs: the delta curves alone
+    figures = plots.plots(str(out), arms, comparisons, {}, ("standard", 0))  # no logs: the delta curves alone
     assert figures == [
         (
             "Paired delta NLL(arm) - NLL(reference), a row per reference (standard, scaled_residual) "
@@ -1787,7 +1788,7 @@ def test_the_shared_model_names_every_moe_option_that_differs():
         ("a", s): {"pairing": {"settings": dict(n_experts=8, moe_router_lr_scale=scale)}}
         for s, scale in ((0, 1.0), (1, 2.0))
     }
-    assert report.shared_model(results) == ({"n_experts": 8}, ["moe_router_lr_scale"])
+    assert grid.shared_model(results) == ({"n_experts": 8}, ["moe_router_lr_scale"])
 
 
 def test_a_grid_beside_the_same_grid_on_another_corpus(tmp_path, no_matplotlib):
@@ -1908,3 +1909,20 @@ def test_each_results_archive_regenerates_its_report_byte_for_byte(tmp_path, nam
     assert cli.returncode == 0, cli.stderr[-2000:]
     with open(tmp_path / grid[1].decode() / "report.md", "rb") as f:
         assert f.read() == expected, f"regenerate {committed}: cd into the extracted folder's parent and run the report"
+
+
+def test_importing_the_report_imports_no_torch():
+    """report.py and every part of reporting/ import where torch cannot: a finder refuses torch (sys.modules['torch']
+    = None would block it too, but scipy reads that entry and fails on it), and torch is not imported after."""
+    parts = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "reporting")) if name.endswith(".py"))
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch': raise ImportError('torch blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import report, " + ", ".join(f"reporting.{p}" for p in parts) + "\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    cli = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert cli.returncode == 0 and "cost" in parts and "paired" in parts, cli.stderr[-2000:]

@@ -1,0 +1,1 @@
+"""The parts of report.py's paired report, one section each (report.py's docstring lists them)."""

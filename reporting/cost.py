@@ -1,0 +1,121 @@
+"""
+What a result cost and where it ran: the machines the cells recorded, each cell's wall time, and each arm's training
+step time over the reference's in the same grid.
+"""
+
+import json
+
+import numpy as np
+
+from grid_files import is_finite
+from reporting.text import cell_table, md
+
+
+def machine_of(result):
+    """The machine a cell recorded (cells.open_cell: machine.machine_record), or None for an older cell."""
+    machine = (result.get("config") or {}).get("machine")
+    return machine if isinstance(machine, dict) else None
+
+
+def machine_name(machine):
+    where = machine.get("gpu") or f"{machine.get('cpu')} ({machine.get('cpu_capability')} kernels)"
+    return f"{where}, torch {machine.get('torch')}"
+
+
+def machines(arms, seeds, results):
+    """The machines the cells ran on (each once) and, per seed whose cells ran on more than one, each cell's:
+    they pair (another machine rounds differently; it computes the same thing), but their deltas carry rounding."""
+    recorded = {(a, s): m for a in arms for s in seeds if (r := results.get((a, s))) and (m := machine_of(r))}
+    distinct = list({json.dumps(m, sort_keys=True): m for m in recorded.values()}.values())
+    several = {}
+    for s in seeds:
+        cells = {a: m for (a, seed), m in recorded.items() if seed == s}
+        if len({json.dumps(m, sort_keys=True) for m in cells.values()}) > 1:
+            several[s] = {a: distinct.index(m) for a, m in cells.items()}
+    return dict(machines=distinct, seeds_on_several=several)
+
+
+def machine_lines(summary):
+    distinct, several = summary["machines"], summary["seeds_on_several"]
+    if not distinct:
+        return []
+    if len(distinct) == 1:
+        return [f"Every cell that records its machine ran on: {md(machine_name(distinct[0]))}.", ""]
+    lines = [
+        "Machines (a result's last digits hold on its machine only: other instruction sets round differently):",
+        "",
+        *(f"- machine {i}: {md(machine_name(m))}" for i, m in enumerate(distinct)),
+        "",
+    ]
+    if several:
+        lines += [
+            "**Seeds trained on different machines** (paired all the same: a machine changes rounding, not "
+            "what is computed):",
+            "",
+            *(
+                f"- seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in cells.items())
+                for s, cells in several.items()
+            ),
+            "",
+        ]
+    return lines
+
+
+def wall_time_lines(arms, seeds, wall):
+    cell = lambda arm, s: "-" if (t := wall.get(f"{arm}/seed{s}")) is None else f"{t:.0f}"
+    total = lambda arm: f"{sum(wall.get(f'{arm}/seed{s}') or 0 for s in seeds):.0f}"
+    return [
+        "Wall time per cell (s; training and evaluation, compile included):",
+        "",
+        *cell_table(arms, seeds, cell, ("total", total)),
+    ]
+
+
+def step_time(log):
+    """A cell's training ms/step: the mean of its log's intervals, the first (allocation, warm-up) left out; or None."""
+    times = [r["ms_per_step"] for r in log if is_finite(r.get("ms_per_step"))]
+    return float(np.mean(times[1:] or times)) if times else None
+
+
+def step_time_lines(arms, seeds, logs, reference, results):
+    """Each arm's training ms/step per seed and its step time over the reference's, the mean over the seeds both
+    logged of arm / reference: what a gain costs, measured in the same grid (so on its machine and under its load).
+    A seed whose two cells recorded different machines (machine_of) is left out of the ratio, with a note: a
+    grid continued on another host would otherwise price a scheme by the hosts' speeds."""
+    times = {(a, s): step_time(logs.get((a, s), [])) for a in arms for s in seeds}
+    if all(t is None for t in times.values()):
+        return []
+    logged = lambda a, s: times[a, s] and times.get((reference, s))
+    apart, used, ratios = {}, set(), {}
+    for arm in arms:
+        both = []
+        for s in seeds:
+            if not logged(arm, s):
+                continue
+            here, there = (machine_of(results.get((a, s)) or {}) for a in (arm, reference))  # None: not recorded
+            if here and there and here != there:
+                apart.setdefault(arm, []).append(s)
+                continue
+            both.append(times[arm, s] / times[reference, s])
+            used.add(json.dumps(there, sort_keys=True))
+        ratios[arm] = f"{np.mean(both):.2f}" if both else "-"
+    lines = [
+        f"Training step time (ms/step, each cell's logged intervals but the first; ratio: the mean over seeds of "
+        f"the arm's over {md(reference)}'s, measured in this grid):",
+        "",
+        *cell_table(
+            arms,
+            seeds,
+            lambda a, s: "-" if times[a, s] is None else f"{times[a, s]:.1f}",
+            (f"ratio to {md(reference)}", ratios.get),
+        ),
+    ]
+    for arm, left in apart.items():
+        lines.append(
+            f"{md(arm)}: seed(s) {', '.join(map(str, left))} left out of its ratio: its cell and {md(reference)}'s "
+            "trained on different machines (their result.json's config.machine); rerun one of the two beside the "
+            "other to price it."
+        )
+    if len(used) > 1:
+        lines.append(f"The ratios come from {len(used)} machines (each seed's two cells on one).")
+    return lines + ([""] if apart or len(used) > 1 else [])

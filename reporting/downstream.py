@@ -1,0 +1,165 @@
+"""
+The report's downstream section: the cells' CORE results (downstream.json, downstream.py), checked, paired seed by
+seed with each reference over the seeds paired for the loss, and tabled: CORE, each task's accuracy and the bits per
+byte of its right answers.
+"""
+
+from grid_files import described
+from paired_stats import paired_statistics
+from reporting.paired import pairing_difference
+from reporting.text import STATISTICS, cell_table, fmt, identical_lines, md, per_seed, statistics_cells
+from reporting.text import statistics_table, table_head, table_row
+
+
+def evaluation(record):
+    """What a downstream result was measured on: two results pair only when this agrees key by key."""
+    # not max_per_task: the items scored are (500 items of a task of 400 are every item, its prompts the same)
+    return dict(
+        bundle_sha256=record["bundle_sha256"],
+        scoring_code=record.get("scoring_code"),  # None: written before downstream.json recorded it
+        dtype=record.get("dtype"),  # None: as scoring_code
+        **{f"tasks.{label}.items": task["items"] for label, task in record["tasks"].items()},
+    )
+
+
+def downstream_unpaired_reason(reference, arm, seed, results, downstream, problems):
+    """Why two cells' downstream results of one seed cannot be paired, or None: each must be of its cell's final
+    step, and both of one evaluation (task bundle, scoring code, precision, tasks and their items)."""
+    reasons = []
+    for a in (reference, arm):
+        where = f"{a}/seed{seed}"
+        if (a, seed) in problems:
+            reasons.append(f"{where} {problems[a, seed]}")
+        elif (a, seed) not in downstream:
+            reasons.append(f"{where} has no downstream.json")
+        elif downstream[a, seed]["step"] != results[a, seed].get("steps"):
+            reasons.append(
+                f"{where} downstream.json is of step {downstream[a, seed]['step']}, its result.json of "
+                f"step {described(results[a, seed].get('steps'))}"
+            )
+    if reasons:
+        return "; ".join(reasons)
+    difference = pairing_difference(evaluation(downstream[reference, seed]), evaluation(downstream[arm, seed]))
+    return f"{reference} and {arm} differ in {difference}" if difference else None
+
+
+def downstream_comparison(reference, arm, seeds, results, downstream, problems):
+    """An arm's downstream results against the reference's over the seeds paired for the loss: the seeds that pair
+    and why the others do not, CORE and each task's accuracy deltas with their statistics, and the evaluations
+    that differ between seeds (each seed paired fairly, but a mean that mixes them)."""
+    left_out = {
+        s: r for s in seeds if (r := downstream_unpaired_reason(reference, arm, s, results, downstream, problems))
+    }
+    paired = [s for s in seeds if s not in left_out]
+    core = paired_statistics([downstream[arm, s]["core"] - downstream[reference, s]["core"] for s in paired], True)
+    with_bits = [s for s in paired if "bits_per_byte" in downstream[reference, s]]  # both or neither (scoring_code)
+    bits = paired_statistics(
+        [downstream[arm, s]["bits_per_byte"] - downstream[reference, s]["bits_per_byte"] for s in with_bits]
+    ) | dict(seeds=with_bits)  # lower is better
+    tasks = {}
+    for label in dict.fromkeys(label for s in paired for label in downstream[reference, s]["tasks"]):
+        with_task = [s for s in paired if label in downstream[reference, s]["tasks"]]
+        of = {a: [downstream[a, s]["tasks"][label] for s in with_task] for a in (reference, arm)}
+        st = paired_statistics([t["accuracy"] - r["accuracy"] for t, r in zip(of[arm], of[reference])], True)
+        kinds = dict.fromkeys(t["icl_task_type"] for t in of[reference])
+        tasks[label] = dict(
+            st, seeds=with_task, icl_task_type=" / ".join(kinds), items=sorted({t["items"] for t in of[reference]})
+        )
+        if all("bits_per_byte" in t for t in of[reference]):
+            tasks[label]["bits_per_byte"] = paired_statistics(
+                [t["bits_per_byte"] - r["bits_per_byte"] for t, r in zip(of[arm], of[reference])]
+            )
+    groups = {}
+    for s in paired:
+        record = downstream[reference, s]
+        groups.setdefault(
+            f"bundle {record['bundle_sha256'][:12]}, {sum(t['items'] for t in record['tasks'].values())} "
+            f"items, scoring code {str(record.get('scoring_code'))[:12]}, {record.get('dtype')}",
+            [],
+        ).append(s)
+    mixed = (
+        ["; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {e}" for e, g in groups.items())]
+        if len(groups) > 1
+        else []
+    )
+    return dict(
+        seeds=paired,
+        left_out=[dict(seed=s, reason=r) for s, r in left_out.items()],
+        mixed_evaluations=mixed,
+        core=core,
+        bits_per_byte=bits,
+        tasks=tasks,
+    )
+
+
+def downstream_lines(arms, seeds, downstream, problems, compared):
+    """The report's downstream section: CORE per cell, then against each reference (compared: {reference: {arm:
+    downstream_comparison}}) each arm's CORE and task accuracy deltas."""
+    lines = [
+        "## Downstream tasks",
+        "",
+        "delta = arm - reference in CORE (the mean over tasks of (accuracy - random baseline) / "
+        "(1 - random baseline)) and in each task's accuracy, positive = better; and in bits per byte of the right "
+        "answers (each task's, and their mean), negative = better; a win is a delta on the better side of 0. Of "
+        "the seeds paired above, a seed counts when both cells' downstream.json are of their final step and of "
+        "one evaluation (task bundle, scoring code, precision, tasks and items).",
+        "",
+        "CORE per cell:",
+        "",
+        *cell_table(
+            arms,
+            seeds,
+            lambda arm, s: (
+                fmt(downstream[arm, s]["core"], ".4f")
+                if (arm, s) in downstream
+                else "unreadable"
+                if (arm, s) in problems
+                else "-"
+            ),
+        ),
+    ]
+    for reference, against in compared.items():
+        if against:
+            lines += [f"**Against {md(reference)}**:", "", *downstream_comparison_lines(reference, against)]
+    return lines
+
+
+def downstream_comparison_lines(reference, compared):
+    """One reference's part of the downstream section: the seeds left out, CORE deltas, task accuracy deltas."""
+    lines = []
+    if left_out := [
+        f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, c in compared.items() for d in c["left_out"]
+    ]:
+        lines += ["**Downstream seeds left out** (of this section only):", "", *left_out, ""]
+    lines += statistics_table("arm", "mean CORE delta", {arm: c["core"] for arm, c in compared.items()})
+    lines += [
+        per_seed(f"Per-seed CORE deltas, {md(arm)}", c["seeds"], c["core"]["deltas"]) for arm, c in compared.items()
+    ]
+    lines.append("")
+    if bits := {arm: c["bits_per_byte"] for arm, c in compared.items() if c["bits_per_byte"]["n"]}:
+        lines += statistics_table("arm", "mean bits-per-byte delta", bits, lambda arm: f"{arm}, bits per byte")
+    if mixed := [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]]:
+        lines += [
+            "**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
+            "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:",
+            "",
+            *mixed,
+            "",
+        ]
+    for arm, c in compared.items():
+        if c["tasks"]:
+            lines += [
+                f"Task accuracy, {md(arm)} - {md(reference)}:",
+                "",
+                *table_head("task", "type", "items", *(c.format("mean delta") for c in STATISTICS)),
+                *(
+                    table_row(label, md(t["icl_task_type"]), ", ".join(map(str, t["items"])), *statistics_cells(t))
+                    for label, t in c["tasks"].items()
+                ),
+                "",
+                *identical_lines({f"{arm}, {label}": t for label, t in c["tasks"].items()}),
+            ]
+        if bits := {label: t["bits_per_byte"] for label, t in c["tasks"].items() if "bits_per_byte" in t}:
+            lines += [f"Task bits per byte, {md(arm)} - {md(reference)} (lower is better):", ""]
+            lines += statistics_table("task", "mean delta", bits, lambda label: f"{arm}, {label} bits per byte")
+    return lines

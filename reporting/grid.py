@@ -1,0 +1,336 @@
+"""
+What the report compared, first: each arm's settings that differ from its reference, its size and FLOPs, the model
+every cell shares, the data and the code, one verdict per pair and each cell's final loss; and --beside, the same
+comparisons of another grid (the same grid on another corpus) set beside these.
+"""
+
+import json
+
+from common import DataError
+from grid_files import described, grid_record, is_seed, read_paired
+from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS
+from reporting.paired import divergence, shorten, verdict_lines
+from reporting.text import cell_table, fmt, interval, md, table_row
+from reporting.tuning import arm_learning_rates
+
+BASELINES = ("standard", "scaled_residual")  # by default every arm named after a baseline scheme is a reference
+
+
+SIZE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+GRID_ONLY_KEYS = ("out_dir", "code", "changes", "arms", "seeds", "reference_arm", "wandb_run_name")  # not its setup
+
+
+RATE_KEYS = ("learning_rate", "min_lr", "muon_learning_rate")
+
+
+def shared_model(results):
+    """The model settings every counted cell records alike (its size; its MLP, dense or MoE), and the
+    keys among those that differ between cells: a reader of the report sees what was compared."""
+    settings = [s for r in results.values() if (s := (r.get("pairing") or {}).get("settings"))]  # an old cell: none
+    if not settings:
+        return {}, []
+    moe = sorted({k for s in settings for k in s if k.startswith("moe_")})  # model.py's MoE options, as recorded
+    keys = [k for k in (*SIZE_KEYS, "n_experts", *moe) if any(k in s for s in settings)]
+    alike = {k: settings[0].get(k) for k in keys if all(s.get(k) == settings[0].get(k) for s in settings)}
+    return alike, [k for k in keys if k not in alike]
+
+
+def model_line(alike, differ):
+    size = ", ".join(f"{k} {alike[k]}" for k in SIZE_KEYS if k in alike)
+    if alike.get("n_experts", 1) == 1:
+        mlp = "dense MLP" if "n_experts" not in differ else ""
+    else:
+        width = alike.get("moe_expert_hidden")
+        mlp = (
+            f"MoE MLP: {alike['n_experts']} experts, top-{alike.get('moe_top_k')}, "
+            f"{alike.get('moe_shared_experts', 0)} shared, expert width {width or 'auto'}, "
+            f"balancing bias rate {alike.get('moe_bias_rate')}"
+        )
+    parts = [p for p in (size, mlp) if p] + ([f"differing between cells: {', '.join(differ)}"] if differ else [])
+    return "Model shared by every cell: " + "; ".join(parts) + "."
+
+
+def recorded_cell(results, arm):
+    """An arm's first counted result, the one its opening describes (its seeds share settings: mixed_versions says
+    where they do not), or None."""
+    return next((r for (a, _), r in sorted(results.items()) if a == arm), None)
+
+
+def cell_settings(result, config):
+    """A cell's model and rates as recorded: its record's model (every GPTConfig key) and learning rates, else what
+    its pairing record holds over its arm's settings and the grid's (config.json); {} when none is."""
+    record = result.get("config") if isinstance(result.get("config"), dict) else {}
+    if isinstance(record.get("model"), dict):
+        return record["model"] | {k: record[k] for k in RATE_KEYS if k in record}
+    pairing = result.get("pairing") or {}
+    own = (config.get("arms") or {}).get(result["arm"]) if isinstance(config.get("arms"), dict) else None
+    grid = {k: v for k, v in config.items() if k != "arms"} | (own if isinstance(own, dict) else {})
+    return grid | (pairing.get("settings") or {}) | (pairing.get("arm_settings") or {})  # the cell's own last
+
+
+def differing_settings(results, config, arm, reference):
+    """'key value (reference's)' for each recorded setting where an arm's cell differs from its reference's."""
+    mine, theirs = (recorded_cell(results, a) for a in (arm, reference))
+    if mine is None or theirs is None:
+        return "not recorded (no counted cell)"
+    a, b = cell_settings(mine, config), cell_settings(theirs, config)
+    if not a or not b:
+        return "not recorded"
+    keys = [k for k in dict.fromkeys([*a, *b]) if k not in GRID_ONLY_KEYS and a.get(k) != b.get(k)]
+    return ", ".join(f"{k} {described(a.get(k))} ({described(b.get(k))})" for k in keys) or "none"
+
+
+def size_cells(result, config):
+    """[parameters, non-embedding parameters, active FLOPs per token] of a cell, as recorded: training FLOPs per
+    token as model.flops_per_token counts them (6 x active parameters + 12 x n_layer x n_embd x block_size for
+    attention), computed here from the recorded counts and shape; 'not recorded' where they are not."""
+    if result is None:
+        return ["-"] * 3
+    settings = cell_settings(result, config)
+    counts = [result.get(k) for k in ("params", "non_embedding_params", "active_params")]
+    dense = settings.get("n_experts", 1) == 1
+    active = counts[2] if is_seed(counts[2]) else counts[0] if dense and is_seed(counts[0]) else None
+    shape = [settings.get(k) for k in ("n_layer", "n_embd", "block_size")]
+    flops = (
+        "not recorded (no active_params)"
+        if active is None
+        else "not recorded (no n_layer, n_embd, block_size)"
+        if not all(map(is_seed, shape))
+        else f"{6 * active + 12 * shape[0] * shape[1] * shape[2]:,}"
+    )
+    return [f"{c:,}" if is_seed(c) else "not recorded" for c in counts[:2]] + [flops]
+
+
+def recorded_values(results, read):
+    """The distinct values read(result) gives over the counted cells (None where a cell records none), in order."""
+    return list(dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values()))
+
+
+def validation_words(described):
+    """A cell's record of its validation text (records.ValidationText.described) in words."""
+    if not isinstance(described, dict):
+        return "validation text not described (a cell made before that record)"
+    where = (
+        "spread evenly over the validation shard"
+        if described.get("layout") == "spread"
+        else "the first of the validation shard (eval_layout 'first')"
+    )
+    words = f"{described.get('sequences')} sequences {where}"
+    if is_seed(described.get("documents")) and is_seed(described.get("held_out_documents")):
+        words += f", in {described['documents']} of its {described['held_out_documents']} documents"
+    if is_seed(described.get("bytes")):
+        words += f", {described['bytes']:,} bytes of text"
+    return words
+
+
+def data_lines(results, config):
+    """The data the cells were trained and evaluated on, as their records say: corpus, tokens trained, the
+    validation text; and the code commit."""
+    record = lambda r: r.get("config") if isinstance(r.get("config"), dict) else config
+    field = lambda key: lambda r: record(r).get(key)
+    said = lambda values: "; ".join(
+        "not recorded" if v == "null" else md(json.loads(v)) if v.startswith('"') else md(v) for v in values
+    )
+    corpus = said(recorded_values(results, field("data_dir")))
+    shards = ", ".join(
+        md(str(json.loads(v))[:12]) for v in recorded_values(results, field("train_data_sha256")) if v != "null"
+    )
+    tokenizer = said(recorded_values(results, field("tokenizer")))
+    trained = recorded_values(results, lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
+    tokens = ", ".join(f"{json.loads(v):,}" if v != "null" else "not recorded" for v in trained)
+    evaluated = recorded_values(
+        results,
+        lambda r: [
+            (r.get("pairing") or {}).get("eval_tokens"),
+            len(r["val_sequence_losses"]) if isinstance(r.get("val_sequence_losses"), list) else None,
+            (r.get("pairing") or {}).get("val_hash"),
+        ],
+    )
+    validation = "; ".join(
+        f"{'not recorded' if n is None else f'{n:,} tokens'} of the validation shard evaluated"
+        + (f", {m} sequences" if m else "")
+        + (f", val_hash {str(h)[:12]}" if h else "")
+        for n, m, h in map(json.loads, evaluated)
+    )
+    described = [json.loads(v) for v in recorded_values(results, lambda r: r.get("validation"))]
+    if any(isinstance(d, dict) for d in described):  # what the text was, where the cells record it
+        validation += "; " + "; ".join(validation_words(d) for d in described)
+    commits = recorded_values(
+        results,
+        lambda r: [((r.get("code") or record(r).get("code") or {}).get(k)) for k in ("git_commit", "git_dirty")],
+    )
+    code = "; ".join(
+        "not recorded" if not c else f"git commit {c[:12]}" + (", plus uncommitted edits" if dirty else "")
+        for c, dirty in map(json.loads, commits)
+    )
+    return [
+        f"Data: corpus {corpus}"
+        + (f" (train shards sha256 {shards}...)" if shards else "")
+        + f", tokenizer {tokenizer}; tokens trained per cell: {tokens}; validation text: {validation}.",
+        "",
+        f"Code: {code}" + (" (cells of several versions: see Mixed versions)" if len(commits) > 1 else "") + ".",
+        "",
+    ]
+
+
+def intro_lines(out_dir, references):
+    return [
+        f"# Paired report: {md(out_dir)}",
+        "",
+        f"Reference arm{'s' if len(references) > 1 else ''}: {', '.join(map(md, references))}. "
+        f"delta = NLL(arm) - NLL(reference) on the fixed validation set (nats/token; negative = better). Each arm "
+        f"is paired with each reference seed by seed: a seed counts for an arm when both cells finished and their "
+        f"pairing records agree.",
+        "",
+    ]
+
+
+def opening_lines(arms, references, results, comparisons, config):
+    """What the report compared, first: a grid without a baseline arm says so; each arm's settings that differ from
+    its reference, its size and FLOPs; the data and the code; one verdict per pair."""
+    lines = []
+    if not any(arm in BASELINES for arm in arms):
+        lines += [
+            f"**No baseline arm**: none of the arms is a baseline scheme ({', '.join(BASELINES)}); every delta "
+            f"below is against {', '.join(map(md, references))}, not against a baseline.",
+            "",
+        ]
+    lines += [
+        "| arm | settings that differ from its reference (the reference's) | parameters | non-embedding | "
+        "active FLOPs per token (training) |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        reference = references[0] if arm != references[0] else None
+        lines.append(
+            table_row(
+                arm,
+                "(the reference)" if reference is None else md(differing_settings(results, config, arm, reference)),
+                *size_cells(recorded_cell(results, arm), config),
+            )
+        )
+    lines += ["", *data_lines(results, config)] if results else [""]
+    if verdicts := verdict_lines(comparisons, references):
+        lines += [
+            f"Verdicts (ahead: the 95% interval of the mean delta below 0; behind: above; else not detectable "
+            f"at this size). One interval is quoted: the t interval over seeds and text (the seeds' t interval "
+            f"where the cells record no per-sequence losses); the two-way bootstrap only from "
+            f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds, where it is calibrated (below, it draws from too few seeds "
+            f"and its interval is too narrow):",
+            "",
+            *verdicts,
+            "",
+        ]
+    return lines
+
+
+def final_loss_lines(arms, seeds, results):
+    """Each cell's final validation loss and each arm's learning rate."""
+    loss = lambda a, s: (
+        "-" if not (r := results.get((a, s))) else "diverged" if divergence(r) else fmt(r["val_loss"], ".4f")
+    )
+    rates = lambda arm: ", ".join(f"{rate:g}" for rate in arm_learning_rates(results, arm)) or "-"
+    return ["Final validation loss:", "", *cell_table(arms, seeds, loss, ("learning rate", rates))]
+
+
+def beside(out_dir, other, comparisons):
+    """Each comparison of this grid beside the same comparison in another grid (its paired.json, from its own
+    report), with the grid settings the two differ in (config.json): the same grid on two corpora differs in the
+    data alone (data_dir, train_data_sha256, tokenizer)."""
+    theirs, why = read_paired(other)
+    if why:
+        raise DataError(f"--beside={other}: its paired.json cannot be read ({why}); run python report.py {other} first")
+    by_reference = theirs.get("by_reference") or {theirs.get("reference"): dict(arms=theirs.get("arms") or {})}
+    if not isinstance(by_reference, dict) or not all(
+        isinstance(c, dict) and isinstance(c.get("arms", {}), dict) for c in by_reference.values()
+    ):
+        raise DataError(
+            f"--beside={other}: its paired.json's by_reference is not a report's (comparisons by "
+            f"reference, each with its arms); run python report.py {other} again"
+        )
+    configs = [grid_record(d) for d in (out_dir, other)]
+    unrecorded = [d for d, c in zip((out_dir, other), configs) if not c]
+    differ = (
+        []
+        if unrecorded
+        else sorted(
+            k
+            for k in set(configs[0]) | set(configs[1])
+            if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k)
+        )
+    )
+    rows = []
+    for reference, comparison in comparisons.items():
+        there = (by_reference.get(reference) or {}).get("arms") or {}
+        rows += [
+            dict(
+                arm=arm, reference=reference, here=here, there=there[arm] if isinstance(there.get(arm), dict) else None
+            )
+            for arm, here in comparison["paired"].items()
+        ]
+    arms = dict.fromkeys(a for row in rows for a in (row["reference"], row["arm"]))
+    return dict(
+        out_dir=other,
+        differ=differ,
+        rows=rows,
+        unrecorded=unrecorded,
+        arm_differ={} if unrecorded else arm_differences(configs, arms),
+    )
+
+
+def arm_differences(configs, arms):
+    """{arm: ["key (here vs there)", ...]} for the arms whose own settings (each over its grid's) differ between two
+    grids' config.json: one arm name for two methods (Block AttnRes here, Full AttnRes there) compares nothing alike."""
+    differ = {}
+    for arm in arms:
+        own = [c["arms"].get(arm) if isinstance(c.get("arms"), dict) else None for c in configs]
+        if not all(isinstance(o, dict) for o in own):
+            differ[arm] = ["not recorded in both grids' config.json"]
+            continue
+        values = [{k: o.get(k, c.get(k)) for k in sorted(set(own[0]) | set(own[1]))} for o, c in zip(own, configs)]
+        if keys := [k for k in values[0] if values[0][k] != values[1][k]]:
+            differ[arm] = ["{} ({} vs {})".format(k, *shorten(values[0][k], values[1][k])) for k in keys]
+    return differ
+
+
+def beside_lines(side):
+    """The report's side-by-side table of this grid's comparisons and the other grid's (beside)."""
+
+    def cells(st):
+        if st is None:
+            return ["-"] * 4
+        text = st.get("text") or {}
+        ci = "unavailable" if "ci95_t" not in text else interval(text["ci95_t"])
+        return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), ci]
+
+    if side["unrecorded"]:
+        settings = (
+            f"The grids' settings cannot be compared: {md(' and '.join(side['unrecorded']))} holds no readable "
+            f"config.json."
+        )
+    else:
+        arms = "; ".join(f"{arm}: {', '.join(keys)}" for arm, keys in side["arm_differ"].items())
+        grid = f"differ in: {md(', '.join(side['differ']))}" if side["differ"] else "are alike"
+        settings = f"The grids' settings {grid}" + (
+            f"; **arms of one name with other settings** (their rows compare different methods or rates): {md(arms)}."
+            if arms
+            else "; every compared arm's own settings are alike."
+        )
+    lines = [
+        f"## Beside {md(side['out_dir'])}",
+        "",
+        f"Each comparison here and the same one there (from its paired.json): mean delta, wins, p (t-test) and the "
+        f"95% interval over seeds and text (t). {settings}",
+        "",
+        "| arm | reference | here: mean delta | wins | p | CI, seeds and text | there: mean delta | wins | p | "
+        "CI, seeds and text |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        table_row(row["arm"], md(row["reference"]), *cells(row["here"]), *cells(row["there"])) for row in side["rows"]
+    ]
+    if missing := [f"{row['arm']} against {row['reference']}" for row in side["rows"] if row["there"] is None]:
+        lines += ["", f"Not in {md(side['out_dir'])}: {md(', '.join(missing))}."]
+    return lines + [""]

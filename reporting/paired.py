@@ -1,0 +1,407 @@
+"""
+The paired comparison: which seeds of an arm and a reference pair and why the others do not, the statistics of their
+deltas (paired_stats.py), over seeds and over seeds and validation text, the power, the delta during training, and
+the verdicts; and report.md's section per reference.
+
+A seed counts for an arm when its cell and the reference's both finished and their `pairing` records agree: init
+and data hashes, evaluated tokens, the fingerprint of the code every scheme computes with (an arm's own scheme code
+is its own), init checkpoint, and every setting both cells record (one that only one of them records is that arm's
+own). Diverged cells are listed apart; seeds trained under other code or settings (--allow_changes) pair, and are
+named as mixed versions.
+"""
+
+import itertools
+import json
+import math
+import os
+
+import numpy as np
+from scipy import stats
+
+from grid_files import ABSENT_MEANS, as_compared, close, is_finite
+from paired_stats import ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER
+from paired_stats import paired_statistics, perplexity_change, power_analysis, text_uncertainty, verdict
+from reporting.text import STATISTICS, fmt, identical_lines, interval, md, per_seed, statistics_cells, table_head
+from reporting.text import table_row, undefined
+
+MISSING = object()  # a pairing key one cell does not record
+
+
+def divergence(result):
+    """Why a cell diverged (one line), or None."""
+    loss = result.get("val_loss")
+    if result.get("status") == "diverged":
+        return result.get("reason") or "diverged"
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return f"val_loss is {loss}"
+    return None
+
+
+def cell_problem(results, unusable, arm, seed):
+    """Why a cell cannot be paired, or None."""
+    if (arm, seed) in unusable:
+        return unusable[arm, seed]
+    if (arm, seed) not in results:
+        return "missing"
+    result = results[arm, seed]
+    if divergence(result):
+        return "diverged"
+    if not isinstance(result.get("pairing"), dict):
+        return "no pairing record"
+    return None
+
+
+def shorten(x, y):
+    """Two differing values as short strings that still show where they differ."""
+    a, b = ("missing" if v is MISSING else v if isinstance(v, str) else json.dumps(v) for v in (x, y))
+    start = max(0, len(os.path.commonprefix([a, b])) - 10)
+    return [("..." if start else "") + s[start : start + 16] + ("..." if len(s) > start + 16 else "") for s in (a, b)]
+
+
+def pairing_difference(p, q):
+    """The first key on which two pairing records differ, with both values; None when they agree."""
+    ps, qs = p.get("settings", {}), q.get("settings", {})
+    own = {"settings", "arm_settings", "scheme_code"}  # an arm's own settings and scheme code may differ
+    keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - own)]
+    # the settings both record (one that only one of them records is that arm's own)
+    keys += [(f"settings.{k}", as_compared(k, ps[k]), as_compared(k, qs[k])) for k in sorted(set(ps) & set(qs))]
+    for key, x, y in keys:
+        if x != y:
+            return "{} ({} vs {})".format(key, *shorten(x, y))
+    return None
+
+
+def unpaired_reason(arms, seed, results, unusable):
+    """Why a seed cannot be paired across these arms, or None when it can."""
+    problems = [f"{arm}/seed{seed} {p}" for arm in arms if (p := cell_problem(results, unusable, arm, seed))]
+    if problems:
+        return "; ".join(problems)
+    for a, b in itertools.combinations(arms, 2):
+        difference = pairing_difference(results[a, seed]["pairing"], results[b, seed]["pairing"])
+        if difference:
+            return f"{a} and {b} differ in {difference}"
+    return None
+
+
+def mixed_versions(results, arms, seeds):
+    """What differs between the seeds of a comparison, beyond the seed itself (init and data hashes):
+    each seed is paired fairly, but a mean over seeds trained under other code or settings
+    (--allow_changes) mixes versions. ["key: seeds 0, 1: value; seed 2: value", ...]."""
+
+    def values(pairing):
+        v = {k: pairing.get(k) for k in ("code", "scheme_code", "eval_tokens", "val_hash", "init_from", "changes")}
+        for group in ("settings", "arm_settings"):  # the arm's own settings (its learning rate) may not differ either
+            v |= {f"{group}.{k}": as_compared(k, x) for k, x in (pairing.get(group) or {}).items()}
+        return {f"settings.{k}": old for k, old in ABSENT_MEANS.items()} | v  # recorded before the key: as then
+
+    per_seed = {s: {arm: values(results[arm, s]["pairing"]) for arm in arms} for s in seeds}
+    notes = []
+    for key in sorted({k for s in seeds for arm in arms for k in per_seed[s][arm]}):
+        groups = {}
+        for s in seeds:
+            groups.setdefault(json.dumps([per_seed[s][arm].get(key) for arm in arms], sort_keys=True), []).append(s)
+        if len(groups) > 1:
+            brief = lambda v: " / ".join(dict.fromkeys(json.dumps(x)[:18] for x in json.loads(v)))  # reference / arm
+            notes.append(
+                f"{key}: "
+                + "; ".join(
+                    f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {brief(v)}" for v, g in groups.items()
+                )
+            )
+    return notes
+
+
+def val_curve(log):
+    """{training tokens: validation loss} of one cell's evaluations."""
+    return {r["tokens"]: r["val_loss"] for r in log if r.get("val_loss") is not None and r.get("tokens") is not None}
+
+
+def loss_curves(logs, arm, seeds):
+    """(tokens every seed evaluated at, array seeds x tokens of validation losses)"""
+    curves = [val_curve(logs.get((arm, s), [])) for s in seeds]
+    tokens = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return np.array(tokens), np.array([[c[t] for t in tokens] for c in curves]).reshape(len(curves), len(tokens))
+
+
+def delta_curve(logs, arm, reference, seeds):
+    """NLL(arm) - NLL(reference) at the evaluations every seed has: tokens, mean and 95% t-interval over seeds (NaN
+    where fewer than 2 seeds or every seed has the same delta: undefined)."""
+    (tokens, values), (ref_tokens, ref_values) = loss_curves(logs, arm, seeds), loss_curves(logs, reference, seeds)
+    common = np.intersect1d(tokens, ref_tokens)
+    d = values[:, np.isin(tokens, common)] - ref_values[:, np.isin(ref_tokens, common)]
+    n = len(seeds)
+    with np.errstate(over="ignore", invalid="ignore"):  # a diverging arm's losses past 1e308: inf, null in paired.json
+        mean = d.mean(0) if n else np.full(len(common), np.nan)
+        half = stats.t.ppf(0.975, n - 1) * d.std(0, ddof=1) / math.sqrt(n) if n > 1 else np.full(len(common), np.nan)
+        half = np.where((d == d[:1]).all(0), np.nan, half)  # every seed the same delta: no interval, not zero wide
+        return dict(tokens=common, mean=mean, ci95_low=mean - half, ci95_high=mean + half, n=n)
+
+
+def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
+    """Every arm paired with one reference seed by seed, but the earlier references (each already paired with this
+    one): the seeds left out and why, each arm's paired statistics, power, delta curve and mixed versions."""
+    others = [arm for arm in arms if arm != reference and arm not in earlier]
+    left_out = {
+        arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results, unusable))} for arm in others
+    }
+    paired_seeds = {arm: [s for s in seeds if s not in left_out[arm]] for arm in others}
+    # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
+    paired_seeds[reference] = (
+        sorted(set().union(*paired_seeds.values()))
+        if others
+        else [s for s in seeds if not cell_problem(results, unusable, reference, s)]
+    )
+    paired, curves, mixed = {}, {}, {}
+    for arm in others:
+        seeds_of = paired_seeds[arm]
+        st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
+        st["ppl_change"] = perplexity_change(st["mean"])
+        curves[arm] = delta_curve(logs, arm, reference, seeds_of)
+        mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
+        paired[arm] = dict(
+            st,
+            seeds=seeds_of,
+            left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
+            mixed_versions=mixed[arm],
+            delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
+            power=power_analysis(st, effect),
+            text=text_comparison(results, reference, arm, seeds_of),
+        )
+    return dict(others=others, left_out=left_out, paired_seeds=paired_seeds, paired=paired, curves=curves, mixed=mixed)
+
+
+def sequence_losses_of(result):
+    """(a finished result's per-sequence validation losses, None) or (None, why they cannot be used)."""
+    losses = result.get("val_sequence_losses")
+    if losses is None:
+        return None, "no per-sequence validation losses (a cell of an earlier version)"
+    if not isinstance(losses, list) or len(losses) < 2 or not all(is_finite(x) for x in losses):
+        return None, "val_sequence_losses is not a list of 2 or more finite numbers"
+    if not close(math.fsum(losses) / len(losses), result["val_loss"]):
+        return None, "val_sequence_losses do not average to its val_loss (an edited result?)"
+    return losses, None
+
+
+def text_comparison(results, reference, arm, seeds):
+    """The arm's mean delta over seeds and validation text together (paired_stats.text_uncertainty), or why it is
+    unavailable: it needs every paired seed's per-sequence losses (never a part of the seeds: that would mix)."""
+    if len(seeds) < 2:
+        return dict(unavailable=f"{len(seeds)} paired seed{'s' * (len(seeds) != 1)}: it needs 2 or more")
+    rows, problems = [], []
+    for s in seeds:
+        (ours, why), (theirs, their_why) = (sequence_losses_of(results[a, s]) for a in (arm, reference))
+        problems += [f"{a}/seed{s}: {w}" for a, w in ((arm, why), (reference, their_why)) if w]
+        if not (why or their_why):
+            rows.append(np.subtract(ours, theirs))
+    if problems:
+        return dict(unavailable="; ".join(problems))
+    if len({len(r) for r in rows}) > 1:
+        return dict(unavailable="the cells' validation sets hold different numbers of sequences")
+    return text_uncertainty(np.stack(rows))
+
+
+def disagreement(st, text):
+    """Why an arm's intervals disagree on whether 0 is inside (the seeds' t, the t over seeds and text, the bootstrap),
+    and which one the verdict quotes; None where they agree."""
+    intervals = {
+        "the seeds' t interval": st["ci95"],
+        "the t interval over seeds and text": text["ci95_t"],
+        "the bootstrap": text["ci95"],
+    }
+    excludes = {name: ci[1] < 0 or ci[0] > 0 for name, ci in intervals.items() if not any(map(undefined, ci))}
+    if len(set(excludes.values())) < 2:
+        return None
+    why = []
+    if "the bootstrap" in excludes and text["n"] < BOOTSTRAP_CALIBRATED_SEEDS:
+        why.append(
+            f"the bootstrap draws only from the {text['n']} seeds seen and is too narrow below "
+            f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds"
+        )
+    if "the seeds' t interval" in excludes and excludes["the seeds' t interval"] != excludes.get(
+        "the t interval over seeds and text", excludes["the seeds' t interval"]
+    ):
+        why.append(
+            "the t interval over seeds and text counts the text's variance (which sequences were evaluated) "
+            "beside the seeds'"
+        )
+    inside = [name for name, out in excludes.items() if not out]
+    outside = [name for name, out in excludes.items() if out]
+    return (
+        f"{' and '.join(outside)} exclude{'s' * (len(outside) == 1)} 0, {' and '.join(inside)} "
+        f"do{'es' * (len(inside) == 1)} not: {'; '.join(why) or 'they are estimated apart'}; "
+        f"the verdict quotes {verdict(st | dict(text=text))[2]}"
+    )
+
+
+def comparison_lines(reference, comparison, earlier, effect):
+    """One reference's section of report.md: the seeds left out, each arm's per-seed deltas and statistics, power,
+    and the seeds of other versions its means mix."""
+    others, paired, left_out, mixed = (comparison[k] for k in ("others", "paired", "left_out", "mixed"))
+    lines = [f"## Paired against {md(reference)}", ""]
+    if earlier:
+        lines += [f"({', '.join(map(md, earlier))}: paired with {md(reference)} above; each pair once.)", ""]
+    if not others:
+        return lines + ["No other arm to pair with.", ""]
+    if any(left_out.values()):
+        lines += [
+            "**Seeds left out** (not counted in that arm's n):",
+            "",
+            *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()),
+            "",
+        ]
+    lines += [per_seed(f"Per-seed deltas, {md(arm)}", paired[arm]["seeds"], paired[arm]["deltas"]) for arm in others]
+    percent = lambda x: "off scale" if math.isinf(x) else "undefined" if math.isnan(x) else fmt(100 * x, "+.2f") + "%"
+    lines += ["", *table_head("arm", *(c.format("mean delta") for c in STATISTICS), "ppl change")]
+    lines += [table_row(arm, *statistics_cells(paired[arm]), percent(paired[arm]["ppl_change"])) for arm in others]
+    lines += ["", *identical_lines({arm: paired[arm] for arm in others})]
+    if any(math.isinf(paired[arm]["ppl_change"]) for arm in others):
+        lines += [
+            "ppl change off scale: exp(mean delta) - 1 is past a float (a mean delta above 709 nats: a diverging arm).",
+            "",
+        ]
+    lines += power_lines(others, paired, effect) + text_lines(others, paired)
+    if any(mixed.values()):
+        lines += [
+            "**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
+            "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
+            "the grid in a new out_dir:",
+            "",
+            *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]),
+            "",
+        ]
+    return lines
+
+
+def power_lines(others, paired, effect):
+    """The report's power table: what each arm's n can detect, and why where it cannot be said."""
+    lines = [
+        f"Power of the paired t-test (two-sided, alpha {ALPHA:g}, power {POWER:g}) at each arm's n, sized from "
+        f"the s.d. of its per-seed deltas (itself an estimate from those seeds):",
+        "",
+        f"| arm | n | s.d. of deltas | smallest detectable mean delta | seeds to detect {effect:g} nats | "
+        f"smallest sign-test p |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm in others:
+        p = paired[arm]["power"]
+        lines.append(
+            table_row(
+                arm,
+                str(paired[arm]["n"]),
+                fmt(p["std"], ".4f"),
+                "-" if p["detectable_effect"] is None else fmt(p["detectable_effect"], ".4f"),
+                "-" if p["seeds_needed"] is None else str(p["seeds_needed"]),
+                fmt(p["sign_test_min_p"], ".3g"),
+            )
+        )
+    lines.append("")
+    if notes := [f"- {md(arm)}: {note}" for arm in others for note in paired[arm]["power"]["notes"]]:
+        lines += [*notes, ""]
+    return lines
+
+
+def text_lines(others, paired):
+    """The report's table of each arm's mean delta over seeds and validation text together, beside the seeds-only
+    t interval, with each source's share of the variance; why it is unavailable where it is."""
+    lines = [
+        f"Seeds and validation text together: the share of the mean delta's variance that each source carries "
+        f"(two-way random-effects estimates): the seeds, the text (which sequences were evaluated) and how the "
+        f"seeds' deltas differ by sequence; the 95% interval from that variance (t, the seeds' n - 1 degrees of "
+        f"freedom), beside the seeds-only t interval; and a two-way bootstrap's ({BOOTSTRAP_RESAMPLES:,} "
+        f"resamples of seeds and sequences, a fixed generator seed), which draws only from the seeds seen: "
+        f"at few seeds it is the narrower.",
+        "",
+        "| arm | n | sequences | mean delta | 95% CI, seeds (t) | 95% CI, seeds and text (t) | bootstrap | "
+        "share: seeds | share: text | share: seed x text |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for arm in others:
+        st, text = paired[arm], paired[arm]["text"]
+        seeds_only = "undefined" if st["identical"] else interval(st["ci95"])
+        if "unavailable" in text:
+            lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", *["-"] * 4))
+            notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
+            continue
+        share = text["share"]
+        shares = (
+            ["-"] * 3
+            if text.get("identical")
+            else [fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text")]
+        )
+        lines.append(
+            table_row(
+                arm,
+                str(text["n"]),
+                str(text["sequences"]),
+                fmt(text["mean"]),
+                seeds_only,
+                interval(text["ci95_t"]),
+                interval(text["ci95"]),
+                *shares,
+            )
+        )
+        if text.get("identical"):
+            notes.append(
+                f"- {md(arm)}: every seed and sequence has the same delta: no variance, so the intervals "
+                f"over seeds and text are undefined (not zero wide) and no source has a share"
+            )
+        if reason := disagreement(st, text):
+            notes.append(f"- {md(arm)}: {reason}")
+        if text["sequences"] < FEW_SEQUENCES:
+            notes.append(
+                f"- {md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
+                f"{FEW_SEQUENCES}): the text's share is estimated from little text; raise eval_tokens"
+            )
+    return lines + [""] + (notes + [""] if notes else [])
+
+
+def verdict_lines(comparisons, references):
+    """One line per pair: ahead, behind or not detectable at this size, on the one interval quoted (quoted_interval),
+    with the mean delta, the seeds in favour and the smallest delta the grid detects."""
+    lines = []
+    for reference in references:
+        for arm, st in comparisons[reference]["paired"].items():
+            word, ci, what = verdict(st)
+            detects = st["power"]["detectable_effect"]
+            lines.append(
+                f"- {md(arm)} against {md(reference)}: **{word}**: "
+                + (
+                    f"mean delta {fmt(st['mean'])} nats, 95% CI {interval(ci)} ({what}), "
+                    if ci
+                    else f"{what}, "
+                    if st["n"] == 0
+                    else f"mean delta {fmt(st['mean'])} nats ({what}), "
+                )
+                + f"{st['wins']}/{st['n']} seeds in favour"
+                + (f"; this grid detects {detects:.4f} nats (power {POWER:g})" if detects else "")
+            )
+    return lines
+
+
+def diverged_cells(arms, seeds, results):
+    """The cells that diverged: arm, seed, the step and the reason."""
+    return [
+        dict(
+            arm=a,
+            seed=s,
+            step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
+            reason=divergence(r),
+        )
+        for s in seeds
+        for a in arms
+        if (r := results.get((a, s))) and divergence(r)
+    ]
+
+
+def diverged_lines(diverged):
+    if not diverged:
+        return []
+    return [
+        "**Diverged cells** (never in the statistics):",
+        "",
+        "| arm | seed | step | reason |",
+        "|---|---|---|---|",
+        *(table_row(d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])) for d in diverged),
+        "",
+    ]

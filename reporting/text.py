@@ -1,0 +1,147 @@
+"""
+The report's words: numbers, text from files as inert markdown or plot text, file names, and its tables.
+"""
+
+import hashlib
+import math
+import os
+import re
+import unicodedata
+
+
+def undefined(x):
+    return x is None or isinstance(x, float) and math.isnan(x)
+
+
+def fmt(x, spec="+.4f"):
+    """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits); a
+    number that is not defined (None, NaN: no seed, one seed) is the word, never nan."""
+    if undefined(x):
+        return "undefined"
+    return format(x, spec[:-1] + "e" if spec.endswith("f") and abs(x) >= 1e6 else spec)
+
+
+MARKUP = re.compile(r"[\\`*\[\]<>|#&~$]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")  # an inner_word's _ is no markup
+
+
+BLOCK_START = re.compile(r"^([0-9]{0,9})([-+=.)])")  # a list marker ("-", "1.") where text begins a list item
+
+
+def visible(text):
+    """text with line breaks, other control characters and lone surrogates (a folder name that is not UTF-8)
+    written as escapes: one line that any file or font takes."""
+    return "".join(
+        c.encode("unicode_escape").decode() if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") else c
+        for c in str(text)
+    )
+
+
+def md(text):
+    """Text from a file or a folder name as inert markdown: markup escaped, control characters visible (a reason or
+    a folder name would otherwise forge lines, table cells or links)."""
+    return visible(BLOCK_START.sub(r"\1\\\2", MARKUP.sub(lambda m: "\\" + m[0], str(text))))
+
+
+def plot_text(text):
+    """Text from a file or a folder name for a plot: visible, and its $ literal (matplotlib reads $...$ as math)."""
+    return visible(text).replace("$", r"\$")
+
+
+def file_stem(name):
+    """A file name part for an arm or a cell: the name itself when short and plain, else its plain first characters
+    and a hash of the whole (a 250-character arm name would make a file name past the file system's limit)."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        return name
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name[:40]) + "-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+
+
+def table_row(name, *cells):
+    """A markdown table row: name (an arm, a task: text from files) escaped, cells already markdown."""
+    return "| " + " | ".join([md(name), *cells]) + " |"
+
+
+def interval(ci):
+    """A 95% interval as a table cell: [low, high], or undefined where either end is (no seeds to draw it from)."""
+    return "undefined" if any(map(undefined, ci)) else f"[{fmt(ci[0])}, {fmt(ci[1])}]"
+
+
+def statistics_cells(st):
+    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells; what is not
+    defined (no seed, one seed, identical deltas) is "undefined", said why under the table (identical_lines)."""
+    t_test = st["n"] > 1 and not st["identical"]
+    return [
+        str(st["n"]),
+        f"{st['wins']}/{st['n']}",
+        fmt(st["mean"]),
+        fmt(st["std"], ".4f"),
+        interval(st["ci95"]) if t_test else "undefined",
+        fmt(st["p_ttest"], ".3g") if t_test else "undefined",
+        fmt(st["p_sign"], ".3g"),
+    ]
+
+
+def identical_lines(statistics):
+    """A line per comparison ({name: paired_statistics}) whose statistics are not all defined, saying why: no paired
+    seed, one, or every seed the same delta."""
+
+    def why(st):
+        if st["n"] == 0:
+            return "no paired seed: its mean, s.d., interval and p-values are undefined (see the seeds left out)"
+        if st["n"] == 1:
+            return (
+                "1 paired seed: no s.d., so the t-test's p and interval are undefined; a sign test of one seed "
+                "cannot go below p = 1"
+            )
+        if st["identical"]:
+            return (
+                f"every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are undefined "
+                f"(s.d. 0), not p = 0; the sign test still counts"
+            )
+
+    lines = [f"- {md(name)}: {reason}" for name, st in statistics.items() if (reason := why(st))]
+    return lines + [""] if lines else []
+
+
+def strict(x):
+    """x with every non-finite float as None: paired.json is strict JSON (an arm with one seed has no std)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict(v) for v in x]
+    return x
+
+
+def table_head(*columns):
+    """A markdown table's first two lines."""
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+
+STATISTICS = ("n", "wins", "{}", "std", "95% CI", "p (t-test)", "p (sign)")  # statistics_cells' columns
+
+
+def statistics_table(first, mean, rows, name=lambda row: row):
+    """A table of paired_statistics ({row: st}), the mean's column named mean, and why what is undefined is."""
+    return [
+        *table_head(first, *(c.format(mean) for c in STATISTICS)),
+        *(table_row(row, *statistics_cells(st)) for row, st in rows.items()),
+        "",
+        *identical_lines({name(row): st for row, st in rows.items()}),
+    ]
+
+
+def cell_table(arms, seeds, value, last=None):
+    """A table of one value per cell (value(arm, seed), already text) and, given last (a header and
+    last(arm)), a column after the seeds'."""
+    head, column = last or (None, None)
+    return [
+        *table_head("arm", *(f"seed {s}" for s in seeds), *([head] if last else [])),
+        *(table_row(arm, *(value(arm, s) for s in seeds), *([column(arm)] if last else [])) for arm in arms),
+        "",
+    ]
+
+
+def per_seed(label, seeds, deltas):
+    """label: seed s: delta, ... (or none)"""
+    return f"{label}: " + (", ".join(f"seed {s}: {fmt(d)}" for s, d in zip(seeds, deltas)) or "none")

@@ -1,0 +1,150 @@
+"""
+Learning rates: the rate each cell trained at, and the tuned protocol's tuning (train.py's tune_learning_rates,
+tune.py): out/tune/choice.json, checked against the tuning cells by grid_files.read_tuning, as the mean (s.d.)
+tuning-seed loss per arm and rate with the chosen rate marked, each choice's reason, the tuning's cost beside the
+grid's, choices at the edge of the rates tried and arms that did not train at their choice.
+"""
+
+from grid_files import TUNE_DIR, is_finite, is_seed, read_tuning, tuning_results
+from reporting.text import fmt, md, table_head, table_row
+
+
+def learning_rate_of(result):
+    """The learning rate a cell trained at: its arm's own where the arm sets one, else the grid's; None unrecorded."""
+    pairing = result.get("pairing") or {}
+    rate = (pairing.get("arm_settings") or {}).get(
+        "learning_rate", (pairing.get("settings") or {}).get("learning_rate")
+    )
+    return rate if is_finite(rate) else None
+
+
+def arm_learning_rates(results, arm):
+    """The learning rates an arm's cells trained at, sorted: one, several (the seeds differ), or none recorded."""
+    return sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
+
+
+def grid_cost(results):
+    """Cells, steps and wall time (s) of results {(arm, seed): result.json}; a time unrecorded counts 0."""
+    return dict(
+        cells=len(results),
+        steps=sum(r["steps"] for r in results.values() if is_seed(r.get("steps"))),
+        wall_time_s=round(sum(r["wall_time_s"] for r in results.values() if is_finite(r.get("wall_time_s"))), 1),
+    )
+
+
+def tuning_lines(record, arms, results, cost):
+    """The report's tuning section: mean (s.d.) tuning-seed loss per arm and rate, the chosen rate in bold, each
+    choice's reason, the rates that did not finish, the tuning's cost beside the grid's; and notes (in the section
+    and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
+    rates = sorted({row["learning_rate"] for rows in record["table"].values() for row in rows.values()})
+    text, seeds = record["tuning_text"], record["tune_seeds"]
+    where = (
+        "the validation sequences between the reported ones (the odd of 2 x n slots spread evenly over the "
+        "validation shard; the reported ones are the even)"
+        if text.get("layout") == "spread"
+        else f"the validation shard's {text['tokens']:,} tokens from token {text['first_token']:,} (the reported "
+        f"validation set is its first {record['test_tokens']:,})"
+    )
+    lines = [
+        "## Learning-rate tuning",
+        "",
+        f"Each arm's learning rate was chosen before the compared seeds trained, on text they are not judged on: "
+        f"every arm ran at each rate below on tuning seeds {', '.join(map(str, seeds))} (never a compared seed) "
+        f"for {record['tune_iters']} of the {record['max_iters']} steps (the whole schedule in them, min_lr "
+        f"{record['min_lr_ratio']:g} x the rate), evaluated on {where}. "
+        f"A rate counts only where every tuning seed finished below its step-0 loss; a larger rate beats a "
+        f"smaller one only when it is better on every tuning seed and its mean is lower by more than the s.d. of "
+        f"its own seeds' losses; each arm's choice is the smallest rate no larger one beats (never above the "
+        f"lowest mean; an exact tie goes to the smaller). The paired result below compares each arm at its own "
+        f"chosen rate.",
+        "",
+        "Mean (s.d.) final validation loss on the tuning seeds (the chosen rate in bold):",
+        "",
+        *table_head("arm", *(f"lr {r:g}" for r in rates)),
+    ]
+    notes, unfinished = [], []
+    for arm, rows in record["table"].items():
+        by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
+        shown = [
+            "-"
+            if r not in by_rate
+            else "not finished"
+            if by_rate[r]["problem"]
+            else f"{fmt(by_rate[r]['mean'], '.4f')} ({fmt(by_rate[r]['sd'], '.4f')})"
+            for r in rates
+        ]
+        lines.append(table_row(arm, *(f"**{text}**" if r == chosen else text for r, text in zip(rates, shown))))
+        unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in by_rate.items() if row["problem"]]
+        if len(by_rate) > 1 and chosen in (min(by_rate), max(by_rate)):
+            notes.append(
+                f"{arm}: the chosen rate {chosen:g} is the {'smallest' if chosen == min(by_rate) else 'largest'} "
+                f"tried; the best may lie beyond it (widen tune_learning_rates)"
+            )
+    lines += [
+        "",
+        "Choices:",
+        "",
+        *(f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}" for arm, rate in record["choice"].items()),
+        "",
+    ]
+    if unfinished:
+        lines += [
+            "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
+            "",
+            *(f"- {md(line)}" for line in unfinished),
+            "",
+        ]
+    grid = grid_cost(results)
+    cells = lambda n: f"{n} cell{'s' * (n != 1)}"
+    lines += [
+        f"Cost: the tuning {cells(cost['cells'])}, {cost['steps']:,} steps, {cost['wall_time_s']:,.0f} s wall; "
+        f"the paired grid {cells(grid['cells'])}, {grid['steps']:,} steps, {grid['wall_time_s']:,.0f} s wall"
+        + (f" (the tuning {100 * cost['steps'] / grid['steps']:.0f}% of the grid's steps)." if grid["steps"] else "."),
+        "",
+    ]
+    for arm in arms:
+        trained = set(arm_learning_rates(results, arm))
+        if arm not in record["choice"]:
+            notes.append(f"{arm}: not in tune/choice.json (not tuned)")
+        elif trained - {record["choice"][arm]}:
+            notes.append(
+                f"{arm}: trained at {', '.join(f'{r:g}' for r in sorted(trained))}, tune/choice.json chose "
+                f"{record['choice'][arm]:g}"
+            )
+    return lines + [f"- {md(note)}" for note in notes] + ([""] if notes else []), notes
+
+
+SUMMARY_KEYS = (
+    "choice",
+    "reason",
+    "tune_seeds",
+    "tune_iters",
+    "max_iters",
+    "min_lr_ratio",
+    "tuning_text",
+    "test_tokens",
+)
+
+
+def tuning_section(out_dir, arms, results):
+    """report.md's tuning section and paired.json's tuning: the choice and its reasons, its tuning seeds, budget and
+    text, the mean and s.d. per arm and rate, the cost of the tuning and of the grid; the problem of an unusable
+    choice.json; or ([], None) for a grid of the frozen protocol."""
+    record, why = read_tuning(out_dir)
+    if why:
+        return [
+            "## Learning-rate tuning",
+            "",
+            f"{TUNE_DIR}/choice.json: unreadable ({md(why)}); the arms' "
+            f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.",
+            "",
+        ], dict(problem=why)
+    if record is None:
+        return [], None
+    cost = grid_cost(tuning_results(out_dir, record))
+    lines, notes = tuning_lines(record, arms, results, cost)
+    by_rate = lambda key: {
+        arm: {f"{row['learning_rate']:g}": row[key] for row in rows.values()} for arm, rows in record["table"].items()
+    }
+    summary = {k: record[k] for k in SUMMARY_KEYS} | dict(notes=notes, mean=by_rate("mean"), sd=by_rate("sd"))
+    return lines, summary | dict(cost=dict(tuning=cost, grid=grid_cost(results)))
