@@ -741,8 +741,6 @@ KINDS = ("finished", "diverged", "training", "resumable", "pending", "unreadable
 def cell_state(cell_dir, max_iters):
     """(kind, what the cell is doing, the device-seconds it has used, its step). Device-seconds are
     wall time x processes, from its result, else its checkpoint (a cell in training: at its last one)."""
-    from progress import duration
-
     result_path, ckpt_path = os.path.join(cell_dir, "result.json"), os.path.join(cell_dir, "ckpt.pt")
     if os.path.exists(result_path):
         try:
@@ -775,6 +773,12 @@ def cell_state(cell_dir, max_iters):
     if ckpt["step"]:
         return "resumable", f"resumable at step {ckpt['step']}", used, ckpt["step"]
     return "pending", "pending", used, 0
+
+
+def duration(seconds):
+    """seconds as 0m05s, or 1h02m from an hour on (the time left that progress.py logs and --status shows)."""
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def checkpoint_summary(path):

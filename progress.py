@@ -8,8 +8,8 @@ import json
 import os
 import time
 
-import records
 from common import DataError
+from grid_files import cell_dir, duration
 
 
 class CellLog:
@@ -26,7 +26,7 @@ class CellLog:
         self.flops_per_step = model.flops_per_token(cell.block_size) * self.tokens_per_step
         self.time_left = TimeLeft(cell, grid.todo, grid.rates)
         self.wall_before, self.file, self.run = state.wall_time_s, None, None
-        self.path = os.path.join(records.cell_dir(cell.out_dir, cell.arm, cell.seed), "log.jsonl")
+        self.path = os.path.join(cell_dir(cell.out_dir, cell.arm, cell.seed), "log.jsonl")
         if runtime.master:
             try:
                 # a resumed log was cut back to its checkpoint
@@ -183,8 +183,3 @@ def evals_after(step, max_iters, eval_interval):
     """Evaluations still to come after step."""
     n, k = max_iters, eval_interval
     return n // k - step // k + (n % k != 0 and step < n)
-
-
-def duration(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

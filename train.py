@@ -38,7 +38,8 @@ from cells import DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, f
 from cells import rank0s, save_cell, seed_for, stalled, stop_on_signals, stop_requested, unfinished, write_report
 from common import DataError, UserError, cell_lock, check_writable
 from configurator import configure
-from data.shards import data_vocab_size, find_data, open_data
+from data.prepare import find_or_prepare_data as find_data  # main's name for it (fingerprinted)
+from data.shards import data_vocab_size, open_data
 from machine import cpu_threads, exit_without_finalizing, resolve_compile, setup
 from model import RESIDUALS
 

@@ -39,8 +39,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run as a script: the repository's modules too
 from common import DataError, LockHeld, Parser, check_writable, pid_lock, run, write_json, write_text  # noqa: E402
-from data.shards import (BUNDLED, HEADER_INTS, TOKENIZER_SHA256, TOKENIZERS, bundled_corpus, get_tokenizer,  # noqa: E402
-                         open_shard, read_prepare_record, shard_header, shard_problems)
+from data.shards import (BUNDLED, HEADER_INTS, TOKENIZER_SHA256, TOKENIZERS, bundled_corpus, find_data,  # noqa: E402
+                         get_tokenizer, open_shard, read_prepare_record, resolve_data_dir, shard_header, shard_problems)
 
 BUNDLED_CORPUS = os.path.join(HERE, "shakespeare")  # Open Shakespeare (see data/README.md)
 BUNDLED_VAL_DOCS = 3  # whole held-out plays: the first three in sorted order
@@ -639,6 +639,20 @@ def prepare_bundled_or_wait(data_dir):
                 print(f"waiting for {data_dir}: being prepared by {e.holder}")
             said = True
             time.sleep(2)
+
+
+def find_or_prepare_data(cfg, runtime):
+    """data/shards.py's find_data of cfg's data_dir, a bundled corpus prepared first where it is missing: by rank 0
+    (prepare_bundled_or_wait), the other ranks waiting for it. What train.py calls find_data."""
+    data_dir = resolve_data_dir(cfg["data_dir"])
+    if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
+        if runtime.master:
+            prepare_bundled_or_wait(data_dir)
+        if runtime.world > 1:
+            import torch.distributed as dist  # here: this file is torch-free for the command line
+
+            dist.barrier()
+    return find_data(cfg, runtime)
 
 
 def main(argv):

@@ -3,8 +3,9 @@ What training reads: the token shard format (llm.c / modded-nanogpt: a 256 x int
 20240520, version 1 and the token count, then uint16 tokens; build-nanogpt's headerless .npy too),
 finding a data_dir's shards, checking them against data/prepare.py's manifest.json, the two
 tokenizers: gpt2 (50,257 ids) and bytes (the 256 UTF-8 byte values plus end-of-text: 257 ids), and
-the checks of a run's data before anything trains (resolve_data_dir, open_data: train.py).
-data/prepare.py writes shards; format and guarantees: docs/shards.md.
+the checks of a run's data before anything trains (resolve_data_dir, find_data, open_data: train.py).
+It never writes shards: data/prepare.py does, and prepares a bundled corpus on first use (find_or_prepare_data);
+format and guarantees: docs/shards.md.
 """
 
 import dataclasses
@@ -350,16 +351,9 @@ class DataFiles:
 
 
 def find_data(cfg, runtime):
-    """cfg's data_dir as DataFiles, with the shards' names and sizes checked against the manifest
-    (the bundled corpus prepared on first use)."""
+    """cfg's data_dir as DataFiles, with the shards' names and sizes checked against the manifest. Shards are
+    only read here: train.py's find_data (data/prepare.py's find_or_prepare_data) prepares a bundled corpus first."""
     data_dir = resolve_data_dir(cfg["data_dir"])
-    if data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json")):
-        if runtime.master:
-            from data.prepare import prepare_bundled_or_wait  # here: data/prepare.py imports this file
-            prepare_bundled_or_wait(data_dir)
-        if runtime.world > 1:
-            import torch.distributed as dist  # here: this file is torch-free for the tools that read data only
-            dist.barrier()
     manifest = verify_manifest(data_dir, full=cfg["verify_shards"] and runtime.master)  # the sha256s once, on rank 0
     val_path, train_paths = find_shards(data_dir)
     tokenizer = manifest["tokenizer"] if manifest else shard_tokenizer(val_path)
