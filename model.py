@@ -1225,8 +1225,9 @@ class ManifoldHyperConnectionsPaper(ManifoldHyperConnections):
     mHC at its paper's start (as the hyper-connection-factory peer reads it): the projections phi drawn N(0, 0.02^2),
     every bias 0 (uniform doubly stochastic mixing, pre = 1/2 and post = 1 around it), a = 0.01; Sinkhorn-Knopp
     row-softmax first, then column and row normalisations (20 in all, eps 1e-6, ending on columns); pre + 1e-6; and a
-    read-out head: the output is sum_i w_i H_i, w = sigmoid(a x' phi_head + b_head) + 1e-6. NOT `standard` at init
-    (the streams are mixed and read at 1/2 from the first step).
+    read-out head: the output is sum_i w_i H_i, w = sigmoid(a x' phi_head + b_head) + 1e-6. NOT `standard` at init, but
+    close: the streams stay copies of the pre-norm stream (read at 1/2 each, mixed uniformly, written at 1; the norms
+    remove the scale) but for the random projections' terms, a = 0.01 times phi's.
     """
 
     standard_at_init = False
@@ -1253,7 +1254,7 @@ class ManifoldHyperConnectionsPaper(ManifoldHyperConnections):
 
     @staticmethod
     def sinkhorn_rows_first(logits, iterations=20, eps=1e-6):
-        m = logits.float().softmax(-1) + eps
+        m = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1) + eps
         m = m / (m.sum(-2, keepdim=True) + eps)
         for _ in range(iterations - 1):
             m = m / (m.sum(-1, keepdim=True) + eps)

@@ -8,6 +8,8 @@ fp32 stream, compile, MoE, activation checkpointing, warm start, ...) runs over 
 in test_model.py, test_moe.py and test_train.py; two ranks under FSDP2 train them as one process does.
 """
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch.nn import functional as F
 
 import train
 from helpers import logged, make, randomize_routing, rel_err, tiny, tokens, torchrun
-from model import RESIDUALS
+from model import RESIDUALS, LaurelLR
 from test_configs import settings_of
 
 ZOO = ["postnorm", "laurel_rw", "laurel_lr", "laurel", "frac", "muddformer", "delta_attnres", "mhar"]
@@ -206,6 +208,92 @@ def test_mhar_of_one_head_is_attnres_and_its_heads_route_apart(monkeypatch):
         assert rel_err(mhar(tokens(), tokens())[0], attnres(tokens(), tokens())[0]) < 1e-12
 
 
+# --- the paper recipes (*_paper) ------------------------------------------------------------------
+
+
+def laurel_paper_reference(model, idx):
+    """(alpha, beta) = 2 softmax(w_k) written out; the low-rank skip as above."""
+    res, residual = model.residual, model.config.residual
+    x = model.transformer.wte(idx)
+    for k in range(2 * model.config.n_layer):
+        out = sublayer(model, k, x)
+        skip = x + low_rank_skip(res, k, x) if residual != "laurel_rw_paper" else x
+        if residual == "laurel_lr_paper":
+            x = out + skip
+            continue
+        e = [torch.exp(w) for w in res.weight_logits[k]]
+        alpha, beta = 2 * e[0] / (e[0] + e[1]), 2 * e[1] / (e[0] + e[1])
+        x = alpha * out + beta * skip
+    return head(model, x)
+
+
+def mhc_paper_reference(model, idx):
+    """The peer's mHC, one stream and one entry at a time: pre, post and res from the flattened streams' RMS
+    features, Sinkhorn row-softmax first, then columns and rows with eps, and the sigmoid read-out head."""
+    res, eps, n = model.residual, model.config.norm_eps, model.config.hc_streams
+    x = model.transformer.wte(idx)
+    H = [x] * n
+
+    def features(H):
+        flat = torch.cat(H, -1)
+        return flat / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + eps)
+
+    for k in range(2 * model.config.n_layer):
+        f = features(H)
+        pre = [
+            torch.sigmoid(res.scale[k, 0] * (f @ res.phi_pre[k][:, i]) + res.bias_pre[k, i]) + 1e-6 for i in range(n)
+        ]
+        out = sublayer(model, k, sum(pre[i].unsqueeze(-1) * H[i] for i in range(n)))
+        post = [
+            2 * torch.sigmoid(res.scale[k, 1] * (f @ res.phi_post[k][:, i]) + res.bias_post[k, i]) for i in range(n)
+        ]
+        logit = [
+            [res.scale[k, 2] * (f @ res.phi_res[k][:, j * n + i]) + res.bias_res[k, j, i] for i in range(n)]
+            for j in range(n)
+        ]
+        m = [
+            [torch.exp(logit[j][i]) / sum(torch.exp(logit[j][c]) for c in range(n)) + 1e-6 for i in range(n)]
+            for j in range(n)
+        ]
+        for step in range(
+            20
+        ):  # the first pass normalises columns only (after the row softmax), the rest rows then columns
+            if step:
+                m = [[m[j][i] / (sum(m[j]) + 1e-6) for i in range(n)] for j in range(n)]
+            m = [[m[j][i] / (sum(m[c][i] for c in range(n)) + 1e-6) for i in range(n)] for j in range(n)]
+        H = [sum(m[j][i].unsqueeze(-1) * H[j] for j in range(n)) + post[i].unsqueeze(-1) * out for i in range(n)]
+    f = features(H)
+    w = [torch.sigmoid(res.head_scale * (f @ res.head_phi[:, i]) + res.head_bias[i]) + 1e-6 for i in range(n)]
+    return head(model, sum(w[i].unsqueeze(-1) * H[i] for i in range(n)))
+
+
+def mudd_paper_reference(model, idx):
+    """PrePostDANorm written out: normalised sources, a normed generator input, X^R = X + RMSNorm^post(agg_R), V's
+    norm gain (1 + value_gain) after ln_1."""
+    res, eps, L = model.residual, model.config.norm_eps, model.config.n_layer
+    x = model.transformer.wte(idx)
+    S = [rms(x, res.source_norm[0], eps)]
+    q = k = v = r = x
+    for layer in range(L):
+        block = model.transformer.h[layer]
+        gain = 1 + res.value_gain[layer - 1] if layer else 1
+        r = r + block.attn(block.ln_1(q), block.ln_1(k), block.ln_1(v) * gain)
+        X = r + sublayer(model, 2 * layer + 1, r)
+        S.append(rms(X, res.source_norm[layer + 1], eps))
+        ways = 4 if layer + 1 < L else 1
+        dynamic = F.gelu(rms(X, res.generator_norm[layer], eps) @ res.hidden_in[layer]) @ res.hidden_out[layer]
+        inputs = []
+        for c in range(ways):
+            a = [res.static[layer][c, j] + dynamic[..., c * len(S) + j] for j in range(len(S))]
+            inputs.append(sum(a[j].unsqueeze(-1) * S[j] for j in range(len(S))))
+        R = X + rms(inputs[-1], res.post_norm[layer], eps)
+        q, k, v, r = (*inputs[:3], R) if ways == 4 else (None, None, None, R)
+    return head(model, r)
+
+
+PAPER = ["muddformer_paper", "laurel_rw_paper", "laurel_lr_paper", "laurel_paper", "mhc_paper", "delta_attnres_paper"]
+
+
 REFERENCES = {
     "postnorm": postnorm_reference,
     "laurel_rw": laurel_reference,
@@ -215,10 +303,16 @@ REFERENCES = {
     "muddformer": mudd_reference,
     "delta_attnres": delta_reference,
     "mhar": mhar_reference,
+    "muddformer_paper": mudd_paper_reference,
+    "laurel_rw_paper": laurel_paper_reference,
+    "laurel_lr_paper": laurel_paper_reference,
+    "laurel_paper": laurel_paper_reference,
+    "mhc_paper": mhc_paper_reference,
+    "delta_attnres_paper": delta_reference,
 }
 
 
-@pytest.mark.parametrize("variant", ZOO)
+@pytest.mark.parametrize("variant", ZOO + PAPER)
 def test_matches_its_plain_loop_reference_in_float64(variant):
     model, idx = reference_model(variant)
     with torch.no_grad():
@@ -231,7 +325,9 @@ def test_postnorm_is_not_standard_at_init():
         assert rel_err(make("postnorm")(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0]) > 1e-2
 
 
-@pytest.mark.parametrize("variant", ["laurel_rw", "laurel_lr", "laurel"])
+@pytest.mark.parametrize(
+    "variant", ["laurel_rw", "laurel_lr", "laurel", "laurel_rw_paper", "laurel_lr_paper", "laurel_paper"]
+)
 def test_laurel_is_bit_identical_to_standard_at_init(variant):
     # alpha = beta = 1 and B = 0 are exact: not only close, the same floats
     with torch.no_grad():
@@ -274,6 +370,54 @@ def test_muddformer_is_standard_at_init_and_reads_four_ways():
     assert all(s == (False, False, False, False) for s in seen[1:])  # later: three inputs, all different
 
 
+def test_laurel_paper_init_is_column_orthogonal_and_sixteen_times_smaller():
+    r, d = LaurelLR.RANK, 32
+    down = make("laurel_lr_paper").residual.down
+    assert torch.equal((down != 0).sum(1), torch.ones(down.size(0), d, dtype=torch.long))  # one output per channel
+    torch.testing.assert_close(down[0] @ down[0].T, torch.eye(r) / r**2)  # orthogonal rows of d/r entries 1/sqrt(rd)
+    x = torch.randn(4096, d, generator=torch.Generator().manual_seed(0))
+    gain = lambda A: ((x @ A.T).norm(dim=-1) / x.norm(dim=-1)).mean().item()  # |A x| / |x|
+    assert gain(down[0]) == pytest.approx(1 / math.sqrt(r * d), rel=0.05)
+    assert gain(make("laurel_lr").residual.down[0]) / gain(down[0]) == pytest.approx(r, rel=0.1)
+
+
+def test_laurel_paper_weights_stay_bounded():
+    model = make("laurel_paper")
+    randomize_routing(model)
+    alpha, beta = (2 * model.residual.weight_logits.softmax(-1)).unbind(-1)
+    torch.testing.assert_close(alpha + beta, torch.full_like(alpha, 2.0))
+    assert (alpha > 0).all() and (beta > 0).all()
+
+
+def test_mhc_paper_starts_mixed_not_as_standard():
+    with torch.no_grad():  # copies of the pre-norm stream, but for the random projections' terms at a = 0.01
+        error = rel_err(make("mhc_paper")(tokens(), tokens())[0], make("standard")(tokens(), tokens())[0])
+    assert 1e-5 < error < 1e-2
+    model = make("mhc_paper")
+    state = model.residual.start(torch.randn(2, 3, 32))
+    mix, _ = model.residual.write_weights(state, 1)
+    torch.testing.assert_close(mix.sum(-2), torch.ones_like(mix.sum(-2)), atol=1e-5, rtol=0)  # doubly stochastic
+    torch.testing.assert_close(mix.sum(-1), torch.ones_like(mix.sum(-1)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(mix, torch.full_like(mix, 1 / 4), atol=1e-2, rtol=0)  # near uniform at init
+
+
+def test_muddformer_paper_starts_qkv_at_the_newest_source_because_all_zero_leaves_q_and_k_dead():
+    # the official code starts every way at 0 with both norms on: q = k = 0 make each logit 0 and its
+    # gradient with respect to q (or k) k (or q), so the Q and K ways never learn; here they start at the newest
+    # source (and the model is `standard` at init: the generic tests)
+    from test_model import rows_that_never_learn
+
+    model = make("muddformer_paper")
+    with torch.no_grad():
+        for static in model.residual.static:
+            static.zero_()
+    dead = {(name, row) for name, row in rows_that_never_learn(model)}
+    layers = model.config.n_layer - 1  # the layers whose next layer reads Q, K and V
+    assert {(f"static.{layer}", way) for layer in range(layers) for way in (0, 1)} <= dead
+    assert not any(name.startswith("static") and row == 2 for name, row in dead)  # V learns through uniform attention
+    assert rows_that_never_learn(make("muddformer_paper")) == []
+
+
 @pytest.mark.slow
 def test_two_ranks_under_fsdp_train_the_zoo_as_one_process_with_moe(shards, tmp_path, monkeypatch):
     # every new scheme through train.py: 2 ranks under FSDP2 (its parameters sharded like any scheme's),
@@ -303,10 +447,22 @@ def test_two_ranks_under_fsdp_train_the_zoo_as_one_process_with_moe(shards, tmp_
 def test_the_leaderboards_train_every_registered_scheme_under_the_tuned_protocol(path):
     # (test_configs.py trains every config, these two included, at a tiny size)
     settings = settings_of(path)
-    registered = [name for name in RESIDUALS if name != "gated"]  # gated: the README's example, tests only
+    registered = [name for name in RESIDUALS if name != "gated" and not name.endswith("_paper")]  # gated: README's
     assert settings["arms"] == {name: {"residual": name} for name in registered}, (
-        f"{path}: list every scheme of model.RESIDUALS, at its defaults, in the registry's order"
+        f"{path}: list every scheme of model.RESIDUALS at its defaults (not a *_paper recipe), in the registry's order"
     )
     assert {"standard", "scaled_residual"} <= set(settings["arms"])  # both baselines, each paired with every arm
     assert len(settings["seeds"]) >= 6 and not set(settings["seeds"]) & set(settings["tune_seeds"])
     assert len(settings["tune_learning_rates"]) >= 2 and settings["n_layer"] >= 12
+
+
+def test_the_recipes_leaderboard_runs_each_scheme_at_its_paper_recipe():
+    settings, defaults = settings_of("config/leaderboard_recipes.py"), settings_of("config/leaderboard.py")
+    expected = {}
+    for name in defaults["arms"]:
+        recipe = f"{name}_paper" if f"{name}_paper" in RESIDUALS else name
+        expected[recipe] = {"residual": recipe}
+    assert settings["arms"] == expected
+    assert sorted(settings["tune_routing_lr_scales"]) == [0.1, 1.0]
+    same = {k: v for k, v in settings.items() if k not in ("arms", "out_dir", "tune_routing_lr_scales")}
+    assert same == {k: v for k, v in defaults.items() if k not in ("arms", "out_dir")}
