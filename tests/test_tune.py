@@ -7,6 +7,7 @@ smaller rate), choice.json, the tuned arms; and the one command end to end throu
 $ OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_tune.py -q -p no:cacheprovider
 """
 
+import glob
 import json
 import os
 import re
@@ -456,6 +457,79 @@ def test_tuned_arms_are_the_arms_at_their_chosen_rates(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# the routing rate (tune_routing_lr_scales): each routed arm's routing_lr_scale at its chosen rate
+
+# at each arm's chosen rate (LOSSES: attnres 1e-3, dar 3e-3), per routing scale. attnres: 0.1 beats 1 on every seed by
+# far more than the noise: 0.1. dar (non-monotone): 0.3 is the worst, 1 beats 0.3 but not 0.1 (worse on seed 1001):
+# 0.1, the safer (smaller) routing rate, which 1 (the lowest mean) does not beat
+SCALED = {
+    ("attnres-rs0.1", 1e-3): (2.10, 2.11, 2.12),
+    ("dar-rs0.1", 3e-3): (2.45, 2.35, 2.45),
+    ("dar-rs0.3", 3e-3): (2.60, 2.61, 2.62),
+}
+
+
+def test_routing_scales_add_cells_for_routed_arms_only_and_refuse_what_cannot_run():
+    cfg = config(**ARMS3, tune_routing_lr_scales=[1, 0.1])
+    arms = tune.tuning_config(cfg)["arms"]
+    assert [a for a in arms if "-rs" in a] == [f"{arm}-rs0.1-lr{r:g}" for arm in ("attnres", "dar") for r in RATES]
+    assert arms["dar-rs0.1-lr0.003"] == dict(
+        residual="dar", learning_rate=0.003, min_lr=pytest.approx(3e-4), routing_lr_scale=0.1
+    )
+    assert tune.tuning_config(config(**ARMS3))["arms"] == {a: v for a, v in arms.items() if "-rs" not in a}  # as before
+    for bad in ([0], [0.1, 0.1], ["x"]):
+        with pytest.raises(ConfigError, match="^tune_routing_lr_scales=.*give distinct positive numbers"):
+            tune.tuning_config(config(tune_routing_lr_scales=bad))
+    own = dict(arms={"attnres": {"residual": "attnres", "routing_lr_scale": 0.5}})
+    with pytest.raises(ConfigError, match="^arm 'attnres' sets routing_lr_scale, which tune_routing_lr_scales chooses"):
+        tune.tuning_config(config(**own, tune_routing_lr_scales=[0.1]))
+
+
+def test_the_routing_scale_is_chosen_at_the_chosen_rate_by_the_same_rule_non_monotone(tmp_path, capsys):
+    cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 0.3, 1])
+    tune_dir = tuned(tmp_path, LOSSES | SCALED)
+    with pytest.raises(ConfigError, match="tuning cell attnres-rs0.3-lr0.001/seed1000 has no result"):
+        tune.choose(cfg, tune_dir)  # every scale's cells at the chosen rate are needed
+    tune_dir = tuned(tmp_path, LOSSES | SCALED | {("attnres-rs0.3", 1e-3): (2.5, 2.5, 2.5)})
+    assert tune.choose(cfg, tune_dir) == {"standard": 0.003, "attnres": 0.001, "dar": 0.003}  # the rates as before
+    record = read_json(os.path.join(tune_dir, "choice.json"))
+    assert record["routing_scales"] == [0.1, 0.3] and record["routing_choice"] == {"attnres": 0.1, "dar": 0.1}
+    assert set(record["routing_table"]["dar"]) == {"0.1", "0.3", "1"}
+    assert record["routing_table"]["dar"]["1"]["val_loss"] == record["table"]["dar"]["0.003"]["val_loss"]  # its rate's
+    assert record["routing_table"]["dar"]["0.1"]["learning_rate"] == pytest.approx(3e-4)  # the routing rate
+    assert record["routing_reason"]["dar"].startswith("routing rate 0.0003: the safer rate: ")
+    assert "tuned: attnres at learning_rate 0.001 (the lowest mean), routing_lr_scale 0.1 (routing rate" in (
+        capsys.readouterr().out
+    )
+    arms = tune.tuned_arms(cfg, tune.choose(cfg, tune_dir))
+    assert arms["attnres"]["routing_lr_scale"] == 0.1 and arms["dar"]["routing_lr_scale"] == 0.1
+    assert "routing_lr_scale" not in arms["standard"]  # no routing parameters: never a scale
+    records.check_config(dict(cfg, arms=arms), 1)
+
+
+def test_a_scale_of_1_chosen_leaves_the_arm_as_without_routing_tuning(tmp_path):
+    losses = LOSSES | {("attnres-rs0.1", 1e-3): (2.9, 2.9, 2.9), ("dar-rs0.1", 3e-3): (2.9, 2.9, 2.9)}
+    cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 1])
+    arms = tune.tuned_arms(cfg, tune.choose(cfg, tuned(tmp_path, losses)))
+    assert arms == tune.tuned_arms(config(tmp_path, **ARMS3), tune.choose(config(tmp_path, **ARMS3), tuned(tmp_path)))
+
+
+def test_a_rerun_of_fewer_compared_seeds_keeps_every_recorded_arm(tmp_path, capsys):
+    # a partial rerun (--arms=standard --seeds=0,1) once rewrote choice.json without the other arms
+    tune_dir = tuned(tmp_path)
+    tune.choose(config(tmp_path, **ARMS3), tune_dir)
+    full = read_json(os.path.join(tune_dir, "choice.json"))
+    tune.choose(config(tmp_path, arms={"standard": {"residual": "standard"}}, seeds=[0, 1]), tune_dir)
+    assert read_json(os.path.join(tune_dir, "choice.json")) == full
+    tune.choose(config(tmp_path, arms={"standard": {"residual": "standard"}}, seeds=[0, 7]), tune_dir)
+    grown = read_json(os.path.join(tune_dir, "choice.json"))
+    assert grown["seeds"] == [0, 1, 2, 7] and {k: v for k, v in grown.items() if k != "seeds"} == {
+        k: v for k, v in full.items() if k != "seeds"
+    }
+    assert "seeds 7 added, the recorded arms' choices as they were" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
 # the one command, end to end
 
 needs_snippet = pytest.mark.skipif(
@@ -609,6 +683,7 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
         ConfigError,
         match=r"^eval_layout='spread' reads 2 x 99 sequences of 17 tokens \(the reported ones and the tuning ones "
         r"between them\) but the validation shard holds 176 \(3,000 tokens\); set --eval_tokens=1409 or less",
-    ):
-        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", "--eval_tokens=1600"))
-    assert not os.path.exists(tmp_path / "o2")
+    ):  # a frozen grid reads its 99 alone (tests/test_records.py)
+        tuned = ["--tune_learning_rates=1e-3", "--tune_seeds=1000,1001", "--tune_iters=4"]
+        train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", *tuned, "--eval_tokens=1600"))
+    assert not [p for p in glob.glob(str(tmp_path / "o2" / "**"), recursive=True) if os.path.isfile(p)]  # no file
