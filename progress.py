@@ -26,6 +26,9 @@ class CellLog:
         self.flops_per_step = model.flops_per_token(cell.block_size) * self.tokens_per_step
         self.time_left = TimeLeft(cell, grid.todo, grid.rates)
         self.wall_before, self.file, self.run = state.wall_time_s, None, None
+        # the steps of the log interval under way that an earlier process trained (a cell resumed between two log
+        # lines): its time is not on this process's clock, so the interval's step time leaves them out
+        self.untimed = state.step - state.step_last
         self.path = os.path.join(cell_dir(cell.out_dir, cell.arm, cell.seed), "log.jsonl")
         if runtime.master:
             try:
@@ -105,9 +108,10 @@ class CellLog:
         self.t_last += seconds
 
     def trained(self, step, steps, loss, lr):
-        """The log line of the steps up to step, whose mean loss was loss."""
-        dt = (time.monotonic() - self.t_last) / steps
-        eta_cell, eta_grid = self.time_left.after(step, steps, dt * steps)
+        """The log line of the `steps` steps up to step, whose mean loss was loss."""
+        timed, self.untimed = steps - self.untimed, 0
+        dt = (time.monotonic() - self.t_last) / timed
+        eta_cell, eta_grid = self.time_left.after(step, timed, dt * timed)
         # no time measured (a coarse or frozen clock): the rates are unknown (None), not infinite
         mfu = self.flops_per_step / dt / self.runtime.peak_flops if self.runtime.peak_flops and dt else None
         tokens_per_s = self.tokens_per_step / dt if dt else None
