@@ -444,6 +444,10 @@ class ShardWriter:
 
     def flush(self, next_position):
         shard = self.open()
+        if self.val_docs and not self.progress["shards"] and shard.tokens < MIN_SHARD:  # the caller discards it
+            raise DataError(f"--val_docs={self.val_docs} holds out {shard.tokens:,} tokens, fewer than one validation "
+                            f"sequence of the paper configs' 1,024 tokens and its target ({MIN_SHARD:,}); raise "
+                            f"--val_docs, or give --val_tokens instead")
         self.progress["shards"].append(dict(name=os.path.basename(shard.path), tokens=shard.tokens, sha256=shard.close(),
                                             start=self.progress["next"]))  # where it starts: it can be rebuilt alone
         self.progress["next"] = list(next_position)
@@ -480,7 +484,8 @@ def prepare(out_dir, input=None, tokenizer="gpt2", subset="sample-10BT", max_tok
 
 MAX_SHARD = 2**31 - 1  # a shard header holds its token count as an int32
 # a train shard holds at least one sequence of the paper configs' context (block_size 1024, plus its
-# target): sequences never cross shards, so a smaller shard's tokens would never be trained on
+# target): sequences never cross shards, so a smaller shard's tokens would never be trained on. So does a
+# validation shard of whole documents (--val_docs), whose size no argument states (--val_tokens states its own)
 MIN_SHARD = 1025
 
 

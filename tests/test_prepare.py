@@ -126,6 +126,25 @@ def test_val_docs_and_max_tokens(tmp_path):
     assert np.array_equal(stream, byte_stream(docs)[:15000])
 
 
+def test_held_out_documents_too_short_for_one_validation_sequence_are_one_line(tmp_path):
+    # issue #66: a 10-byte first document held out alone made an 11-token validation shard, and nothing said so
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("ten bytes.")
+    (src / "b.txt").write_text("x" * 1013)  # with a's 11 tokens: exactly one sequence of 1,024 and its target
+    (src / "c.txt").write_text("y" * 5000)
+    out = tmp_path / "out"
+    with pytest.raises(DataError) as e:
+        P.prepare(str(out), input=str(src / "*.txt"), val_docs=1, shard_tokens=2000, **BYTES)
+    assert str(e.value) == (
+        "--val_docs=1 holds out 11 tokens, fewer than one validation sequence of the paper configs' 1,024 tokens "
+        "and its target (1,025); raise --val_docs, or give --val_tokens instead"
+    )
+    assert sorted(os.listdir(out)) == []  # no shard, no progress record: the same folder takes other arguments
+    manifest = P.prepare(str(out), input=str(src / "*.txt"), val_docs=2, shard_tokens=2000, **BYTES)
+    assert manifest["val_tokens"] == 1025  # a short document among the held-out ones is fine: sequences span them
+
+
 def test_byte_shards_say_their_tokenizer(tmp_path):
     pattern, docs = make_corpus(tmp_path)
     out = tmp_path / "out"
