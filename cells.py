@@ -23,10 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import downstream
 import records
-import tune
 from checkpoint import CellState
 from common import DataError, LockHeld, pid_lock, read_lock, write_json
 from data.shards import get_tokenizer
+from grid_files import report_is_current
 from machine import apply_fsdp, machine_record
 from model import GPT, GPTConfig
 from progress import CellLog
@@ -304,9 +304,9 @@ REPORT_WAIT_S = 120
 
 def write_report(cfg):
     """The paired report, written once, by the worker that finds every cell of the grid finished (the
-    last to finish): under out_dir/report.lock, and only when no report is newer than every result,
-    downstream.json and the tuning's choice.json (a worker finished at the same time, or a rerun of a
-    finished grid, finds it written). A lock this host cannot check that stays REPORT_WAIT_S is an error
+    last to finish): under out_dir/report.lock, and only when no report is newer than every file it reads
+    (grid_files.report_is_current: a worker finished at the same time, or a rerun of a finished grid,
+    finds it written). A lock this host cannot check that stays REPORT_WAIT_S is an error
     naming it: the grid finished without a report."""
     cells = grid_cells(cfg)
     left = unfinished(cfg, cells)
@@ -316,21 +316,13 @@ def write_report(cfg):
             f"to finish writes the report"
         )
         return
-    inputs = [
-        os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), name)
-        for arm, seed in cells
-        for name in ("result.json", "downstream.json")
-    ]
-    if cfg["tune_learning_rates"]:  # another choice is another grid's report
-        inputs.append(os.path.join(cfg["out_dir"], tune.TUNE_DIR, "choice.json"))
-    inputs = [p for p in inputs if os.path.exists(p)]
     path, lock = os.path.join(cfg["out_dir"], "report.md"), os.path.join(cfg["out_dir"], "report.lock")
     command = [cfg["out_dir"]] + ([f"--reference={cfg['reference_arm']}"] if cfg["reference_arm"] else [])
     give_up = time.monotonic() + REPORT_WAIT_S
     while True:
         try:
             with pid_lock(lock, "the report is being written"):
-                if os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, inputs)):
+                if report_is_current(cfg["out_dir"], cells):
                     print(
                         f"{path} is up to date with every result; python report.py {' '.join(command)} writes it again"
                     )

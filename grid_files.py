@@ -74,6 +74,13 @@ def report_inputs(out_dir, cells):
     return [p for p in paths + [os.path.join(out_dir, "config.json"), choice_path(out_dir)] if os.path.exists(p)]
 
 
+def report_is_current(out_dir, cells):
+    """Whether out_dir/report.md is newer than every file report_inputs lists for these cells: train.py's last
+    worker writes the report again only when not."""
+    path = os.path.join(out_dir, "report.md")
+    return os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, report_inputs(out_dir, cells)))
+
+
 # -----------------------------------------------------------------------------
 # strict readers: a run goes on from these files only as train.py wrote them, else one line
 

@@ -42,6 +42,16 @@ def test_the_files_a_report_reads_include_the_tuning_choice(tmp_path):
         str(out / name)
         for name in ("std/seed0/result.json", "std/seed0/downstream.json", "config.json", "tune/choice.json")
     ), "a changed choice or downstream result dates the report"
+    assert not grid_files.report_is_current(str(out), [("std", 0)])  # no report yet
+    (out / "report.md").write_text("")
+    for name in ("config.json", "tune/choice.json", "std/seed0/downstream.json", "std/seed0/result.json"):
+        os.utime(out / name, (0, 0))
+    assert grid_files.report_is_current(str(out), [("std", 0)])
+    for name in ("config.json", "tune/choice.json", "std/seed0/downstream.json"):
+        os.utime(out / name, None)  # now: as new as the report at least
+        os.utime(out / "report.md", (1, 1))
+        assert not grid_files.report_is_current(str(out), [("std", 0)]), f"a report older than {name} is current"
+        os.utime(out / name, (0, 0))
 
 
 @pytest.mark.parametrize(
