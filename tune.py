@@ -41,8 +41,9 @@ def scales(cfg):
 
 
 def routed(cfg, settings):
-    """Whether an arm has routing parameters for a routing scale to act on."""
-    config = records.model_config(cfg, settings)
+    """Whether an arm has routing parameters for a routing scale to act on. (vocab_size is None before the data is
+    read, in launch.py; no scheme's parameter count depends on it.)"""
+    config = records.model_config(dict(cfg, vocab_size=cfg["vocab_size"] or 1), settings)
     return RESIDUALS[config.residual].extra_params(config) > 0
 
 
@@ -147,8 +148,8 @@ def tuning_config(cfg):
             settings, learning_rate=float(rate), min_lr=min_lr_at(cfg, float(rate)), routing_lr_scale=scale
         )
         for arm, settings in cfg["arms"].items()
-        if routed(cfg, settings)
         for scale in scales(cfg)
+        if routed(cfg, settings)
         for rate in cfg["tune_learning_rates"]
     }
     return dict(

@@ -477,6 +477,7 @@ def test_routing_scales_add_cells_for_routed_arms_only_and_refuse_what_cannot_ru
         residual="dar", learning_rate=0.003, min_lr=pytest.approx(3e-4), routing_lr_scale=0.1
     )
     assert tune.tuning_config(config(**ARMS3))["arms"] == {a: v for a, v in arms.items() if "-rs" not in a}  # as before
+    assert tune.tuning_config(dict(cfg, vocab_size=None))["arms"] == arms  # launch.py's: before the data is read
     for bad in ([0], [0.1, 0.1], ["x"]):
         with pytest.raises(ConfigError, match="^tune_routing_lr_scales=.*give distinct positive numbers"):
             tune.tuning_config(config(tune_routing_lr_scales=bad))
