@@ -11,8 +11,9 @@ Rules, fixing nanoGPT's sharp edges:
 - the value must have the default's type: an int is accepted for a float, a whole float for an
   int (1e4), a tuple, a comma list of words or a single value for a list, true/false for a bool;
   a key whose default is None takes any value;
-- a comma list of its keys for a dict-valued key keeps those entries (--arms=parent,rd_attnres);
-  `entries` may name more that such a list can pick (train.py: every scheme name is an arm);
+- a comma list of its keys for a dict-valued key keeps those entries (--arms=parent,rd_attnres), and so
+  does a list of them in a config file ("arms": ["standard", "mhar"]); `entries` may name more that such
+  a list can pick (train.py: every scheme name is an arm);
 - None is a value only for a key whose default is None (--out_dir=None is an error, not a crash later);
 - a config file is found from the working directory or else this file's directory, and runs with
   __file__ set, so it can exec a neighbour from any working directory; one that fails to run is
@@ -20,6 +21,7 @@ Rules, fixing nanoGPT's sharp edges:
 - a config file is what its name says: .json a JSON object, .yaml or .yml a YAML mapping, anything
   else Python, refused when a top-level statement sets nothing (a JSON object, YAML's `key: value`
   lines are valid Python that would set no key and train the default grid); a UTF-8 BOM is skipped;
+- YAML is read with YAML 1.2's floats: 3e-4 is a float, not the string PyYAML's YAML 1.1 rules make it;
 - numpy values (np.float64(1e-3), np.logspace(...)) are taken as the Python numbers and lists they hold.
 """
 
@@ -27,12 +29,25 @@ import ast
 import difflib
 import json
 import os
+import re
 
 import yaml
 
 from common import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class YAMLLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading an exponent without a dot (learning_rate: 3e-4) as YAML 1.2 does: a float.
+    YAML 1.1, which PyYAML follows, wants 3.0e-4, so a config that reads as a float everywhere else was a string."""
+
+
+YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def coerce(key, value, default, entries=None):
@@ -52,9 +67,9 @@ def coerce(key, value, default, entries=None):
         return int(value)  # --max_iters=1e4
     if isinstance(default, list) and isinstance(value, (tuple, int, float, str)):
         return list(value) if isinstance(value, tuple) else value.split(",") if isinstance(value, str) else [value]
-    if isinstance(default, dict) and isinstance(value, (str, tuple)):
+    if isinstance(default, dict) and isinstance(value, (str, tuple, list)):  # a list: a config file's, as JSON has
         names = value.split(",") if isinstance(value, str) else list(value)
-        if "" in names or len(set(names)) != len(names):
+        if not all(isinstance(n, str) for n in names) or "" in names or len(set(names)) != len(names):
             raise ConfigError(f"{key}={value!r}: give distinct names, e.g. --{key}={','.join(list(default)[:2])}")
         known = (entries or {}) | default
         unknown = [n for n in names if n not in known]
@@ -69,7 +84,11 @@ def coerce(key, value, default, entries=None):
     if isinstance(default, str) and not isinstance(value, str):
         return str(value)  # --out_dir=123 means the string
     if type(value) is not type(default):
-        raise ConfigError(f"{key} must be a {type(default).__name__}, got {value!r} ({type(value).__name__})")
+        quoted = isinstance(value, str) and type(parse_literal(value)) is type(default)  # "3e-4" in a JSON file
+        raise ConfigError(
+            f"{key} must be a {type(default).__name__}, got {value!r} ({type(value).__name__})"
+            + ("; write the number without quotes" if quoted else "")
+        )
     return value
 
 
@@ -102,7 +121,7 @@ def read_mapping(arg, path, text):
         if path.lower().endswith(".json"):
             value = json.loads(text, parse_constant=not_json)
         else:
-            value = yaml.safe_load(text)
+            value = yaml.load(text, YAMLLoader)
     except (ValueError, RecursionError, yaml.YAMLError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"config file {arg} cannot be read ({first}); fix the file") from None

@@ -156,3 +156,39 @@ def test_numpy_values_in_a_config_file_are_plain_numbers(tmp_path):
 
     tune_cfg = dict(train.DEFAULTS, tune_learning_rates=cfg["tune_learning_rates"])
     tune.check(tune_cfg)
+
+
+# --- bad input of issue #66: what a JSON or YAML file means as --key=value would mean it -------------------------
+
+
+def test_yaml_exponents_are_floats_as_in_every_other_reader(tmp_path):
+    (tmp_path / "c.yaml").write_text(
+        "learning_rate: 3e-4\nmax_iters: 1e3\ntune_learning_rates: [1e-3, 3E-3, .5e-2]\nout_dir: 1e3x\n"
+    )  # YAML 1.1 (PyYAML) reads 3e-4 as a string; YAML 1.2, JSON and --learning_rate=3e-4 as a float
+    cfg = configure(dict(DEFAULTS, tune_learning_rates=[]), [str(tmp_path / "c.yaml")])
+    assert cfg["learning_rate"] == 3e-4 and type(cfg["learning_rate"]) is float
+    assert cfg["max_iters"] == 1000 and type(cfg["max_iters"]) is int  # as --max_iters=1e3
+    assert cfg["tune_learning_rates"] == [1e-3, 3e-3, 5e-3] and cfg["out_dir"] == "1e3x"
+    import yaml
+
+    assert yaml.safe_load("a: 3e-4") == {"a": "3e-4"}  # PyYAML itself is left as it is for everyone else
+    (tmp_path / "q.json").write_text('{"learning_rate": "3e-4"}')  # a quoted number is a string in JSON: said so
+    with pytest.raises(ConfigError, match=r"^learning_rate must be a float, got '3e-4' \(str\); write the number"):
+        configure(DEFAULTS, [str(tmp_path / "q.json")])
+
+
+@pytest.mark.parametrize(
+    "name, text", [("c.json", '{"arms": ["standard", "mhar"]}'), ("c.yaml", "arms: [standard, mhar]")]
+)
+def test_a_list_of_arm_names_in_a_config_file_is_what_arms_gives(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    given = configure(train.DEFAULTS, [str(tmp_path / name)], entries=dict(arms=train.SCHEME_ARMS))
+    assert (
+        given["arms"]
+        == configure(train.DEFAULTS, ["--arms=standard,mhar"], entries=dict(arms=train.SCHEME_ARMS))["arms"]
+    )
+    assert given["arms"] == {"standard": {"residual": "standard"}, "mhar": {"residual": "mhar"}}
+    for bad in ('{"arms": ["a", "a"]}', '{"arms": [1]}', '{"arms": [{"residual": "hc"}]}'):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(ConfigError, match=r"^arms=\[.*\]: give distinct names, e.g. --arms=a,b$"):
+            configure(DEFAULTS, [str(tmp_path / "bad.json")])
