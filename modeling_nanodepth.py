@@ -50,9 +50,19 @@ class NanodepthForCausalLM(PreTrainedModel, GenerationMixin):
             module.rotary_sin.copy_(sin)
 
     def generate(self, *args, **kwargs):
-        """transformers' generate, without a KV cache (GPT has none): each new token reads the whole sequence."""
+        """transformers' generate, without a KV cache (GPT has none): each new token reads the whole sequence,
+        or its last block_size tokens (prepare_inputs_for_generation)."""
         kwargs["use_cache"] = False
         return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """Each generation step's inputs, cropped to the last block_size tokens: the context GPT was trained on
+        and has rotary tables for, as model.GPT.generate (sample.py) crops it."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        for key in ("input_ids", "attention_mask"):
+            if isinstance(inputs.get(key), torch.Tensor):
+                inputs[key] = inputs[key][:, -self.gpt.config.block_size :]
+        return inputs
 
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
         """Logits (B, T, vocab) of every position, and with labels the mean next-token loss (labels
@@ -60,6 +70,11 @@ class NanodepthForCausalLM(PreTrainedModel, GenerationMixin):
         padded on the right only (what a causal model's later positions never see)."""
         if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("nanodepth models take right padding only (tokenizer.padding_side = 'right')")
+        if input_ids.size(1) > self.gpt.config.block_size:
+            raise ValueError(
+                f"{input_ids.size(1)} tokens are more than this model's block_size={self.gpt.config.block_size}; "
+                f"give at most that many (generate crops its context to them itself)"
+            )
         logits = self.gpt.lm_head(self.gpt.hidden(input_ids))
         loss = None
         if labels is not None:

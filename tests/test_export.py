@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import downstream  # noqa: E402
 import export  # noqa: E402
 from common import DataError, UserError  # noqa: E402
-from helpers import ROOT, TINY, randomize_routing  # noqa: E402
+from helpers import ROOT, TINY, randomize_routing, write_checkpoint  # noqa: E402
 from data.shards import get_tokenizer  # noqa: E402
 import model  # noqa: E402
 import records  # noqa: E402
@@ -54,21 +54,7 @@ def write_cell(folder, seed=0, tokenizer="bytes", code=CODE, **overrides):
         model=dataclasses.asdict(config),
         code=code,
     )
-    os.makedirs(folder)
-    torch.save(
-        dict(
-            model=gpt.state_dict(),
-            optimizer={},
-            step=7,
-            rng=[],
-            data_hash="",
-            config=record,
-            loss_sum=0.0,
-            step_last=0,
-            wall_time_s=0.0,
-        ),
-        os.path.join(folder, "ckpt.pt"),
-    )
+    write_checkpoint(folder, gpt, record, step=7)
     return gpt.eval()
 
 
@@ -93,6 +79,14 @@ def test_transformers_loads_every_scheme_with_model_py_logits(tmp_path, variant)
         for _ in range(6):
             greedy = torch.cat([greedy, gpt(greedy)[0][:, -1].argmax(-1, keepdim=True)], 1)
         assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), greedy)
+        # and past block_size, sample.py's greedy tokens (GPT.generate at top_k=1): the context cropped the same way
+        longer = TINY["block_size"] + 8
+        torch.manual_seed(0)
+        assert torch.equal(
+            loaded.generate(prompt, max_new_tokens=longer, do_sample=False), gpt.generate(prompt, longer, top_k=1)
+        )
+        with pytest.raises(ValueError, match=f"^{longer} tokens are more than this model's block_size=16; give at"):
+            loaded(torch.zeros(1, longer, dtype=torch.long))
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
