@@ -13,14 +13,16 @@ $ python launch.py config/rd_120m.py --cancel                             # runn
 $ python launch.py --cluster=local --workers=3 --gpus_per_node=0 --arms=standard,attnres --seeds=0,1,2  # here
 
 The keys below are launch.py's own (--key=value, or a config file that sets only these keys, in the
-paper configs' style); every other argument goes to train.py as given (config files, --key=value).
-Before anything is queued the config is checked as train.py would at the workers' world size. When
+paper configs' style; --setup=... and --sbatch=... add one entry each, commas kept); every other argument
+goes to train.py as given (config files, --key=value). Before anything is queued (and by --dry_run) the config
+is checked as train.py would at the workers' world size, the data as train.py would find it. When
 the workers end (cluster=local, or --wait on SLURM) it says what each cell and worker came to, and
 exits non-zero unless every cell finished and the report was written. docs/cluster.md: what lives
 on the shared filesystem, what a preemption costs, a one-node SLURM to try this on.
 """
 
 import contextlib
+import difflib
 import io
 import os
 import re
@@ -30,10 +32,11 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 # no torch at the top: submitit's job process imports this file to run a Worker, which starts train.py
 from common import ConfigError, DataError, read_json, run, write_json
-from configurator import coerce, configure, parse_literal
+from configurator import coerce, configure, parse_literal, read_config_file
 from grid_files import KINDS, cell_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,6 +68,8 @@ status = False  # say where the grid stands (each cell, each queued task; GPU-ho
 cancel = False  # end the grid's jobs: running cells checkpoint first (SIGTERM, then scancel); say what is resumable
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if k not in _before_config and k != "_before_config"}
+# on the command line each --sbatch=... and --setup=... adds one entry, taken as written (a config file gives a list)
+LIST_KEYS = [k for k, v in DEFAULTS.items() if isinstance(v, list)]
 # torchrun stops its workers on these; not on SIGTERM, which it would pass on and then, 30 s later, kill them with,
 # however far their checkpoint is (a worker's processes ignore SIGTERM unless they handle it, as train.py does)
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
@@ -89,10 +94,15 @@ def split_args(argv):
     own, train_args = dict(DEFAULTS), []
     for arg in argv:
         key, eq, text = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        if key in DEFAULTS:
+        if key in LIST_KEYS:  # one entry per flag, verbatim: a shell line or an sbatch option keeps its commas
+            if not eq:
+                raise ConfigError(f"{arg}: give one entry, --{key}=..., and the flag again for each further one")
+            own[key] = [*own[key], text]
+        elif key in DEFAULTS:
             own[key] = coerce(key, parse_literal(text) if eq else True, DEFAULTS[key])
         elif not arg.startswith("--") and (settings := launch_file(arg)) is not None:
-            own.update((k, coerce(k, v, DEFAULTS[k])) for k, v in settings.items())
+            for k, v in settings.items():  # a file's string for a list key is one entry too
+                own[k] = coerce(k, [v] if k in LIST_KEYS and isinstance(v, str) else v, DEFAULTS[k])
         else:
             train_args.append(arg)
     if own["cluster"] not in ("slurm", "local"):
@@ -118,7 +128,8 @@ def split_args(argv):
         )
     if sum(own[k] for k in ("status", "cancel", "dry_run")) > 1:
         raise ConfigError("give one of --status, --cancel and --dry_run")
-    sbatch_options(own["sbatch"])  # a malformed option is refused before anything is read or written
+    sbatch_options(own["sbatch"])  # a malformed option or memory is refused before anything is read or written
+    memory_mb(own["mem"])
     gres_request(own)
     return own, train_args
 
@@ -128,12 +139,8 @@ def launch_file(arg):
     None: the file is train.py's (one that mixes both is train.py's, which names the launch key it refuses)."""
     if not (os.path.isfile(arg) or os.path.isfile(os.path.join(HERE, arg))):
         return None
-    try:
-        return {k: v for k, v in configure(DEFAULTS, [arg]).items() if v is not DEFAULTS[k]}
-    except ConfigError as e:
-        if str(e).startswith("unknown config key"):
-            return None
-        raise
+    settings = read_config_file(arg)
+    return settings if settings.keys() <= DEFAULTS.keys() else None
 
 
 def sbatch_options(lines):
@@ -279,6 +286,11 @@ def train_config(train_args):
     """train.py's config for these arguments, as train.py reads them (before it touches data or devices)."""
     import train
 
+    for arg in train_args:  # a misspelt launch key (--dry-run, --wokers=2) is named as one, not as train.py's
+        key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+        close = difflib.get_close_matches(key.replace("-", "_"), [*train.DEFAULTS, *DEFAULTS], n=1)
+        if key and key not in train.DEFAULTS and close and close[0] in DEFAULTS:
+            raise ConfigError(f"{arg}: no such key; did you mean launch.py's --{close[0]}?")
     try:
         return configure(train.DEFAULTS, train_args, entries=dict(arms=train.SCHEME_ARMS))
     except ConfigError as e:
@@ -304,6 +316,34 @@ def check_train_config(train_args, world):
     if cfg["tune_learning_rates"]:
         records.check_config(tune.tuning_config(cfg), world)
     return given
+
+
+def check_data(cfg):
+    """train.py's look at the data (data.shards.find_data: the folder, its shards and their manifest), here: a
+    missing data_dir is one line on the login node, not a failure in every task after its queue wait. A bundled
+    corpus not prepared yet is left to the first worker, which prepares it."""
+    from data.shards import BUNDLED, find_data, resolve_data_dir
+
+    data_dir = resolve_data_dir(cfg["data_dir"]) if cfg["data_dir"] else None
+    if data_dir and not (data_dir in BUNDLED and not os.path.exists(os.path.join(data_dir, "manifest.json"))):
+        find_data(cfg, SimpleNamespace(master=False, world=1))  # not master: the shards' sizes, not their sha256s
+
+
+def check_folders(own, out_dir):
+    """The grid's folder and submitit's must be folders that can be made: a file in their place, or under a
+    parent that cannot be written, is one line here (submitit would raise on its folder, each task on the grid's)."""
+    for what, path, way_on in (
+        ("out_dir", out_dir, "give --out_dir a folder of a writable filesystem"),
+        ("logs", logs_folder(own, out_dir), "give --logs a folder of a writable filesystem"),
+    ):
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            there = "is a file" if existing == os.path.abspath(path) else f"cannot be made: {existing} is a file"
+            raise ConfigError(f"{what} {path} {there}, not a folder; {way_on}")
+        if existing != os.path.abspath(path) and not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what} {path} cannot be made: {existing} is not writable; {way_on}")
 
 
 def slurm_parameters(own, out_dir):
@@ -431,17 +471,22 @@ def launch(own, train_args, argv=None):
             "or run the workers on this machine with --cluster=local"
         )
     world = own["nodes"] * max(own["gpus_per_node"], 1)
-    cfg = check_train_config(train_args, world)  # a bad argument is one line here, before anything is submitted
-    if own["dry_run"]:
-        print(dry_run_text(own, cfg, train_args))
-        return []
+    # what a task would refuse is one line here, before anything is submitted, and a dry run checks it all too
+    cfg = check_train_config(train_args, world)
+    check_data(cfg)
+    check_folders(own, cfg["out_dir"])
     if own["cluster"] == "slurm":
         check_partition(own)
+    if own["dry_run"]:
+        print(dry_run_text(own, cfg, argv))
+        return []
     ex = executor(own, cfg["out_dir"])
     folder = str(ex.folder)
     before = set(os.listdir(folder)) if os.path.isdir(folder) else None
     # the job process imports launch.py to run a Worker: from anywhere, as on SLURM (slurm_parameters' setup)
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *filter(None, [os.environ.get("PYTHONPATH")])])
+    if own["cluster"] == "local" and not own["gpus_per_node"]:  # a CPU worker's threads, as SLURM's job exports them
+        os.environ["OMP_NUM_THREADS"] = str(task_cpus(own))
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # a refusal's sbatch lines, which submitit prints, once below
             jobs = ex.submit_array(
@@ -511,7 +556,7 @@ def read_arrays(folder):
     return arrays
 
 
-def dry_run_text(own, cfg, train_args):
+def dry_run_text(own, cfg, argv):
     """What a launch would submit: the sbatch script (SLURM) and the cells each task would take first, in the
     order train.py takes them (each worker the next free cell: with cells of equal length, round robin)."""
     import tune
@@ -527,11 +572,16 @@ def dry_run_text(own, cfg, train_args):
         lines.append(
             f"# task {task}: " + (", ".join(cells[task :: own["workers"]]) or "no cell (more tasks than cells)")
         )
+    # the same launch: every argument but the dry run's (one a config file sets is undone on the command line)
+    command = [a for a in argv if not a.startswith("--dry_run")]
+    command += [] if len(command) < len(argv) else ["--dry_run=False"]
+    no_sbatch = own["cluster"] == "slurm" and not shutil.which("sbatch")
     return "\n".join(
         lines
         + [
-            f"# dry run: nothing submitted; without --dry_run: python launch.py "
-            f"{' '.join(map(shlex.quote, train_args))}"
+            "# dry run: nothing submitted"
+            + (" (this machine has no sbatch: submit from a SLURM login node)" if no_sbatch else "")
+            + f"; without --dry_run: python launch.py {' '.join(map(shlex.quote, command))}"
         ]
     )
 
@@ -618,7 +668,23 @@ def worker_outcome(folder, task):
         return "finished", log
     if "stopped by a signal, its cell checkpointed" in str(value):
         return f"stopped by a signal (exit status {PREEMPTED}), its cell checkpointed", log
+    # torchrun exits 1 however its ranks ended: stopped if the last line naming a cell is train.py's stop
+    if "a rank failed or was stopped by a signal" in str(value) and STOPPED.search(last_cell_line(log)):
+        return "stopped by a signal (its ranks' exit status 75), its cell checkpointed", log
     return "failed", log
+
+
+STOPPED = re.compile(r"stopped by a signal: \[[^\]\s]+ seed\d+\] checkpointed at step \d+")  # train.py's, each rank's
+CELL = re.compile(r"\[([^\]\s]+) seed(\d+)\]|/([^/\s]+)/seed(\d+)\b")  # [arm seedk], or a cell's folder in an error
+
+
+def last_cell_line(log):
+    """The last line of a worker's output that names a cell ("" for none)."""
+    try:
+        with open(log, errors="replace") as f:
+            return next((line for line in reversed(f.readlines()) if CELL.search(line)), "")
+    except OSError:
+        return ""
 
 
 PREEMPTED = 75  # cells.PREEMPTED: train.py's exit on a stop, its cell checkpointed (not imported: no torch here)
@@ -627,11 +693,7 @@ PREEMPTED = 75  # cells.PREEMPTED: train.py's exit on a stop, its cell checkpoin
 def last_cell(log):
     """The last cell ('arm seedk') a worker's output names ([arm seedk], or its folder .../arm/seedk in an error):
     the one it was on when it ended."""
-    try:
-        with open(log, errors="replace") as f:
-            found = re.findall(r"\[([^\]\s]+) seed(\d+)\]|/([^/\s]+)/seed(\d+)\b", f.read())
-    except OSError:
-        return None
+    found = CELL.findall(last_cell_line(log))
     return f"{found[-1][0] or found[-1][2]} seed{found[-1][1] or found[-1][3]}" if found else None
 
 
@@ -781,18 +843,38 @@ def cancel_jobs(cfg, own, arrays, folder, command):
             f"no SLURM job of this grid is recorded in {os.path.join(folder, ARRAYS)}; a grid on "
             f"cluster=local stops with Ctrl-C (its cells checkpointed)"
         )
-    for extra in (["--state=PENDING"], ["--signal=TERM"]):
-        subprocess.run(["scancel", *extra, *ids], capture_output=True, timeout=60)
-    deadline = time.monotonic() + WARNED_WAIT_SHARE * own["warn_s"]
-    while time.monotonic() < deadline and any(s == "RUNNING" for s, _, _ in (queue(ids) or {}).values()):
-        time.sleep(1)
-    subprocess.run(["scancel", *ids], capture_output=True, timeout=60)
+    queued = queue(ids)
+    if queued is None:
+        raise DataError("squeue did not answer, so nothing was cancelled; run the same --cancel again")
+    # a task no longer queued, or queued as ended, had ended before: it is said so, with how (squeue's state, else
+    # what submitit's folder holds), never counted as cancelled
+    ended = {
+        t: queued[t][0] if t in queued else worker_outcome(folder, t)[0].split(" (")[0]
+        for a in arrays
+        if a.get("cluster") == "slurm" and a.get("job_id")
+        for t in a["tasks"]
+        if t not in queued or queued[t][0] in ENDED
+    }
+    live = sorted({t.split("_")[0] for t, (state, _, _) in queued.items() if state not in ENDED})
+    if live:
+        for extra in (["--state=PENDING"], ["--signal=TERM"]):
+            subprocess.run(["scancel", *extra, *live], capture_output=True, timeout=60)
+        deadline = time.monotonic() + WARNED_WAIT_SHARE * own["warn_s"]
+        while time.monotonic() < deadline and any(s == "RUNNING" for s, _, _ in (queue(live) or {}).values()):
+            time.sleep(1)
+        subprocess.run(["scancel", *live], capture_output=True, timeout=60)
     status = grid_status(cfg)
     resumable = [f"{arm} seed{seed}" for (arm, seed, _), k in zip(status["cells"], status["kinds"]) if k == "resumable"]
+    before = ", ".join(f"{t} ({how})" for t, how in ended.items())
     print(
-        f"cancelled job(s) {', '.join(ids)}; "
-        + (f"resumable: {', '.join(resumable)}" if resumable else "no cell resumable")
-        + f"; to go on: {command}"
+        (f"cancelled job(s) {', '.join(live)}" if live else "nothing to cancel")
+        + (f"; task(s) that had already ended: {before}" if ended else "")
+        + "; "
+        + (
+            "every cell finished"
+            if all(k in ("finished", "diverged") for k in status["kinds"])
+            else (f"resumable: {', '.join(resumable)}" if resumable else "no cell resumable") + f"; to go on: {command}"
+        )
     )
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -673,3 +674,110 @@ def test_a_submitted_worker_carries_the_project_s_requeue_limit_not_submitit_s_d
         with open(tmp_path / "grid_launch" / f"{job.job_id}_submitted.pkl", "rb") as f:
             assert pickle.load(f)._timeout_countdown == launch.MAX_TIME_LIMITS > 3
     assert [a["tasks"] for a in launch.read_arrays(str(tmp_path / "grid_launch"))] == [["7_0", "7_1"]]
+
+
+def dry_run_command(out):
+    """The launch a dry run's last line says runs it for real, as its arguments."""
+    return shlex.split(out.strip().splitlines()[-1].partition("without --dry_run: python launch.py ")[2])
+
+
+def test_a_setup_line_and_an_sbatch_option_keep_their_commas_and_a_dry_run_prints_the_same_launch(
+    shards, tmp_path, monkeypatch, capsys
+):
+    fake_slurm(tmp_path, monkeypatch, sinfo="echo '64|512000|gpu:8|gpu*'")
+    site = tmp_path / "site.py"
+    site.write_text('account = "myproj"\nsetup = "export CUDA_VISIBLE_DEVICES=0,1"\n')  # a string: one line too
+    argv = [
+        str(site),
+        "--setup=module load cuda/12.1,cudnn",  # the flag again: one more line each
+        "--setup=echo 'a, b'",
+        "--sbatch=--mail-type=END,FAIL",
+        "--workers=2",
+        "--gpus_per_node=0",
+        *tiny(shards, tmp_path / "grid", "--arms=attnres,standard"),
+    ]
+    own, _ = launch.split_args(argv)
+    assert own["setup"] == ["export CUDA_VISIBLE_DEVICES=0,1", "module load cuda/12.1,cudnn", "echo 'a, b'"]
+    assert own["sbatch"] == ["--mail-type=END,FAIL"]
+    launch.main([*argv, "--dry_run"])
+    out = capsys.readouterr().out
+    for line in (
+        "\nexport CUDA_VISIBLE_DEVICES=0,1\nmodule load cuda/12.1,cudnn\necho 'a, b'\n",
+        "--mail-type=END,FAIL\n",
+    ):
+        assert line in out, (line, out)
+    assert dry_run_command(out) == argv  # the site file and every launch key kept, as given
+    local = ["--cluster=local", "--gpus_per_node=0", "--wait", *tiny(shards, tmp_path / "grid", "--arms=attnres")]
+    launch.main([*local[:2], "--dry_run", *local[2:]])
+    assert dry_run_command(capsys.readouterr().out) == local  # not SLURM workers of 8 GPUs
+    (tmp_path / "dry.py").write_text("dry_run = True\n")  # a site file that sets it: undone on the command line
+    launch.main([str(tmp_path / "dry.py"), *local])
+    assert dry_run_command(capsys.readouterr().out) == [str(tmp_path / "dry.py"), *local, "--dry_run=False"]
+    with pytest.raises(ConfigError, match=r"^--setup: give one entry, --setup=\.\.\., and the flag again"):
+        launch.split_args(["--setup"])
+
+
+def test_a_dry_run_refuses_what_the_launch_refuses_and_a_missing_folder_or_misspelt_launch_key_is_one_line(
+    shards, tmp_path, monkeypatch
+):
+    fake_slurm(tmp_path, monkeypatch, sbatch="echo submitted >> $0.calls; echo 'Submitted batch job 7'")
+    grid = tiny(shards, tmp_path / "grid", "--arms=attnres")
+    (tmp_path / "a_file").write_text("")
+    for args, error, why in (
+        (["--mem=lots"], ConfigError, r"mem='lots': give sbatch's --mem, e.g. 64G"),
+        (["--cpus_per_task=8"], ConfigError, r"no node of the default partition has 8 CPUs"),
+        (
+            [f"--data_dir={tmp_path / 'nowhere'}"],
+            DataError,
+            rf"data_dir {re.escape(str(tmp_path / 'nowhere'))} does not exist; ",
+        ),
+        ([f"--logs={tmp_path / 'a_file'}"], ConfigError, r"logs .*a_file is a file, not a folder; "),
+        (
+            [f"--out_dir={tmp_path / 'a_file' / 'grid'}"],
+            ConfigError,
+            r"out_dir .*grid cannot be made: .*a_file is a file, not a folder; give --out_dir a folder",
+        ),
+        (["--dry-run"], ConfigError, r"--dry-run: no such key; did you mean launch.py's --dry_run\?$"),
+        (["--wokers=2"], ConfigError, r"--wokers=2: no such key; did you mean launch.py's --workers\?"),
+    ):
+        for dry in ([], ["--dry_run"]):  # the launch and its dry run alike
+            with pytest.raises(error, match=f"^{why}"):
+                launch.main(["--gpus_per_node=0", *grid, *args, *dry])
+    assert not (tmp_path / "bin" / "sbatch.calls").exists()
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "bin"]  # no grid, no submitit folder
+
+
+def test_local_cpu_workers_compute_with_the_thread_count_slurm_s_job_exports(shards, tmp_path, monkeypatch):
+    # one thread unless OMP_NUM_THREADS says otherwise, as the SLURM script exports (torch's default is every core)
+    for given, threads in ((None, 1), ("2", 2)):
+        if given:
+            monkeypatch.setenv("OMP_NUM_THREADS", given)
+        else:
+            monkeypatch.delenv("OMP_NUM_THREADS")
+        out = tmp_path / f"threads{threads}"
+        args = tiny(shards, out, "--arms=attnres", "--max_iters=2", "--eval_interval=2")
+        (job,) = launch.launch(launch.split_args(["--cluster=local", "--gpus_per_node=0"])[0], args)
+        assert job.result() is None
+        assert result(out, "attnres")["config"]["cpu_threads"] == threads
+
+
+def test_a_torchrun_worker_stopped_by_a_signal_is_reported_stopped_with_its_cell_resumable(shards, tmp_path):
+    args = tiny(shards, tmp_path / "grid", "--arms=attnres", "--max_iters=400", "--eval_interval=100")
+    own, _ = launch.split_args(["--cluster=local", "--gpus_per_node=2"])  # 2 CPU ranks under torchrun
+    (job,) = launch.launch(own, args)
+    log = tmp_path / "grid" / "attnres" / "seed0" / "log.jsonl"
+    while grid_files.last_log_record(str(log)).get("step", 0) < 2:
+        assert not job.done(), job.stdout()
+        time.sleep(0.05)
+    with open(f"/proc/{job._process.pid}/task/{job._process.pid}/children") as f:
+        worker = int(f.read().split()[0])
+    with open(f"/proc/{worker}/task/{worker}/children") as f:
+        torchrun_pid = int(f.read().split()[0])
+    os.killpg(torchrun_pid, signal.SIGTERM)  # a preemption: SIGTERM to torchrun and its ranks, which checkpoint
+    with pytest.raises(Exception, match="a rank failed or was stopped by a signal"):
+        job.result()
+    text, done = launch.outcome_text(launch.train_config(args), own, [job.job_id], str(job.paths.folder), "CMD")
+    assert not done
+    assert f"worker {job.job_id}: stopped by a signal (its ranks' exit status 75), its cell checkpointed;" in text, text
+    assert re.search(rf"\n  attnres seed0: resumable at step \d+; its worker {job.job_id} stopped by a signal: ", text)
+    assert text.endswith("resumes, what is pending starts, with: CMD"), text

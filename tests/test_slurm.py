@@ -239,3 +239,27 @@ def test_what_no_node_has_and_what_sbatch_refuses_are_one_line_each_and_leave_no
         ):
             launch.main([*args, bad])
     assert os.listdir(tmp_path) == []  # no pickle, no script, no grid
+
+
+def test_setup_lines_and_sbatch_options_keep_their_commas_and_cancel_after_the_end_says_the_jobs_had_ended(
+    shards, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(launch, "QUEUE_POLL_S", 0.5)
+    out, logs = tmp_path / "grid", tmp_path / "logs"
+    args = [
+        *CPU,
+        f"--logs={logs}",
+        "--setup=echo setup saw 0,1",
+        "--sbatch=--mail-type=END,FAIL",  # sbatch takes the list whole
+        *tiny(shards, out, "--arms=standard", "--max_iters=2", "--eval_interval=2"),
+    ]
+    launch.main([*args, "--wait"])
+    job = launch.read_arrays(str(logs))[-1]["job_id"]
+    assert "every cell finished; the report" in capsys.readouterr().out
+    assert output(logs, job).startswith("setup saw 0,1\n")  # one line of the job's script, run as written
+    launch.main([*args, "--cancel"])  # long after the job ended: nothing cancelled, and said so
+    said = capsys.readouterr().out
+    assert re.fullmatch(
+        rf"nothing to cancel; task\(s\) that had already ended: {job} \((COMPLETED|finished)\); every cell finished\n",
+        said,
+    ), said
