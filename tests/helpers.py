@@ -5,8 +5,8 @@ this file (so VARIANTS below holds it).
 
 Model helpers (test_model.py, test_cuda.py): the tiny GPTConfig, every scheme setting worth testing,
 a seeded model and token batch, random routing parameters, and the depth read written from its
-definition. Trained grids: train.py's command line for a tiny run, what a cell wrote, a run killed at a
-step, torchrun. Tuning cells as train.py leaves them.
+definition. Trained grids: train.py's command line for a tiny run, what a cell wrote, a cell's checkpoint
+written directly, a run killed at a step, torchrun. Tuning cells as train.py leaves them.
 """
 
 import json
@@ -143,6 +143,26 @@ def result(out_dir, arm, seed=0):
 
 def without_timings(log):
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in log]
+
+
+def write_checkpoint(cell_dir, gpt, record, step):
+    """A cell's ckpt.pt as train.py leaves it, without optimizer state: gpt's weights at step under record (the
+    cell's config.json), what export.py and sample.py open."""
+    os.makedirs(cell_dir, exist_ok=True)
+    torch.save(
+        dict(
+            model=gpt.state_dict(),
+            optimizer={},
+            step=step,
+            rng=[],
+            data_hash="",
+            config=record,
+            loss_sum=0.0,
+            step_last=0,
+            wall_time_s=0.0,
+        ),
+        os.path.join(cell_dir, "ckpt.pt"),
+    )
 
 
 def killed_at_step(kill, monkeypatch, argv):

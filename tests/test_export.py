@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import downstream  # noqa: E402
 import export  # noqa: E402
 from common import DataError, UserError  # noqa: E402
-from helpers import ROOT, TINY, randomize_routing  # noqa: E402
+from helpers import ROOT, TINY, randomize_routing, write_checkpoint  # noqa: E402
 from data.shards import get_tokenizer  # noqa: E402
 import model  # noqa: E402
 import records  # noqa: E402
@@ -54,21 +54,7 @@ def write_cell(folder, seed=0, tokenizer="bytes", code=CODE, **overrides):
         model=dataclasses.asdict(config),
         code=code,
     )
-    os.makedirs(folder)
-    torch.save(
-        dict(
-            model=gpt.state_dict(),
-            optimizer={},
-            step=7,
-            rng=[],
-            data_hash="",
-            config=record,
-            loss_sum=0.0,
-            step_last=0,
-            wall_time_s=0.0,
-        ),
-        os.path.join(folder, "ckpt.pt"),
-    )
+    write_checkpoint(folder, gpt, record, step=7)
     return gpt.eval()
 
 

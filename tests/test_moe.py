@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import records
 import train
 from configurator import configure
-from helpers import killed_at_step, log_records, logged, result, starts_as_standard, torchrun, without_timings
+from helpers import killed_at_step, log_records, logged, result, starts_as_standard, tiny, torchrun, without_timings
 from data.shards import BUNDLED, data_vocab_size, resolve_data_dir
 from model import GPT, GROUPED_MM, MLP, RESIDUALS, GPTConfig, MoE, expert_hidden, is_routing
 
@@ -368,33 +368,22 @@ def test_bench_has_an_moe_row_at_the_dense_mlps_active_flops_that_steps_its_bias
 
 
 def moe_run(shards, out_dir, *extra):
-    # a large bias rate, so that the balancing visibly steers routing within a few steps
-    return [
-        f"--data_dir={shards}",
-        f"--out_dir={out_dir}",
-        "--n_layer=2",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--vocab_size=64",
-        "--batch_size=4",
+    """tiny's run of a standard arm with an MoE MLP, two micro-batches a step, 6 steps evaluated every 3; a large
+    bias rate, so that the balancing visibly steers routing within a few steps."""
+    return tiny(
+        shards,
+        out_dir,
         "--gradient_accumulation_steps=2",
         "--max_iters=6",
         "--eval_interval=3",
-        "--log_interval=1",
         "--eval_tokens=600",
-        "--compile=False",
-        "--seeds=0",
-        "--warmup_iters=2",
-        "--learning_rate=1e-2",
-        "--device=cpu",
         "--arms=standard",
         "--n_experts=4",
         "--moe_top_k=2",
         "--moe_shared_experts=1",
         "--moe_bias_rate=0.05",
         *extra,
-    ]
+    )
 
 
 def biases(out_dir):

@@ -11,6 +11,7 @@ import records
 import sample
 from common import DataError
 from data.prepare import prepare
+from helpers import write_checkpoint
 from model import GPT, GPTConfig
 
 
@@ -20,21 +21,7 @@ def save_cell(cell_dir, data_dir, **model):
     torch.manual_seed(0)
     gpt = GPT(config)
     record = dict(arm="attnres", seed=0, data_dir=str(data_dir), model=dataclasses.asdict(config))
-    os.makedirs(cell_dir, exist_ok=True)
-    torch.save(
-        dict(
-            model=gpt.state_dict(),
-            optimizer={},
-            step=1,
-            rng=[],
-            data_hash="",
-            config=record,
-            loss_sum=0.0,
-            step_last=0,
-            wall_time_s=0.0,
-        ),
-        os.path.join(cell_dir, "ckpt.pt"),
-    )
+    write_checkpoint(cell_dir, gpt, record, step=1)
     with open(os.path.join(cell_dir, "config.json"), "w") as f:
         json.dump(record, f)
     return gpt
