@@ -221,8 +221,20 @@ def quoted_interval(st):
 
 
 def verdict(st):
-    """ahead, behind (the quoted interval below or above 0) or not detectable at this size, and the interval."""
+    """ahead, behind (the quoted interval below or above 0), not detectable at this size, or no paired seed; and the
+    interval. The interval alone decides: the seeds' t-test p leaves the text's variance out and may disagree."""
     ci, what = quoted_interval(st)
+    if st["n"] == 0:
+        return "no paired seed", ci, what
     if ci is None or not ci[1] < 0 and not ci[0] > 0:
         return "not detectable at this size", ci, what
     return ("ahead" if ci[1] < 0 else "behind"), ci, what
+
+
+def interval_detects(ci, n):
+    """The smallest true mean delta whose quoted 95% interval over n seeds excludes 0 with power POWER: the interval's
+    standard error (half its width over t's 97.5% point, n - 1 degrees of freedom) times detectable_effect_in_sd(n)
+    x sqrt(n), which is power_analysis's detectable_effect for the seeds' t interval; None without an interval."""
+    if ci is None or n < 2:
+        return None
+    return detectable_effect_in_sd(n) * math.sqrt(n) * (ci[1] - ci[0]) / 2 / stats.t.ppf(0.975, n - 1)

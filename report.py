@@ -32,8 +32,8 @@ from reporting.cost import machine_lines, machine_of, machines, step_time, step_
 from reporting.downstream import downstream_comparison, downstream_lines
 from reporting.grid import BASELINES, beside, beside_lines, final_loss_lines, intro_lines, model_line, opening_lines
 from reporting.grid import shared_model
-from reporting.paired import compare, comparison_lines, diverged_cells, diverged_lines
-from reporting.plots import jsd_name, plots, routing_name
+from reporting.paired import compare, comparison_lines, diverged_cells, diverged_lines, spike_lines, spikes
+from reporting.plots import cell_note, jsd_name, plots, routing_name
 from reporting.text import md, strict
 from reporting.tuning import arm_learning_rates, tuning_section
 
@@ -122,14 +122,12 @@ def main(argv):
     for name in output_names(arms, cell):  # before anything is written: a folder there would stop the report half way
         if os.path.isdir(path := os.path.join(args.out_dir, name)):
             raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
-    diverged = diverged_cells(arms, seeds, results)
-    lines = intro_lines(args.out_dir, references) + opening_lines(
-        arms, references, results, comparisons, grid_record(args.out_dir)
-    )
+    diverged, config = diverged_cells(arms, seeds, results), grid_record(args.out_dir)
+    lines = intro_lines(args.out_dir, references) + opening_lines(arms, references, results, comparisons, config)
     model, differ = shared_model(results) if results else ({}, [])
     if results:
         lines += [md(model_line(model, differ)), ""]
-    section, tuning = tuning_section(args.out_dir, arms, results)
+    section, tuning = tuning_section(args.out_dir, arms, results, config)
     lines += section
     lines += final_loss_lines(arms, seeds, results)
     ran_on = machines(arms, seeds, results)
@@ -140,6 +138,12 @@ def main(argv):
     if side:
         lines += beside_lines(side)
     lines += diverged_lines(diverged)
+    warmup, tuned_steps = (
+        config.get("warmup_iters") or 0,
+        config.get("tune_learning_rates") and config.get("tune_iters"),
+    )
+    spiked = spikes(arms, seeds, logs, warmup, tuned_steps)
+    lines += spike_lines(spiked, warmup, tuned_steps)
     downstream, problems, downstream_notes = load_downstream(args.out_dir, results)
     notes += downstream_notes
     compared = None
@@ -158,6 +162,8 @@ def main(argv):
     lines += step_time_lines(arms, seeds, logs, references[0], results)
     if notes:
         lines += ["Skipped:", "", *(f"- {md(n)}" for n in notes), ""]
+    if args.cell:
+        lines += cell_note(cell, arms, seeds, logs)
     summary = "\n".join(lines)
     for title, name in plots(args.out_dir, arms, comparisons, logs, cell):
         lines += [f"### {md(title)}", "", f"![{md(title)}]({name})", ""]
@@ -178,6 +184,7 @@ def main(argv):
                         for ref, c in comparisons.items()
                     },
                     diverged=diverged,
+                    spikes=spiked,
                     downstream=compared and dict(core=core, arms=compared[references[0]]),
                     tuning=tuning,
                     learning_rates={arm: arm_learning_rates(results, arm) for arm in arms},

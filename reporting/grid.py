@@ -8,7 +8,7 @@ import json
 
 from common import DataError
 from grid_files import described, grid_record, is_seed, read_paired
-from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS
+from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS, POWER
 from reporting.paired import divergence, shorten, verdict_lines
 from reporting.text import cell_table, fmt, interval, md, table_row
 from reporting.tuning import arm_learning_rates
@@ -218,7 +218,9 @@ def opening_lines(arms, references, results, comparisons, config):
             f"at this size). One interval is quoted: the t interval over seeds and text (the seeds' t interval "
             f"where the cells record no per-sequence losses); the two-way bootstrap only from "
             f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds, where it is calibrated (below, it draws from too few seeds "
-            f"and its interval is too narrow):",
+            f"and its interval is too narrow). That interval alone decides the verdict, not the seeds' t-test p in "
+            f"the tables below, which leaves the text's variance out (the two can disagree); 'detects' is the "
+            f"smallest mean delta the quoted interval tells from 0 with power {POWER:g}:",
             "",
             *verdicts,
             "",
@@ -280,18 +282,23 @@ def beside(out_dir, other, comparisons):
     )
 
 
+DATA_KEYS = ("data_dir", "train_data_sha256", "tokenizer")  # what --beside sets apart: the same grid on two corpora
+
+
 def arm_differences(configs, arms):
-    """{arm: ["key (here vs there)", ...]} for the arms whose own settings (each over its grid's) differ between two
-    grids' config.json: one arm name for two methods (Block AttnRes here, Full AttnRes there) compares nothing alike."""
+    """{arm: ["key (here vs there)", ...]} for the arms whose settings (its own over its grid's, but the data) differ
+    between two grids' config.json: one arm name for two methods (Block AttnRes here, Full AttnRes there, by the arm's
+    own attnres_block_size or the grid's) compares nothing alike."""
     differ = {}
     for arm in arms:
         own = [c["arms"].get(arm) if isinstance(c.get("arms"), dict) else None for c in configs]
         if not all(isinstance(o, dict) for o in own):
             differ[arm] = ["not recorded in both grids' config.json"]
             continue
-        values = [{k: o.get(k, c.get(k)) for k in sorted(set(own[0]) | set(own[1]))} for o, c in zip(own, configs)]
-        if keys := [k for k in values[0] if values[0][k] != values[1][k]]:
-            differ[arm] = ["{} ({} vs {})".format(k, *shorten(values[0][k], values[1][k])) for k in keys]
+        skip = (*GRID_ONLY_KEYS, *DATA_KEYS)
+        values = [{k: v for k, v in c.items() if k not in skip} | o for o, c in zip(own, configs)]
+        if keys := [k for k in sorted(set(values[0]) | set(values[1])) if values[0].get(k) != values[1].get(k)]:
+            differ[arm] = ["{} ({} vs {})".format(k, *shorten(values[0].get(k), values[1].get(k))) for k in keys]
     return differ
 
 
@@ -325,11 +332,21 @@ def beside_lines(side):
         f"95% interval over seeds and text (t). {settings}",
         "",
         "| arm | reference | here: mean delta | wins | p | CI, seeds and text | there: mean delta | wins | p | "
-        "CI, seeds and text |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "CI, seeds and text | settings there |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    alike = lambda row: "; ".join(
+        f"{a}: {', '.join(side['arm_differ'][a])}" for a in (row["arm"], row["reference"]) if a in side["arm_differ"]
+    )
     lines += [
-        table_row(row["arm"], md(row["reference"]), *cells(row["here"]), *cells(row["there"])) for row in side["rows"]
+        table_row(
+            row["arm"],
+            md(row["reference"]),
+            *cells(row["here"]),
+            *cells(row["there"]),
+            "cannot be compared" if side["unrecorded"] else f"**other: {md(alike(row))}**" if alike(row) else "alike",
+        )
+        for row in side["rows"]
     ]
     if missing := [f"{row['arm']} against {row['reference']}" for row in side["rows"] if row["there"] is None]:
         lines += ["", f"Not in {md(side['out_dir'])}: {md(', '.join(missing))}."]

@@ -20,7 +20,14 @@ from scipy import stats
 
 from grid_files import ABSENT_MEANS, as_compared, close, is_finite
 from paired_stats import ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER
-from paired_stats import paired_statistics, perplexity_change, power_analysis, text_uncertainty, verdict
+from paired_stats import (
+    interval_detects,
+    paired_statistics,
+    perplexity_change,
+    power_analysis,
+    text_uncertainty,
+    verdict,
+)
 from reporting.text import STATISTICS, fmt, identical_lines, interval, md, per_seed, statistics_cells, table_head
 from reporting.text import table_row, undefined
 
@@ -363,7 +370,7 @@ def verdict_lines(comparisons, references):
     for reference in references:
         for arm, st in comparisons[reference]["paired"].items():
             word, ci, what = verdict(st)
-            detects = st["power"]["detectable_effect"]
+            detects = interval_detects(ci, st["n"])
             lines.append(
                 f"- {md(arm)} against {md(reference)}: **{word}**: "
                 + (
@@ -374,7 +381,7 @@ def verdict_lines(comparisons, references):
                     else f"mean delta {fmt(st['mean'])} nats ({what}), "
                 )
                 + f"{st['wins']}/{st['n']} seeds in favour"
-                + (f"; this grid detects {detects:.4f} nats (power {POWER:g})" if detects else "")
+                + (f"; this interval detects {detects:.4f} nats (power {POWER:g})" if detects else "")
             )
     return lines
 
@@ -403,5 +410,49 @@ def diverged_lines(diverged):
         "| arm | seed | step | reason |",
         "|---|---|---|---|",
         *(table_row(d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])) for d in diverged),
+        "",
+    ]
+
+
+# a rise between two consecutive evaluations after warmup that flags a cell: in the stored leaderboard grids (12 x 64,
+# 600 steps, evaluations every 60) no arm but MUDDFormer rose by more than 0.062 nats (validation 0.019, training
+# loss at the evaluations' steps 0.062: Post-LN, Python docs), and MUDDFormer's spikes were 0.75-1.35
+SPIKE_NATS = 0.1
+
+
+def spikes(arms, seeds, logs, warmup, tuned_steps):
+    """Each rise of more than SPIKE_NATS between two consecutive evaluations after warmup, of a cell's validation
+    loss or of its training loss logged at those steps: arm, seed, the steps, what rose and by how much, and whether
+    past tuned_steps (the tuning's budget, which its choice of rate never saw; None: not tuned)."""
+    found = []
+    for arm, s in itertools.product(arms, seeds):
+        log = [r for r in logs.get((arm, s), []) if is_finite(r.get("step"))]
+        evals = [(r["step"], r["val_loss"]) for r in log if is_finite(r.get("val_loss")) and r["step"] >= warmup]
+        train = {r["step"]: r["loss"] for r in log if is_finite(r.get("loss"))}
+        for (a, va), (b, vb) in zip(evals, evals[1:]):
+            for what, rise in (("validation", vb - va), ("training", train.get(b, math.nan) - train.get(a, math.nan))):
+                if rise > SPIKE_NATS:
+                    past = tuned_steps is not None and b > tuned_steps
+                    found.append(dict(arm=arm, seed=s, steps=[a, b], loss=what, rise=rise, past_tuning=past))
+    return found
+
+
+def spike_lines(found, warmup, tuned_steps):
+    if not found:
+        return []
+    return [
+        f"**Loss spikes**: a rise of more than {SPIKE_NATS:g} nats between two consecutive evaluations after the "
+        f"{warmup} warmup steps, in the validation loss or the training loss logged at those steps (well above the "
+        f"noise: in the stored leaderboard grids no other arm rose by more than 0.062); a spike past the tuning's "
+        f"{tuned_steps} steps is one its choice of rate never saw:"
+        if tuned_steps is not None
+        else f"**Loss spikes**: a rise of more than {SPIKE_NATS:g} nats between two consecutive evaluations after the "
+        f"{warmup} warmup steps, in the validation loss or the training loss logged at those steps:",
+        "",
+        *(
+            f"- {md(d['arm'])}, seed {d['seed']}: {d['loss']} loss {fmt(d['rise'], '+.3f')} nats between steps "
+            f"{d['steps'][0]} and {d['steps'][1]}" + (" (past the tuning's budget)" if d["past_tuning"] else "")
+            for d in found
+        ),
         "",
     ]

@@ -10,7 +10,7 @@ import numpy as np
 
 from common import write_atomic
 from reporting.paired import loss_curves
-from reporting.text import file_stem, plot_text
+from reporting.text import file_stem, md, plot_text
 
 
 def jsd_name(arm):
@@ -147,3 +147,17 @@ def save(fig, out_dir, name, title):
     finally:
         plt.close(fig)
     return title, name
+
+
+def cell_note(cell, arms, seeds, logs):
+    """One line where --cell names a cell whose log records no depth weights (the plot it asks for is not drawn)."""
+    weighed = lambda a, s: any((r.get("routing") or {}).get("weights") for r in logs.get((a, s), []))
+    if weighed(*cell):
+        return []
+    schemes = [a for a in arms if any(weighed(a, s) for s in seeds)]
+    return [
+        f"--cell={md(cell[0])}/seed{cell[1]}: no depth-weight plot: it draws a cell's depth weights (the softmax over "
+        f"earlier sources, per read) at its last evaluation, which only the AttnRes family's schemes log; here "
+        + (f"the arms {', '.join(map(md, schemes))}." if schemes else "no arm of this grid logs them."),
+        "",
+    ]

@@ -126,10 +126,11 @@ SUMMARY_KEYS = (
 )
 
 
-def tuning_section(out_dir, arms, results):
+def tuning_section(out_dir, arms, results, config):
     """report.md's tuning section and paired.json's tuning: the choice and its reasons, its tuning seeds, budget and
     text, the mean and s.d. per arm and rate, the cost of the tuning and of the grid; the problem of an unusable
-    choice.json; or ([], None) for a grid of the frozen protocol."""
+    choice.json, or a missing one of a grid its config.json says was tuned; or ([], None) for a grid of the frozen
+    protocol."""
     record, why = read_tuning(out_dir)
     if why:
         return [
@@ -137,6 +138,17 @@ def tuning_section(out_dir, arms, results):
             "",
             f"{TUNE_DIR}/choice.json: unreadable ({md(why)}); the arms' "
             f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.",
+            "",
+        ], dict(problem=why)
+    if record is None and config.get("tune_learning_rates"):
+        why = f"missing, though config.json records tune_learning_rates {config['tune_learning_rates']}"
+        return [
+            "## Learning-rate tuning",
+            "",
+            f"This grid was tuned (config.json: tune_learning_rates {md(config['tune_learning_rates'])}), but "
+            f"{TUNE_DIR}/choice.json is missing: the arms' rates cannot be traced to the tuning. Rerun the train.py "
+            f"command that made the grid (the same config and flags, its out_dir this folder): it writes the choice "
+            f"again from the tuning cells in {TUNE_DIR}/, trains none that finished, and writes this report again.",
             "",
         ], dict(problem=why)
     if record is None:

@@ -1926,3 +1926,83 @@ def test_importing_the_report_imports_no_torch():
     )
     cli = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 0 and "cost" in parts and "paired" in parts, cli.stderr[-2000:]
+
+
+def test_the_interval_decides_the_verdict_and_what_it_detects(tmp_path, no_matplotlib):
+    """The verdict line's 'detects' is the smallest delta its own interval (over seeds and text) tells from 0, not the
+    seeds-only t-test's; an arm with no paired seed reads 'no paired seed', never 'not detectable'."""
+    out = make_grid(tmp_path, LOSSES)
+    for arm, s in LOSSES:  # per-sequence losses: the text carries variance of its own
+        bumps = [0.05 * ((s + i) % 3) * (arm == "rd") for i in range(4)]
+        edit(out, arm, s, lambda r: r.update(val_sequence_losses=[r["val_loss"] + b - np.mean(bumps) for b in bumps]))
+    paired, text = run(out)
+    st = paired["arms"]["rd"]
+    low, high = st["text"]["ci95_t"]
+    se = (high - low) / 2 / paired_stats.stats.t.ppf(0.975, st["n"] - 1)
+    expected = paired_stats.detectable_effect_in_sd(st["n"]) * np.sqrt(st["n"]) * se
+    assert f"this interval detects {expected:.4f} nats" in text, text
+    assert f"{expected:.4f}" != f"{st['power']['detectable_effect']:.4f}", "the text's variance widens what it detects"
+    assert "That interval alone decides the verdict, not the seeds' t-test p" in text
+    for s in range(4):
+        (out / "rd" / f"seed{s}" / "result.json").unlink()
+    _, text = run(out)
+    assert "- rd against parent: **no paired seed**: 0 paired seeds: no interval" in text, text
+
+
+def test_beside_labels_rows_whose_arm_differs_by_the_grids_setting(tmp_path, no_matplotlib):
+    """Block AttnRes here (the grid's attnres_block_size 4), Full AttnRes there (1): each row of the arm says so."""
+    arms = ("standard", "x")
+    losses = {(arm, s): 3.0 + s / 10 - i / 50 for i, arm in enumerate(arms) for s in range(3)}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    grids = [make_grid(tmp_path / d, losses, arms=arms) for d in "ab"]
+    for out, block in zip(grids, (4, 1)):
+        config = json.loads((out / "config.json").read_text())
+        config.update(attnres_block_size=block, arms=dict(standard={}, x=dict(residual="attnres")))
+        (out / "config.json").write_text(json.dumps(config))
+    run(grids[1])
+    paired, text = run(grids[0], f"--beside={grids[1]}")
+    row = next(line for line in text.splitlines() if line.startswith("| x | standard |"))
+    assert row.split(" | ")[-1].startswith("**other: x: attnres_block_size (4 vs 1)"), row  # a grid setting: both named
+    assert paired["beside"]["arm_differ"]["x"] == ["attnres_block_size (4 vs 1)"]
+
+
+def test_a_tuned_grid_without_its_choice_says_so_and_how_to_write_it(tmp_path, no_matplotlib):
+    out = tuned_grid(tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(config, tune_learning_rates=[1e-3, 3e-3], tune_iters=10)))
+    (out / "tune" / "choice.json").unlink()
+    paired, text = run(out)
+    assert "This grid was tuned (config.json: tune_learning_rates \\[0.001, 0.003\\]), but tune/choice.json is" in text
+    assert "Rerun the train.py command that made the grid" in text and paired["tuning"]["problem"].startswith("missing")
+
+
+def test_a_cell_without_depth_weights_says_what_cell_draws(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    for s in range(4):
+        path = out / "parent" / f"seed{s}" / "log.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "routing"}) + "\n" for r in records))
+    _, text = run(out, "--cell=parent/seed0")
+    assert "--cell=parent/seed0: no depth-weight plot: it draws a cell's depth weights" in text
+    assert "only the AttnRes family's schemes log; here the arms rd." in text
+    _, text = run(out, "--cell=rd/seed0")
+    assert "no depth-weight plot" not in text
+
+
+def test_a_loss_spike_after_warmup_is_flagged_with_arm_seed_and_step(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, {})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(
+        json.dumps(dict(config, warmup_iters=10, tune_learning_rates=[1e-3], tune_iters=15))
+    )
+    for arm, curve in (("parent", {0: 10.8, 1000: 6.0, 2000: 5.0}), ("rd", {0: 10.8, 1000: 5.0, 2000: 5.5})):
+        for s in range(2):
+            write_cell(out, arm, s, curve[2000] + s / 100, curve={t: v + s / 100 for t, v in curve.items()})
+    paired, text = run(out)
+    assert "- rd, seed 0: validation loss +0.500 nats between steps 10 and 20 (past the tuning's budget)" in text
+    assert "- rd, seed 1: training loss +0.500 nats between steps 10 and 20" in text
+    assert "parent, seed" not in text.split("**Loss spikes**")[1], "a falling loss is no spike"
+    assert {(d["arm"], d["seed"], tuple(d["steps"])) for d in paired["spikes"]} == {
+        ("rd", 0, (10, 20)),
+        ("rd", 1, (10, 20)),
+    }
