@@ -645,8 +645,10 @@ MUTANTS = [
     ),
     (
         "model.py",
-        "return alpha * out + beta * x",
-        "return beta * out + alpha * x",
+        "alpha, beta = self.output_weight[k], self.skip_weight[k]\n"
+        "        self.note(f\"laurel_weights/{self.name_of(k)}\", lambda: torch.stack([alpha, beta]).expand(*out.shape[:-1], 2))\n"
+        "        return alpha * out + beta * x",
+        "alpha, beta = self.output_weight[k], self.skip_weight[k]\n        return beta * out + alpha * x",
         "tests/test_zoo.py",
         "laurel_rw: the output and skip weights swapped",
     ),
@@ -673,8 +675,8 @@ MUTANTS = [
     ),
     (
         "model.py",
-        "return state._replace(r=state.r + out)",
-        "return state._replace(r=state.q + out)",
+        "return state._replace(r=state.r + out)\n        layer = layer_of(k)\n        outputs = state.outputs",
+        "return state._replace(r=state.q + out)\n        layer = layer_of(k)\n        outputs = state.outputs",
         "tests/test_zoo.py",
         "muddformer: the attention's output joins the query input, not the residual one",
     ),
@@ -687,16 +689,16 @@ MUTANTS = [
         "a lock of this process's own pid (a container restart) held forever: the worker leaves the cell to itself",
     ),
     (
-        "cells.py",
+        "grid_files.py",
         "for name in (\"result.json\", \"downstream.json\")]",
         "for name in (\"result.json\",)]",
         "tests/test_train.py",
         "a downstream.json newer than the report leaves the report up to date",
     ),
     (
-        "cells.py",
-        "inputs.append(os.path.join(cfg[\"out_dir\"], tune.TUNE_DIR, \"choice.json\"))",
-        "pass",
+        "grid_files.py",
+        "[os.path.join(out_dir, \"config.json\"), choice_path(out_dir)]",
+        "[os.path.join(out_dir, \"config.json\")]",
         "tests/test_train.py",
         "the report kept up to date after the tuning chose again",
     ),
@@ -858,6 +860,49 @@ MUTANTS = [
         "if True:",
         "tests/test_tune.py",
         "an unchanged choice.json rewritten: its newer file makes every rerun write the report again",
+    ),
+    # the paper recipes and the routing rate (issue #65)
+    (
+        "model.py",
+        "r = x + self.norm(r, self.post_norm[layer])",
+        "r = self.norm(r, self.post_norm[layer])",
+        "tests/test_zoo.py",
+        "muddformer_paper: the residual way loses the layer's output (PostDANorm replaces instead of adds)",
+    ),
+    (
+        "model.py",
+        "return self.sinkhorn_rows_first(logits + self.bias_res[k]).transpose(-1, -2), post",
+        "return self.sinkhorn_rows_first(logits + self.bias_res[k]), post",
+        "tests/test_zoo.py",
+        "mhc_paper: res[j, i] read as stream i into stream j",
+    ),
+    (
+        "model.py",
+        "/ math.sqrt(self.RANK * d)",
+        "/ math.sqrt(d)",
+        "tests/test_zoo.py",
+        "laurel_lr_paper: A at 1/sqrt(d), r times the paper's init",
+    ),
+    (
+        "tune.py",
+        "learning_rate=rate * scale,",
+        "learning_rate=scale,",
+        "tests/test_tune.py",
+        "routing scales ordered and recorded by scale, not by the routing rate",
+    ),
+    (
+        "tune.py",
+        'seeds=recorded["seeds"] + [s for s in record["seeds"] if s not in recorded["seeds"]],',
+        'seeds=record["seeds"],',
+        "tests/test_tune.py",
+        "a rerun of fewer compared seeds shrinks choice.json's seeds",
+    ),
+    (
+        "tune.py",
+        "| ({\"routing_lr_scale\": routing[arm]} if routing.get(arm, 1) != 1 else {})",
+        "",
+        "tests/test_tune.py",
+        "the chosen routing scale never reaches the paired grid's arm",
     ),
 ]
 
