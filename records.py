@@ -25,8 +25,8 @@ from common import ConfigError, cannot_write, temporary_name, write_json
 from configurator import coerce
 from data.shards import TOKENIZERS
 
-# a cell's files are read in grid_files.py; train.py, cells.py, launch.py, progress.py and analyze.py still
-# call these records.<name> (describe_done for cells.py only) until they read through grid_files
+# a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py still call these
+# records.<name> (describe_done for cells.py only) until they read through grid_files
 from grid_files import (
     RESULT_REMEDY,
     as_compared,
