@@ -134,8 +134,9 @@ def pairing_settings(cell, arm_settings):
 
 
 def typed_arms(cfg):
-    """cfg's arms with each setting typed as --key=value types it (dropout=0 is 0.0), and one line for an arm
-    name or settings that cannot be: {arm: settings}."""
+    """cfg's arms with each setting typed as --key=value types it (dropout=0 is 0.0), an arm named after a scheme
+    given its residual (as SCHEME_ARMS gives it to --arms=NAME), and one line for an arm name or settings that
+    cannot be: {arm: settings}."""
     arms = {}
     for arm, settings in cfg["arms"].items():
         if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm.endswith(OUT_DIR_SUFFIXES):
@@ -153,7 +154,16 @@ def typed_arms(cfg):
                 f"arm {arm!r}: settings must be a dict of model keys ({', '.join(MODEL_KEYS)}) or "
                 f"learning rates ({', '.join(ARM_LEARNING_RATES)})"
             )
-        arms[arm] = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS.get(k, cfg.get(k))) for k, v in settings.items()}
+        typed = {k: coerce(f"arm {arm!r}: {k}", v, MODEL_DEFAULTS.get(k, cfg.get(k))) for k, v in settings.items()}
+        if arm in RESIDUALS:  # an arm named after a scheme trains it, as --arms=NAME does (not the run's residual)
+            if typed.get("residual", arm) != arm:
+                free = typed["residual"] if typed["residual"] not in cfg["arms"] else f"{typed['residual']}-{arm}"
+                raise ConfigError(
+                    f"arm {arm!r} sets residual={typed['residual']!r}, but an arm named after a scheme trains that "
+                    f"scheme (as --arms={arm} does); rename the arm, e.g. to {free!r}"
+                )
+            typed = typed if "residual" in typed else {"residual": arm} | typed
+        arms[arm] = typed
     return arms
 
 
@@ -660,7 +670,8 @@ def check_rerun(path, old, new, allow):
             else ""
         )
         hint = (
-            " (eval_layout: give --eval_layout=first for a grid made before that setting)"
+            f" (eval_layout: give --eval_layout={diff['eval_layout'][0]}, as recorded"
+            + (", the layout of every grid made before that setting)" if diff["eval_layout"][0] == "first" else ")")
             if "eval_layout" in diff
             else ""
         )
@@ -860,7 +871,8 @@ class ValidationText:
     """The sequences of T + 1 tokens a grid evaluates, cut from the validation shard. part 'test': the reported ones;
     'tune': the tuned protocol's, which never share a token with them. 'spread': the shard cut into slots of T + 1
     tokens, 2 n of them picked at even spacing (n = (eval_tokens - 1) // T), the even picks reported and the odd
-    ones tuning, so both sets cover the whole shard. 'first': the first eval_tokens tokens as n sequences that share
+    ones tuning, so both sets cover the whole shard (where 2 n do not fit but n do, a frozen grid's: n at even
+    spacing, and no tuning ones). 'first': the first eval_tokens tokens as n sequences that share
     their boundary tokens (tuning: the eval_tokens after them). The layout is a recorded setting and val_hash pins
     the tokens, so cells of two layouts never pair."""
 
@@ -880,14 +892,24 @@ class ValidationText:
                 )
             return first + T * np.arange(n)
         slots = len(self.shard) // (T + 1)
-        if 2 * n > slots:
+        if 2 * n <= slots:
+            picks = (np.arange(2 * n) * 2 + 1) * slots // (4 * n)  # the middle of each of 2 n equal stretches
+            return picks[self.part == "tune" :: 2] * (T + 1)
+        if self.part == "tune":
             raise ConfigError(
                 f"eval_layout='spread' reads 2 x {n:,} sequences of {T + 1} tokens (the reported ones and the tuning "
                 f"ones between them) but the validation shard holds {slots:,} ({len(self.shard):,} tokens); set "
                 f"--eval_tokens={slots // 2 * T + 1} or less, or give a longer validation shard"
             )
-        picks = (np.arange(2 * n) * 2 + 1) * slots // (4 * n)  # the middle of each of 2 n equal stretches
-        return picks[self.part == "tune" :: 2] * (T + 1)
+        if n > slots:
+            raise ConfigError(
+                f"eval_layout='spread' reads {n:,} sequences of {T + 1} tokens but the validation shard holds "
+                f"{slots:,} ({len(self.shard):,} tokens); set --eval_tokens={slots * T + 1} or less, or give a "
+                f"longer validation shard"
+            )
+        # no room for tuning sequences between them, so no tuned grid reads this text (its tuning part is refused
+        # above): a frozen grid's n sequences, one in the middle of each of n equal stretches
+        return (np.arange(n) * 2 + 1) * slots // (2 * n) * (T + 1)
 
     def rows(self, eval_tokens, T, layout):
         """The sequences, an (n, T + 1) array (one per setting: callers only read it)."""

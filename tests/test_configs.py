@@ -120,3 +120,14 @@ def test_fsdp_with_activation_checkpointing_equals_ddp(shards, tmp_path_factory,
         np.testing.assert_allclose(
             logged(fsdp, arm, key="val_loss"), logged(ddp, arm, key="val_loss"), rtol=1e-6, err_msg=arm
         )
+
+
+def test_every_configs_arms_are_recorded_as_written():
+    """Each config names its arms after the schemes they train (arms = {name: {"residual": name}}): the arms
+    train.py records are the file's, to the byte, so a grid made from it compares equal on a rerun."""
+    import records
+    from configurator import configure
+
+    for path in CONFIGS:
+        given = configure(train.DEFAULTS, [os.path.join(ROOT, path)], entries=dict(arms=train.SCHEME_ARMS))
+        assert json.dumps(records.typed_arms(given)) == json.dumps(settings_of(path)["arms"]), path

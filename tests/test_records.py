@@ -24,7 +24,7 @@ import records
 import train
 from common import ConfigError
 from configurator import configure
-from helpers import README_SCHEME, log_records, result, tiny
+from helpers import README_SCHEME, ROOT, log_records, result, tiny
 from model import GPT, RESIDUALS, GPTConfig
 
 DEFAULTS = dict(train.DEFAULTS, vocab_size=320)  # as train.main resolves it from the bundled corpus' bytes
@@ -921,3 +921,90 @@ def test_definitions_that_compute_nothing_lock_no_grid_and_the_rest_do():
         edited = dict(now, definitions=dict(now["definitions"], **{name: "0" * 16}))
         assert bool(records.code_changes(now, edited, {"standard"})) == locks, f"editing {name} locks: {not locks}"
         assert (records.code_fingerprints(now, "standard") != records.code_fingerprints(edited, "standard")) == locks
+
+
+# --- bad input of issue #66: arms named after schemes, the eval_layout hint, a frozen grid's validation text -------
+
+
+def test_an_arm_named_after_a_scheme_trains_that_scheme_in_a_config_file_too(tmp_path):
+    (tmp_path / "c.json").write_text('{"arms": {"standard": {}, "mhar": {}, "wide": {"n_embd": 64}}}')
+    given = configure(DEFAULTS, [str(tmp_path / "c.json")], entries=dict(arms=train.SCHEME_ARMS))
+    records.check_config(given, 1)
+    arms = records.typed_arms(given)  # what train.build_config records
+    assert arms == {"standard": {"residual": "standard"}, "mhar": {"residual": "mhar"}, "wide": {"n_embd": 64}}
+    assert arms["mhar"] == checked(["--arms=standard,mhar"])["arms"]["mhar"]  # as --arms=mhar
+    cells = {arm: records.cell_config(dict(given, arms=arms), arm, 0) for arm in arms}
+    assert (cells["standard"]["residual"], cells["mhar"]["residual"], cells["wide"]["residual"]) == (
+        "standard",
+        "mhar",
+        "standard",
+    )
+    # the run's residual reaches only the arms not named after a scheme: the baseline stays the baseline
+    given = configure(DEFAULTS, [str(tmp_path / "c.json"), "--residual=attnres"], entries=dict(arms=train.SCHEME_ARMS))
+    arms = records.typed_arms(given)
+    assert [records.model_config(given, arms[a]).residual for a in arms] == ["standard", "mhar", "attnres"]
+    # an arm named after one scheme that sets another: one line, from a config file or --arms
+    (tmp_path / "c.yaml").write_text("arms:\n  standard: {residual: attnres}\n  attnres: {}\n")
+    for argv, free in (
+        ([str(tmp_path / "c.yaml")], "attnres-standard"),
+        (["--arms={'standard': {'residual': 'attnres'}}"], "attnres"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            checked(argv)
+        assert str(e.value) == (
+            f"arm 'standard' sets residual='attnres', but an arm named after a scheme trains that scheme (as "
+            f"--arms=standard does); rename the arm, e.g. to '{free}'"
+        )
+
+
+@pytest.mark.skipif(
+    not os.path.isfile(os.path.join(ROOT, "results", "leaderboard_pydoc", "grids.tar.xz")), reason="no stored grids"
+)
+def test_the_stored_grids_arms_are_typed_to_the_bytes_they_recorded():
+    import tarfile
+
+    seen = 0
+    for name in ("leaderboard_pydoc", "leaderboard_shakespeare"):
+        with tarfile.open(os.path.join(ROOT, "results", name, "grids.tar.xz")) as archive:
+            for member in archive:
+                if member.name.endswith("config.json") and member.name.count("/") <= 2:  # a grid's, a tuning's
+                    recorded = json.load(archive.extractfile(member))
+                    assert json.dumps(records.typed_arms(recorded)) == json.dumps(recorded["arms"]), member.name
+                    seen += 1
+    assert seen >= 4
+
+
+def test_the_eval_layout_hint_names_the_recorded_layout(tmp_path):
+    cfg = dict(DEFAULTS, out_dir=str(tmp_path), arms={"standard": {}}, seeds=[0])
+    before = {k: v for k, v in cfg.items() if k != "eval_layout"}  # a grid made before the setting
+    for recorded, now, hint in (
+        (dict(cfg, eval_layout="spread"), "first", "(eval_layout: give --eval_layout=spread, as recorded)"),
+        (before, "spread", "(eval_layout: give --eval_layout=first, as recorded, the layout of every grid made"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            records.check_rerun("config.json", recorded, dict(cfg, eval_layout=now), False)
+        assert hint in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_frozen_grid_needs_no_room_for_tuning_sequences(shards, tmp_path, monkeypatch):
+    val, T = (np.arange(3000) % 251).astype(np.uint16), 16  # 176 slots of 17 tokens
+    test, tune = records.ValidationText(val, "bytes"), records.ValidationText(val, "bytes", part="tune")
+    starts = test.starts(1600, T, "spread")  # 99 sequences: 2 x 99 do not fit, 99 do
+    assert len(set(starts)) == 99 and np.all(starts % (T + 1) == 0) and starts[-1] + T + 1 <= len(val)
+    assert np.all(np.abs(starts // (T + 1) - (np.arange(99) + 0.5) * 176 / 99) < 1)  # one in each of 99 stretches
+    with pytest.raises(ConfigError, match=r"reads 2 x 99 sequences of 17 tokens \(the reported ones and the tuning"):
+        tune.starts(1600, T, "spread")  # a tuned grid's tuning text has no room
+    with pytest.raises(ConfigError) as e:
+        test.starts(2833, T, "spread")
+    assert str(e.value) == (
+        "eval_layout='spread' reads 177 sequences of 17 tokens but the validation shard holds 176 (3,000 tokens); "
+        "set --eval_tokens=2817 or less, or give a longer validation shard"
+    )
+    test.starts(2817, T, "spread")
+    # where both halves fit, the reported sequences are where every grid so far read them: the even ones of 2 n
+    np.testing.assert_array_equal(test.starts(1409, T, "spread"), (np.arange(0, 176, 2) * 2 + 1) * 176 // 352 * 17)
+    import report
+
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    train.main(tiny(shards, tmp_path / "o", "--arms=standard", "--seeds=0", "--max_iters=1", "--eval_tokens=1600"))
+    assert result(tmp_path / "o", "standard")["status"] == "finished"

@@ -85,8 +85,8 @@ def test_described_counts_the_documents_and_bytes_read():
 def test_a_shard_too_short_for_both_sets_is_one_line():
     val = documents([1000])
     with pytest.raises(ConfigError, match=r"set --eval_tokens=465 or less, or give a longer validation shard$"):
-        records.ValidationText(val, "bytes").starts(1000, 16, "spread")  # 58 slots of 17: 29 sequences each
-    records.ValidationText(val, "bytes").starts(465, 16, "spread")
+        records.ValidationText(val, "bytes", part="tune").starts(1000, 16, "spread")  # 58 slots of 17: 29 each
+    records.ValidationText(val, "bytes", part="tune").starts(465, 16, "spread")  # a frozen grid: tests/test_records.py
 
 
 def test_a_grid_recorded_before_eval_layout_reads_as_first_and_refuses_spread(tmp_path):
