@@ -885,8 +885,8 @@ MUTANTS = [
     ),
     (
         "tune.py",
-        "learning_rate=rate * scale,",
-        "learning_rate=scale,",
+        "learning_rate=rate * scale",
+        "learning_rate=scale",
         "tests/test_tune.py",
         "routing scales ordered and recorded by scale, not by the routing rate",
     ),
