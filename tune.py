@@ -174,7 +174,10 @@ def tuning_text(cfg, val):
             f"(eval_tokens), but the validation shard holds {len(val.shard):,}, fewer than {2 * n:,}; set "
             f"--eval_tokens={len(val.shard) // 2} or less, or give a longer validation shard"
         )
-    return records.ValidationText(val.shard, val.tokenizer, part="tune")
+    text = records.ValidationText(val.shard, val.tokenizer, part="tune")
+    for settings in cfg["arms"].values():  # a shard too short for the tuning sequences: one line, before any cell
+        text.starts(n, records.model_config(cfg, settings).block_size, cfg["eval_layout"])
+    return text
 
 
 def tuning_record(cfg):

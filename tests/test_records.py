@@ -326,6 +326,10 @@ def test_every_float_setting_is_bounded_at_float32_the_same_way():
             "drop it from the arm",
         ),
         (
+            ["--tune_routing_lr_scales=0.1,1"],
+            "--tune_routing_lr_scales=[0.1, 1] changes nothing: it applies to the tuned protocol",
+        ),
+        (
             ["--arms={'a': {'residual': 'standard', 'routing_lr_scale': 3.0}, 'b': {'residual': 'attnres'}}"],
             "arm 'a': routing_lr_scale=3.0 changes nothing: residual='standard' has no routing parameters for it to scale",  # noqa: E501
         ),
@@ -342,6 +346,7 @@ def test_a_setting_is_accepted_where_it_changes_something():
     checked(["--optimizer=muon", "--muon_learning_rate=0.05", "--arms={'a': {'muon_learning_rate': 0.01}, 'b': {}}"])
     checked(["--lr_schedule=wsd", "--cooldown_frac=0.5"])
     checked(["--tune_learning_rates=1e-3,3e-3", "--tune_seeds=5", "--tune_iters=4"])
+    checked(["--tune_learning_rates=1e-3,3e-3", "--tune_routing_lr_scales=0.1,1"])
     checked(["--arms=standard,attnres", "--routing_lr_scale=2"])  # the attnres arm's routing steps at 2x
     # an arm's unused setting at the run's value changes nothing in its record either: accepted, as GPTConfig does
     checked(["--arms={'a': {'residual': 'standard', 'routing_lr_scale': 1.0, 'muon_learning_rate': 0.02}}"])

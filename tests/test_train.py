@@ -1074,7 +1074,7 @@ RERUN_OTHERWISE = dict(
         "needs n_experts > 1: GPTConfig refuses it alone",
     ),
     **dict.fromkeys(
-        ("muon_learning_rate", "cooldown_frac", "tune_seeds", "tune_iters"),
+        ("muon_learning_rate", "cooldown_frac", "tune_seeds", "tune_iters", "tune_routing_lr_scales"),
         "unused alone (AdamW, cosine, no tuning): refused where given (test_records.py: "
         "test_a_setting_that_changes_nothing_is_refused_where_it_is_given)",
     ),

@@ -687,4 +687,5 @@ def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_it
     ):  # a frozen grid reads its 99 alone (tests/test_records.py)
         tuned = ["--tune_learning_rates=1e-3", "--tune_seeds=1000,1001", "--tune_iters=4"]
         train.main(tiny(shards, str(tmp_path / "o2"), "--arms=standard", *tuned, "--eval_tokens=1600"))
+    assert not os.path.exists(tmp_path / "o2" / "tune")  # refused before any tuning cell
     assert not [p for p in glob.glob(str(tmp_path / "o2" / "**"), recursive=True) if os.path.isfile(p)]  # no file
