@@ -904,6 +904,28 @@ MUTANTS = [
         "tests/test_tune.py",
         "the chosen routing scale never reaches the paired grid's arm",
     ),
+    # bad input round seven (issue #66)
+    (
+        "records.py",
+        'typed = typed if "residual" in typed else {"residual": arm} | typed',
+        "typed = typed",
+        "tests/test_records.py",
+        "an arm named after a scheme in a config's arm dict trains the run's residual (standard)",
+    ),
+    (
+        "launch.py",
+        "own[key] = [*own[key], text]",
+        'own[key] = [*own[key], *text.split(",")]',
+        "tests/test_cluster.py",
+        "a --setup line (or --sbatch value) split at its commas",
+    ),
+    (
+        "progress.py",
+        "timed, self.untimed = steps - self.untimed, 0",
+        "timed, self.untimed = steps, 0",
+        "tests/test_progress.py",
+        "a resumed interval's step time divides this process's time by steps an earlier process trained",
+    ),
 ]
 
 
