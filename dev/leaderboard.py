@@ -13,28 +13,51 @@ ratios); and its gain at equal wall time:
 per seed, the scheme's final loss minus the loss `standard` reaches in ratio x max_iters steps, read off
 `standard`'s final losses of that seed at max_iters and the longer budgets (linear in log steps). Where ratio x
 max_iters is beyond the longest budget the longest is used and the cell says so (the gain at equal time is then
-no better than shown). Given two or more grids, each row also says whether its verdict against each baseline holds
-on every corpus: the same *ahead* or *behind* on all of them.
+no better than shown). An arm with no finished cell (diverged on every seed) has a row that says so. Given two or
+more grids, each row also says whether its verdict against each baseline holds on every corpus: the same *ahead*
+or *behind* on all of them.
 
 Under each table, whether the grid measures training rather than plateau escape: `standard`'s validation loss per
 seed at the evaluations nearest 10%, 20%, 30%, 50% and 100% of the budget, the seeds' spread there, and the Spearman
 correlation of their ranking there with their final one (a seed that escapes the plateau late shows as a late
 spread that does not shrink, and a ranking set only at the end).
+
+Rank a scheme of model.RESIDUALS among a stored grid's rows, training only what it must:
+
+$ python dev/leaderboard.py --add=myscheme out/leaderboard_shakespeare [--dry_run] [--seeds=0,1 ...]
+
+in GRID's neighbour rank_<scheme>_<GRID's name> (the stored grid is never written). Where this code computes
+`standard`, `scaled_residual` and the scheme as the grid's recorded code did (records.code_changes) and this machine
+is the one its baselines' cells recorded: a copy of the grid without checkpoints, to which train.py adds the
+scheme's arm under the grid's recorded config (its tuning cells, then its seeds), paired with the stored baselines.
+Otherwise (said in one line): a grid of both baselines and the scheme afresh under the grid's settings, tuning
+included, so that its deltas and step-time ratio are of one machine and one code. train.py's main runs in one
+worker per core, two at most, sharing the grid; other --key=value go to it (a tiny test: --max_iters=8, which makes
+the grid a fresh one). --dry_run says what it would run and how long it takes at the stored cells' speeds. Then it
+prints the scheme's row among the stored rows, ordered by the mean delta against `standard`.
 """
 
 import json
 import math
+import multiprocessing
 import os
 import re
+import shlex
+import shutil
 import sys
+import types
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from grid_files import read_log  # noqa: E402
+from common import Parser, UserError, run  # noqa: E402
+from configurator import parse_literal  # noqa: E402
+from grid_files import duration, read_log  # noqa: E402
 from paired_stats import paired_statistics, verdict  # noqa: E402
 from report import machine_of, step_time  # noqa: E402
+from reporting.cost import machine_name  # noqa: E402
 
 BASELINES = ("standard", "scaled_residual")
 
@@ -49,20 +72,37 @@ def ms_per_step(cell):
     return step_time(read_log(os.path.join(cell, "log.jsonl"))[0])
 
 
+def results(grid, arm):
+    """{seed: result.json} of an arm's cells that have one."""
+    folder = os.path.join(grid, arm)
+    return {
+        int(name[4:]): read(path)
+        for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+        if re.fullmatch(r"seed\d+", name) and os.path.exists(path := os.path.join(folder, name, "result.json"))
+    }
+
+
 def final_losses(grid, arm, machines=None):
-    """{seed: final val_loss} of an arm's finished cells, and the budget (max_iters) they trained; machines, a
-    dict given, gets each cell's recorded machine by seed."""
+    """{seed: final val_loss} of an arm's finished cells, and the budget (max_iters) they trained (None where none
+    finished); machines, a dict given, gets each cell's recorded machine by seed."""
     losses, steps = {}, set()
-    for name in os.listdir(os.path.join(grid, arm)):
-        path = os.path.join(grid, arm, name, "result.json")
-        if name.startswith("seed") and os.path.exists(path) and (r := read(path))["status"] == "finished":
-            losses[int(name[4:])] = r["val_loss"]
+    for seed, r in results(grid, arm).items():
+        if r["status"] == "finished":
+            losses[seed] = r["val_loss"]
             steps.add(r["steps"])
             if machines is not None:
-                machines[int(name[4:])] = machine_of(r)
-    if len(steps) != 1:
+                machines[seed] = machine_of(r)
+    if len(steps) > 1:
         sys.exit(f"error: {grid}/{arm}: cells of {sorted(steps)} steps; one budget per grid")
-    return losses, steps.pop()
+    return losses, next(iter(steps), None)
+
+
+def unfinished(grid, arm, seeds):
+    """What an arm without a finished cell has instead: how many of its seeds diverged, how many have no result."""
+    diverged = sum(r["status"] == "diverged" for r in results(grid, arm).values())
+    if diverged == len(seeds):
+        return f"diverged on every seed ({diverged}/{len(seeds)})"
+    return f"no finished cell ({diverged} of {len(seeds)} seeds diverged, the others have no result)"
 
 
 def at_steps(points, n):
@@ -94,15 +134,46 @@ def longer_grids(grid):
     return [os.path.join(parent, f) for f in sorted(found, key=lambda f: int(f.rsplit("standard", 1)[1]))]
 
 
-def rows(grid):
-    """{arm: (cell vs each baseline, verdict vs each baseline, step-time ratio, gain at equal wall time)}."""
-    paired = read(os.path.join(grid, "paired.json"))
-    arms = list(read(os.path.join(grid, "config.json"))["arms"])
+def check_grid(grid):
+    """One line, and exit, for a folder the table cannot be read from: not there (where results/ stores it, the
+    commands that extract it), no config.json or paired.json, no arm `standard` to pair the rows with."""
+    name = os.path.basename(os.path.normpath(grid))
+    archive = os.path.relpath(os.path.join(ROOT, "results", name, "grids.tar.xz"))
+    if not os.path.isdir(grid):
+        parent = os.path.dirname(os.path.normpath(grid)) or "."
+        sys.exit(
+            f"error: {grid} does not exist; "
+            + (
+                f"results/ stores it: mkdir -p {parent} && tar xJf {archive} -C {parent}"
+                if os.path.exists(archive)
+                else "give a grid folder that train.py wrote"
+            )
+        )
+    for file, remedy in (("config.json", "not a grid train.py wrote"), ("paired.json", f"python report.py {grid}")):
+        if not os.path.exists(os.path.join(grid, file)):
+            sys.exit(f"error: {grid} has no {file}: {remedy}")
+    if "standard" not in (arms := read(os.path.join(grid, "config.json"))["arms"]):
+        sys.exit(
+            f"error: {grid} has no arm `standard` (its arms: {', '.join(arms)}), which every row is paired with; add "
+            f"it: train.py with the grid's config and --out_dir={grid} --arms=standard (a grid accepts added arms)"
+        )
+
+
+def rows(grid, longer=None):
+    """{arm: (cell vs each baseline, verdict vs each baseline, step-time ratio, gain at equal wall time, mean delta
+    vs `standard`)}; longer: the grids of `standard` at longer budgets (default: those beside grid)."""
+    config, paired = read(os.path.join(grid, "config.json")), read(os.path.join(grid, "paired.json"))
+    arms = list(config["arms"])
     machines = {arm: {} for arm in arms}
     loss = {arm: final_losses(grid, arm, machines[arm])[0] for arm in arms}
     max_iters = final_losses(grid, "standard")[1]
+    if max_iters is None:
+        sys.exit(
+            f"error: {grid}/standard: {unfinished(grid, 'standard', config['seeds'])}, and every row is paired with "
+            f"it: train its cells (train.py with the grid's config and --out_dir={grid}) before the table"
+        )
     budgets = {max_iters: loss["standard"]}
-    for g in longer_grids(grid):
+    for g in longer_grids(grid) if longer is None else longer:
         losses, steps = final_losses(g, "standard")
         budgets[steps] = losses
     seeds = sorted(set.intersection(*(set(b) for b in budgets.values())))
@@ -116,6 +187,10 @@ def rows(grid):
     }
     out = {}
     for arm in arms:
+        if not loss[arm]:
+            why = f"**{unfinished(grid, arm, config['seeds'])}**"
+            out[arm] = ([why, why], [None, None], None, "-", None)
+            continue
         stats = [paired["by_reference"].get(ref, {}).get("arms", {}).get(arm) for ref in BASELINES]
         ratios = {s: speed[arm][s] / speed["standard"][s] for s in speed[arm]}
         gains, beyond = [], False
@@ -137,6 +212,7 @@ def rows(grid):
             [verdict(x)[0] if x else None for x in stats],
             float(np.mean(list(ratios.values()))) if ratios else None,  # None: no seed whose two cells share a host
             equal,
+            0.0 if arm == "standard" else stats[0]["mean"] if stats[0] else None,
         )
     return out
 
@@ -199,7 +275,18 @@ def setting(config):
     }
 
 
+HEADER = "| scheme | vs `standard`: mean [95% CI], seeds in favour, p, detectable | vs `scaled_residual` | "
+COST_HEADER = "step time / `standard` | gain at equal wall time vs `standard`: mean [95% CI t], seeds in favour |"
+
+
+def row_line(name, row, across=""):
+    against, _, ratio, equal, _ = row
+    return f"| {name} | {against[0]} | {against[1]} |{across} {'-' if ratio is None else f'{ratio:.2f}'} | {equal} |"
+
+
 def main(*grids):
+    for g in grids:
+        check_grid(g)
     configs = [setting(read(os.path.join(g, "config.json"))) for g in grids]
     if differ := sorted(
         {k for c in configs[1:] for k in (c.keys() | configs[0].keys()) - PER_CORPUS if c.get(k) != configs[0].get(k)}
@@ -216,25 +303,278 @@ def main(*grids):
         cfg = read(os.path.join(grid, "config.json"))
         longer = ", ".join(os.path.relpath(g) for g in longer_grids(grid)) or "no longer grid"
         print(f"\n{grid} ({cfg['data_dir']}; equal time from {longer})\n")
-        print(
-            "| scheme | vs `standard`: mean [95% CI], seeds in favour, p, detectable | vs `scaled_residual` | "
-            + (f"{across} | " if len(grids) > 1 else "")
-            + "step time / `standard` | gain at equal wall time vs `standard`: mean [95% CI t], seeds in favour |"
-        )
+        print(HEADER + (f"{across} | " if len(grids) > 1 else "") + COST_HEADER)
         print("|---|---|---|" + ("---|" if len(grids) > 1 else "") + "---|---|")
-        for arm, (against, _, ratio, equal) in table.items():
+        for arm, row in table.items():
             both = ""
             if len(grids) > 1:
                 per = [[t[arm][1][i] if arm in t else None for t in tables.values()] for i in range(len(BASELINES))]
                 both = f" {holds(per[0])}; {holds(per[1])} |"
-            cost = "-" if ratio is None else f"{ratio:.2f}"
-            print(f"| `{arm}` | {against[0]} | {against[1]} |{both} {cost} | {equal} |")
+            print(row_line(f"`{arm}`", row, both))
         if lines := plateau(grid):
             print(f"\n`standard`'s seeds through the budget ({grid}):\n")
             print("\n".join(lines))
 
 
+# -----------------------------------------------------------------------------
+# --add: rank a scheme among a stored grid's rows
+
+
+def flag(key, value):
+    """--key=value as train.py's configurator reads it back: a string as itself where it reads as that string."""
+    text = value if isinstance(value, str) and parse_literal(value) == value else repr(value).replace(", ", ",")
+    return f"--{key}={text}"
+
+
+def this_machine(device):
+    """The machine record a cell trained here on device would have (machine.machine_record); None where this
+    machine has no such device."""
+    import torch
+    from machine import machine_record
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return None
+    return machine_record(types.SimpleNamespace(device=device))
+
+
+def machines_of(grid, arms):
+    """The machines these arms' cells of a grid recorded, each once (None: a cell of a version that recorded none)."""
+    found = [machine_of(r) for arm in arms for r in results(grid, arm).values()]
+    return list({json.dumps(m, sort_keys=True): m for m in found}.values())
+
+
+def names(machines):
+    return " and ".join(machine_name(m) if m else "a machine not recorded" for m in machines) or "no machine"
+
+
+def code_of(grid):
+    code = read(os.path.join(grid, "config.json")).get("code") or {}
+    edits = " plus edits" if code.get("git_dirty") else ""
+    return f"code {(code.get('git_commit') or 'of no git commit')[:12]}{edits}"
+
+
+def plan(scheme, grid, passed):
+    """What ranking scheme against grid trains: (why the stored baselines cannot be reused, [] where they can; the
+    rank grid's folder; train.py's arguments; the rank grid's config). The arguments are the grid's recorded
+    config where it differs from train.py's defaults, the rank grid's folder and arms, then passed."""
+    import records
+    import train
+    from configurator import configure
+
+    recorded = read(os.path.join(grid, "config.json"))
+    settings = {k: recorded[k] for k in train.DEFAULTS if k in recorded and k not in ("arms", "out_dir")}
+    if not os.path.isdir(settings["data_dir"]):  # recorded absolute: a clone elsewhere has the corpus in its data/
+        settings["data_dir"] = os.path.join("data", os.path.basename(os.path.normpath(settings["data_dir"])))
+    base = train.DEFAULTS | settings
+    given = configure(base, passed)
+    why = []
+    if changes := records.described_changes(recorded.get("code"), records.code_record(), {*BASELINES, scheme}):
+        why.append(f"this code computes otherwise than {grid}'s ({changes})")
+    here, there = this_machine(recorded["device"]), machines_of(grid, BASELINES)
+    if there != [here]:
+        why.append(f"this machine ({names([here])}) is not the one its baselines recorded ({names(there)})")
+    if changed := [k for k in given if given[k] != base[k] and k not in records.NOT_RESULT_KEYS]:
+        why.append(f"{', '.join(changed)} differ from {grid}'s")
+    parent, name = os.path.split(os.path.normpath(grid))
+    rank_dir = os.path.join(parent, f"rank_{scheme}_{name}")
+    arms = [*BASELINES, scheme] if why else [scheme]
+    argv = [flag(k, v) for k, v in settings.items() if v != train.DEFAULTS[k]]
+    argv += [f"--out_dir={rank_dir}", f"--arms={','.join(arms)}", *passed]
+    return why, rank_dir, argv, dict(given, out_dir=rank_dir, arms={a: {"residual": a} for a in arms})
+
+
+def is_copy(rank_dir, grid):
+    """Whether a rank grid is a copy of the stored grid: its `standard` cells are the stored ones, byte for byte."""
+    copied = results(rank_dir, "standard")
+    return bool(copied) and copied == results(grid, "standard")
+
+
+def copy_grid(grid, rank_dir):
+    """The stored grid less its checkpoints, locks and report (the rank grid writes its own when it is done), at
+    rank_dir through a temporary name: an interrupted copy is never taken for a grid."""
+    tmp = rank_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted copy's
+    skip = shutil.ignore_patterns("ckpt.pt", "lock", "*.lock", "*.tmp", "report.md", "paired.json", "*.png")
+    shutil.copytree(grid, tmp, ignore=skip)
+    os.rename(tmp, rank_dir)
+
+
+def estimate(grid, cfg, workers, scheme):
+    """The cells the rank grid trains and their time at the stored cells' speeds: each arm's mean training ms/step
+    and seconds per evaluation over its stored cells' log.jsonl; the new scheme's, unknown, at `standard`'s and at
+    the slowest stored arm's."""
+    import tune
+
+    speed = {}
+    for arm in read(os.path.join(grid, "config.json"))["arms"]:
+        logs = [read_log(os.path.join(grid, arm, f"seed{s}", "log.jsonl"))[0] for s in results(grid, arm)]
+        ms = [t for log in logs if (t := step_time(log))]
+        evals = [r["eval_s"] for log in logs for r in log if "eval_s" in r]
+        if ms and evals:
+            speed[arm] = (float(np.mean(ms)), float(np.mean(evals)))
+    if "standard" not in speed:
+        return f"no time estimate: {grid}'s `standard` cells logged no step time"
+    paired = [(a, cfg["max_iters"]) for a in cfg["arms"] for _ in cfg["seeds"]]
+    tuning = tune.tuning_config(cfg) if cfg["tune_learning_rates"] else dict(arms={}, seeds=[], max_iters=0)
+    tuned = [(s["residual"], tuning["max_iters"]) for s in tuning["arms"].values() for _ in tuning["seeds"]]
+    evals = lambda steps: steps // cfg["eval_interval"] + 1 + (steps % cfg["eval_interval"] > 0)
+    slowest, cells = max(speed, key=lambda a: speed[a][0]), paired + tuned
+    total = {  # seconds of one process, the new scheme stepping as `standard` does or as the slowest
+        like: sum(n * speed.get(a, speed[like])[0] / 1000 + evals(n) * speed.get(a, speed[like])[1] for a, n in cells)
+        for like in ("standard", slowest)
+    }
+    return (
+        (f"{len(tuned)} tuning cells of {tuning['max_iters']} steps, then " if tuned else "")
+        + f"{len(paired)} cells of {cfg['max_iters']} steps: about {duration(total['standard'] / workers)} with "
+        f"{workers} worker(s) ({duration(total['standard'])} of one process) if `{scheme}` steps as fast as "
+        f"`standard` ({speed['standard'][0]:.0f} ms/step), {duration(total[slowest] / workers)} if as slow as the "
+        f"slowest stored arm, `{slowest}` ({speed[slowest][0]:.0f} ms/step); at the stored cells' speeds, on "
+        f"{names(machines_of(grid, BASELINES))}"
+    )
+
+
+def train_worker(argv, threads):
+    """One worker of the rank grid: train.py's main as `python train.py` runs it (stop signals, one-line errors),
+    forked, so that it trains every scheme this process has registered (the tests register one outside model.py)."""
+    import torch
+
+    import train
+    from cells import PREEMPTED, Preempted, stop_on_signals
+
+    if threads:
+        torch.set_num_threads(threads)  # the grid's recorded count: compiled CPU kernels round otherwise on another
+    try:
+        with stop_on_signals():
+            train.main(argv)
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    except Preempted as e:
+        print(f"stopped by a signal: {e}", file=sys.stderr)
+        sys.exit(PREEMPTED)
+
+
+def train_workers(argv, threads, workers):
+    """train_worker in `workers` processes sharing the rank grid (train.py's cell locks), until each is done."""
+    fork = multiprocessing.get_context("fork")
+    processes = [fork.Process(target=train_worker, args=(argv, threads)) for _ in range(workers)]
+    for p in processes:
+        p.start()
+    try:
+        for p in processes:
+            p.join()
+    except KeyboardInterrupt:  # the workers got it too
+        for p in processes:
+            p.join()
+        sys.exit("interrupted: run the same command again to go on (finished cells are kept, a killed one resumes)")
+    if failed := [p.exitcode for p in processes if p.exitcode]:
+        sys.exit(
+            f"error: {len(failed)} of {workers} worker(s) stopped (exit {', '.join(map(str, failed))}; the lines "
+            f"above say why): run the same command again to go on (finished cells are kept)"
+        )
+
+
+def print_rank(scheme, grid, rank_dir, reused):
+    """The stored grid's rows and the scheme's from the rank grid (and, in a fresh one, its `scaled_residual`
+    against its `standard`), ordered by the mean delta against `standard`; which baselines each was paired with."""
+    stored, stored_config = rows(grid), read(os.path.join(grid, "config.json"))
+    new = rows(rank_dir, longer_grids(grid) if reused else None)  # reused: the stored `standard`'s longer grids
+    new_config = read(os.path.join(rank_dir, "config.json"))
+    name = f"**`{scheme}`** (new)"
+    table = {f"`{arm}`": row for arm, row in stored.items()} | {name: new[scheme]}
+    if not reused:
+        table[f"`scaled_residual` ({rank_dir})"] = new["scaled_residual"]
+    order = sorted(table, key=lambda n: (table[n][4] is None, table[n][4] or 0.0))
+    where = f"on {names(machines_of(grid, BASELINES))}, {code_of(grid)}"
+    print(f"\n`{scheme}` among {grid}'s rows ({stored_config['data_dir']}), by the mean delta against `standard`:")
+    print(f"- {grid}'s rows: paired with its `standard` and `scaled_residual`, {where}")
+    if reused:
+        print(
+            f"- `{scheme}`: paired with the same cells (copied into {rank_dir}); trained on "
+            f"{names(machines_of(rank_dir, [scheme]))}, {code_of(rank_dir)}"
+        )
+    else:
+        print(
+            f"- `{scheme}` and the second `scaled_residual` row: paired with `standard` and `scaled_residual` trained "
+            f"anew in {rank_dir}, on {names(machines_of(rank_dir, BASELINES))}, {code_of(rank_dir)}: a delta of that "
+            f"grid beside the deltas of {grid}, not paired with them"
+        )
+    if new_config.get("train_data_sha256") != stored_config.get("train_data_sha256"):
+        print(f"- note: {rank_dir} trained on other text than {grid} (train_data_sha256): its row is of another corpus")
+    print("\n" + HEADER + COST_HEADER + "\n|---|---|---|---|---|")
+    for n in order:
+        print(row_line(n, table[n]))
+    words = [f"**{v}**" if v else "-" for v in new[scheme][1]]
+    print(
+        f"\n`{scheme}` is {order.index(name) + 1} of {len(order)} by its mean delta against `standard`; against "
+        f"`standard` {words[0]}, against `scaled_residual` {words[1]} (a verdict says what the grid detects; a place "
+        f"in this order alone does not)"
+    )
+
+
+def rank(scheme, grid, passed, dry_run):
+    """--add: rank scheme among grid's rows, training only what it must (the module's docstring)."""
+    from model import RESIDUALS
+
+    if scheme not in RESIDUALS:
+        sys.exit(
+            f"error: --add={scheme}: no such scheme in model.RESIDUALS ({', '.join(RESIDUALS)}); register yours "
+            f"there first (README.md, 'Add a scheme')"
+        )
+    check_grid(grid)
+    recorded = read(os.path.join(grid, "config.json"))
+    if scheme in recorded["arms"]:
+        sys.exit(f"error: {grid} has an arm {scheme} already: python dev/leaderboard.py {grid} prints its row")
+    if own := [a for a in passed if a.partition("=")[0] in ("--arms", "--out_dir")]:
+        sys.exit(f"error: {own[0]}: --add sets the rank grid's arms and folder; give the scheme as --add=NAME")
+    why, rank_dir, argv, cfg = plan(scheme, grid, passed)
+    if os.path.exists(os.path.join(rank_dir, "config.json")) and is_copy(rank_dir, grid) != (not why):
+        sys.exit(
+            f"error: {rank_dir} holds {'a copy of' if why else 'a grid made afresh beside'} {grid} from an earlier "
+            f"--add, and this one would {'train afresh' if why else 'reuse the stored baselines'}; remove it "
+            f"(rm -r {rank_dir}) and run again"
+        )
+    threads, workers = recorded.get("cpu_threads"), min(2, os.cpu_count() or 1)
+    if why:
+        print(
+            f"{'; '.join(why)}: so `standard`, `scaled_residual` and `{scheme}` train afresh under {grid}'s settings "
+            f"in {rank_dir}, so that its pairing and step-time ratios are of one machine and one code"
+        )
+    else:
+        print(
+            f"{grid} was trained by this code on this machine: `{scheme}` is added to a copy of it without "
+            f"checkpoints, {rank_dir} (the stored grid is not written), paired with the stored baselines"
+        )
+    print(
+        f"{workers} worker(s) sharing it, each as: {f'OMP_NUM_THREADS={threads} ' if threads else ''}"
+        f"python train.py {shlex.join(argv)}"
+    )
+    print(estimate(grid, cfg, workers, scheme))
+    if dry_run:
+        return
+    if not why and not os.path.exists(rank_dir):
+        copy_grid(grid, rank_dir)
+    train_workers(argv, threads, workers)
+    print_rank(scheme, grid, rank_dir, reused=not why)
+
+
+def cli(argv):
+    parser = Parser("dev/leaderboard.py", __doc__)
+    parser.allow_abbrev = False  # --a=... is train.py's, never --add's
+    parser.add_argument("grids", nargs="+", metavar="GRID")
+    parser.add_argument("--add", metavar="SCHEME", help="rank this scheme of model.RESIDUALS among GRID's rows")
+    parser.add_argument("--dry_run", action="store_true", help="with --add: say what it would train and how long")
+    args, passed = parser.parse_known_args(argv)
+    if bad := [a for a in passed if not args.add or not re.fullmatch(r"--\w+=.*", a, re.S)]:
+        parser.error(f"{bad[0]}: only --add passes train.py's settings on, as --key=value")
+    if args.add:
+        if len(args.grids) != 1:
+            parser.error("--add ranks a scheme among one grid's rows; give one GRID")
+        rank(args.add, args.grids[0], passed, args.dry_run)
+    elif args.dry_run:
+        parser.error("--dry_run goes with --add")
+    else:
+        main(*args.grids)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    main(*sys.argv[1:])
+    run(cli)

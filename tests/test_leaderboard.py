@@ -1,14 +1,18 @@
 """
 dev/leaderboard.py, docs/leaderboard.md's tables: read off real tiny grids (two "corpora" and a longer `standard`
 grid beside one), the cross-corpus verdict, the equal-time interpolation, and the refusal to put grids of two
-settings in one table.
+settings in one table; a row for an arm that diverged on every seed, one line for a grid it cannot read. --add, which
+ranks a scheme (the README's `gated`) among a tiny tuned grid's rows: in a copy where the code and machine are the
+grid's, afresh where they are not, the stored grid untouched either way.
 """
 
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -150,3 +154,153 @@ def test_the_rates_each_corpus_tuned_may_differ_and_no_other_arm_setting(grids, 
     assert capsys.readouterr().out.count("| `attnres` |") == 2, "the tuned rates are the corpus's, not a setting"
     with pytest.raises(SystemExit, match="differ in arms"):
         leaderboard.main(one, copy(grids[1], "c", attnres_block_size=1))
+
+
+def edit_json(path, change):
+    with open(path) as f:
+        record = json.load(f)
+    change(record)
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
+def test_an_arm_that_diverged_on_every_seed_gets_a_row_that_says_so(grids, tmp_path, capsys):
+    moved = str(tmp_path / "board")
+    shutil.copytree(grids[0], moved)
+    for s in (0, 1):  # as finish_cell writes a diverged cell: no final loss, the step and the reason
+        edit_json(
+            os.path.join(moved, "attnres", f"seed{s}", "result.json"),
+            lambda r: r.update(status="diverged", val_loss=None, diverged_at=4, reason="validation loss nan at step 4"),
+        )
+    leaderboard.main(moved)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| `attnres` |"))
+    assert row == "| `attnres` | **diverged on every seed (2/2)** | **diverged on every seed (2/2)** | - | - |", row
+
+
+def test_a_grid_it_cannot_read_is_one_line_that_says_what_to_do(grids, tmp_path):
+    moved = str(tmp_path / "board")
+    shutil.copytree(grids[0], moved)
+    shutil.rmtree(os.path.join(moved, "standard"))
+    edit_json(os.path.join(moved, "config.json"), lambda c: c["arms"].pop("standard"))
+    missing = r"has no arm `standard` \(its arms: scaled_residual, attnres\).*--arms=standard"
+    with pytest.raises(SystemExit, match=missing):
+        leaderboard.main(moved)
+    with pytest.raises(SystemExit, match="does not exist; give a grid folder that train.py wrote"):
+        leaderboard.main(str(tmp_path / "nowhere"))
+
+
+def test_a_grid_results_stores_is_named_with_the_commands_that_extract_it(tmp_path, capsys):
+    grid = str(tmp_path / "out" / "leaderboard_shakespeare")
+    with pytest.raises(SystemExit) as stop:
+        leaderboard.cli([grid])
+    command = str(stop.value).split("results/ stores it: ")[1]
+    assert command.startswith(f"mkdir -p {tmp_path / 'out'} && tar xJf "), command
+    subprocess.run(command, shell=True, check=True)  # as a fresh clone would: out/ does not exist yet
+    leaderboard.cli([grid])
+    assert capsys.readouterr().out.count("| `standard` | - | - | 1.00 | - |") == 1, "the stored table, read off it"
+
+
+# --- --add: a scheme ranked among a stored grid's rows -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stored(shards, tmp_path_factory):
+    """A tiny grid as the stored leaderboard grids are: tuned (two rates, two tuning seeds), the two baselines and a
+    scheme, two seeds, trained by this code on this machine."""
+    out = tmp_path_factory.mktemp("stored") / "board"
+    tuned = ("--tune_learning_rates=[1e-3,1e-2]", "--tune_seeds=[1000,1001]", "--tune_iters=4")
+    train.main(tiny(shards, out, ARMS, "--seeds=0,1", *tuned))
+    return str(out)
+
+
+def digest(folder):
+    """{file: sha256} of everything under folder."""
+    found = {}
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(parent, name), "rb") as f:
+                found[os.path.relpath(os.path.join(parent, name), folder)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def final(grid, arm, seed):
+    with open(os.path.join(grid, arm, f"seed{seed}", "result.json")) as f:
+        return json.load(f)
+
+
+def table_rows(out):
+    return [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| scheme")]
+
+
+def test_add_trains_the_scheme_alone_in_a_copy_paired_with_the_stored_baselines(stored, tmp_path, capsys):
+    grid, rank = str(tmp_path / "board"), str(tmp_path / "rank_gated_board")
+    shutil.copytree(stored, grid)
+    before = digest(grid)
+    leaderboard.cli(["--add=gated", grid])
+    out = capsys.readouterr().out
+    assert digest(grid) == before, "the stored grid is never written"
+    assert f"`gated` is added to a copy of it without checkpoints, {rank}" in out, out
+    for arm in ("standard", "scaled_residual", "attnres"):  # the stored cells, copied and not trained again
+        for s in (0, 1):
+            assert final(rank, arm, s) == final(grid, arm, s)
+            assert not os.path.exists(os.path.join(rank, arm, f"seed{s}", "ckpt.pt"))
+    with open(os.path.join(rank, "tune", "choice.json")) as f:
+        choice = json.load(f)
+    with open(os.path.join(grid, "tune", "choice.json")) as f:
+        assert choice["choice"] == json.load(f)["choice"] | {"gated": choice["choice"]["gated"]}, "gated tuned too"
+    assert sorted(os.listdir(os.path.join(rank, "tune"))) == sorted(
+        os.listdir(os.path.join(grid, "tune")) + ["gated-lr0.001", "gated-lr0.01"]
+    )
+    # its row: paired seed by seed with the stored `standard`, among the stored rows as the table prints them
+    new = leaderboard.rows(rank)["gated"]
+    deltas = [final(rank, "gated", s)["val_loss"] - final(grid, "standard", s)["val_loss"] for s in (0, 1)]
+    assert new[4] == pytest.approx(sum(deltas) / 2)
+    expected = {f"`{arm}`": row for arm, row in leaderboard.rows(grid).items()} | {"**`gated`** (new)": new}
+    by_mean = sorted(expected.items(), key=lambda item: item[1][4])  # every arm finished: each has a mean
+    assert table_rows(out) == [leaderboard.row_line(name, row) for name, row in by_mean], out
+    assert f"`gated`: paired with the same cells (copied into {rank})" in out
+
+
+def test_add_trains_the_baselines_afresh_where_the_grids_code_differs(stored, tmp_path, capsys):
+    grid, rank = str(tmp_path / "board"), str(tmp_path / "rank_gated_board")
+    shutil.copytree(stored, grid)
+    edit_json(os.path.join(grid, "config.json"), lambda c: c["code"]["definitions"].update(StandardResidual="0" * 16))
+    before = digest(grid)
+    leaderboard.cli(["--add=gated", grid])
+    out = capsys.readouterr().out
+    assert digest(grid) == before
+    assert out.startswith(f"this code computes otherwise than {grid}'s (StandardResidual): so `standard`, "), out
+    with open(os.path.join(rank, "config.json")) as f:
+        assert list(json.load(f)["arms"]) == ["standard", "scaled_residual", "gated"]
+    with open(os.path.join(rank, "tune", "choice.json")) as f:
+        assert list(json.load(f)["choice"]) == ["standard", "scaled_residual", "gated"], "each tuned afresh"
+    assert final(rank, "standard", 0) != final(grid, "standard", 0), "trained, not copied"
+    fresh = leaderboard.rows(rank)
+    printed = table_rows(out)
+    assert leaderboard.row_line("**`gated`** (new)", fresh["gated"]) in printed
+    assert leaderboard.row_line(f"`scaled_residual` ({rank})", fresh["scaled_residual"]) in printed
+    for arm, row in leaderboard.rows(grid).items():
+        assert leaderboard.row_line(f"`{arm}`", row) in printed
+    assert "trained anew in " + rank in out and "not paired with them" in out
+
+
+def test_add_dry_run_says_what_it_would_train_and_trains_nothing(stored, tmp_path, capsys):
+    grid, rank = str(tmp_path / "board"), str(tmp_path / "rank_gated_board")
+    shutil.copytree(stored, grid)
+    leaderboard.cli(["--add=gated", "--dry_run", grid])
+    out = capsys.readouterr().out
+    assert "--arms=gated " not in out and out.rstrip().count("--arms=gated") == 1
+    assert re.search(r"4 tuning cells of 4 steps, then 2 cells of 8 steps: about \d+m\d\ds with \d worker", out), out
+    leaderboard.cli(["--add=gated", "--dry_run", "--max_iters=12", grid])  # another budget: not the stored grid's
+    out = capsys.readouterr().out
+    assert out.startswith(f"max_iters differ from {grid}'s: so `standard`, `scaled_residual` and `gated` train"), out
+    assert "--arms=standard,scaled_residual,gated --max_iters=12" in out
+    assert "12 tuning cells of 4 steps, then 6 cells of 12 steps" in out
+    assert not os.path.exists(rank) and digest(grid) == digest(stored)
+
+
+def test_add_refuses_a_scheme_not_registered_in_one_line(stored):
+    with pytest.raises(SystemExit, match=r"--add=nope: no such scheme in model.RESIDUALS \(standard, attnres, "):
+        leaderboard.cli(["--add=nope", stored])
+    with pytest.raises(SystemExit, match="has an arm attnres already"):
+        leaderboard.cli(["--add=attnres", stored])
