@@ -32,7 +32,7 @@ import downstream
 import records
 import train
 from common import ConfigError, DataError
-from helpers import killed_at_step, log_records, result, tiny, torchrun, without_timings
+from helpers import killed_at_step, log_records, result, tiny, torchrun, without_timings, write_checkpoint
 from data.shards import get_tokenizer, write_shard
 from model import GPT, GPTConfig
 
@@ -818,20 +818,7 @@ def save_cell(cell_dir, seed, step, vocab_size=257):
         arm="attnres", seed=seed, data_dir="data/shakespeare_bytes", tokenizer="bytes", model=dataclasses.asdict(config)
     )
     os.makedirs(cell_dir)
-    torch.save(
-        dict(
-            model=gpt.state_dict(),
-            optimizer={},
-            step=step,
-            rng=[],
-            data_hash="",
-            config=record,
-            loss_sum=0.0,
-            step_last=0,
-            wall_time_s=0.0,
-        ),
-        os.path.join(cell_dir, "ckpt.pt"),
-    )
+    write_checkpoint(cell_dir, gpt, record, step)
     for name, obj in (("config.json", record), ("result.json", dict(val_loss=1.0))):
         with open(os.path.join(cell_dir, name), "w") as f:
             json.dump(obj, f)

@@ -70,14 +70,24 @@ def low_rank_skip(res, k, x):
     return total
 
 
+def laurel_weights(res, k):
+    """(alpha_k, beta_k): free scalars, or in the paper recipes 2 softmax(w_k) written out."""
+    if not hasattr(res, "weight_logits"):
+        return res.output_weight[k], res.skip_weight[k]
+    e = [torch.exp(w) for w in res.weight_logits[k]]
+    return 2 * e[0] / (e[0] + e[1]), 2 * e[1] / (e[0] + e[1])
+
+
 def laurel_reference(model, idx):
-    """x <- alpha f(x) + beta x (RW), f(x) + x + B A x (LR), alpha f(x) + beta (x + B A x) (both)."""
-    res, residual = model.residual, model.config.residual
+    """x <- alpha f(x) + beta x (RW), f(x) + x + B A x (LR), alpha f(x) + beta (x + B A x) (both); the *_paper
+    recipes the same with their bounded weights."""
+    res, residual = model.residual, model.config.residual.removesuffix("_paper")
     x = model.transformer.wte(idx)
     for k in range(2 * model.config.n_layer):
         out = sublayer(model, k, x)
         skip = x + low_rank_skip(res, k, x) if residual != "laurel_rw" else x
-        x = out + skip if residual == "laurel_lr" else res.output_weight[k] * out + res.skip_weight[k] * skip
+        alpha, beta = laurel_weights(res, k) if residual != "laurel_lr" else (1, 1)
+        x = alpha * out + beta * skip
     return head(model, x)
 
 
@@ -211,22 +221,6 @@ def test_mhar_of_one_head_is_attnres_and_its_heads_route_apart(monkeypatch):
 # --- the paper recipes (*_paper) ------------------------------------------------------------------
 
 
-def laurel_paper_reference(model, idx):
-    """(alpha, beta) = 2 softmax(w_k) written out; the low-rank skip as above."""
-    res, residual = model.residual, model.config.residual
-    x = model.transformer.wte(idx)
-    for k in range(2 * model.config.n_layer):
-        out = sublayer(model, k, x)
-        skip = x + low_rank_skip(res, k, x) if residual != "laurel_rw_paper" else x
-        if residual == "laurel_lr_paper":
-            x = out + skip
-            continue
-        e = [torch.exp(w) for w in res.weight_logits[k]]
-        alpha, beta = 2 * e[0] / (e[0] + e[1]), 2 * e[1] / (e[0] + e[1])
-        x = alpha * out + beta * skip
-    return head(model, x)
-
-
 def mhc_paper_reference(model, idx):
     """The peer's mHC, one stream and one entry at a time: pre, post and res from the flattened streams' RMS
     features, Sinkhorn row-softmax first, then columns and rows with eps, and the sigmoid read-out head."""
@@ -304,9 +298,9 @@ REFERENCES = {
     "delta_attnres": delta_reference,
     "mhar": mhar_reference,
     "muddformer_paper": mudd_paper_reference,
-    "laurel_rw_paper": laurel_paper_reference,
-    "laurel_lr_paper": laurel_paper_reference,
-    "laurel_paper": laurel_paper_reference,
+    "laurel_rw_paper": laurel_reference,
+    "laurel_lr_paper": laurel_reference,
+    "laurel_paper": laurel_reference,
     "mhc_paper": mhc_paper_reference,
     "delta_attnres_paper": delta_reference,
 }
