@@ -23,6 +23,7 @@ import torch
 
 from common import ConfigError, cannot_write, temporary_name, write_json
 from configurator import coerce
+from data.prepare import held_out_names_in
 from data.shards import TOKENIZERS
 
 # a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py still call these
@@ -930,7 +931,8 @@ class ValidationText:
 
     def described(self, eval_tokens, T, layout):
         """What report.md names: the layout, sequences, tokens, the documents they touch out of those held out
-        (documents begin with end-of-text: docs/shards.md) and the bytes of text they hold."""
+        (documents begin with end-of-text: docs/shards.md), the bytes of text they hold, and per document touched
+        its name (data/prepare.py's held_out_names, None where it cannot be told), bytes and sequences."""
         key = ("described", eval_tokens, T, layout)
         if key not in self.made:
             self.made[key] = self.description(eval_tokens, T, layout)
@@ -942,13 +944,28 @@ class ValidationText:
         if tokenizer is None:  # a shard of no known tokenizer: documents and bytes cannot be told
             return dict(layout=layout, part=self.part, sequences=len(rows), tokens=len(rows) * T)
         begins = np.flatnonzero(np.asarray(self.shard) == tokenizer.eot)
-        if not len(begins) or begins[0] != 0:  # a shard that starts mid-document
-            begins = np.concatenate([[0], begins])
+        names = self.held_out_names()
+        if not len(begins) or begins[0] != 0:  # a shard that starts mid-document: its first is no held-out one named
+            begins, names = np.concatenate([[0], begins]), None
+        if names is not None and len(names) != len(begins):
+            names = None  # a manifest that does not describe this shard
         first = np.searchsorted(begins, starts, side="right") - 1
         last = np.searchsorted(begins, starts + T, side="right") - 1
-        touched = set().union(*(range(a, b + 1) for a, b in zip(first, last)))
         lengths = np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)] + [0])
         lengths[tokenizer.eot] = 0
+        row_bytes = lengths[np.minimum(rows, tokenizer.vocab_size)]
+        # each (sequence, document) it touches, and the bytes of that document in that sequence
+        touches = last - first + 1
+        seq = np.repeat(np.arange(len(rows)), touches)
+        doc = np.repeat(first - np.cumsum(touches) + touches, touches) + np.arange(touches.sum())
+        ends = np.append(begins[1:], len(self.shard))
+        cumulative = np.concatenate([np.zeros((len(rows), 1), np.int64), np.cumsum(row_bytes, axis=1)], axis=1)
+        inside = lambda at: np.clip(at - starts[seq], 0, T + 1)
+        doc_bytes = np.bincount(
+            doc, cumulative[seq, inside(ends[doc])] - cumulative[seq, inside(begins[doc])], minlength=len(begins)
+        )
+        sequences = np.bincount(doc, minlength=len(begins))
+        touched = np.flatnonzero(sequences)
         return dict(
             layout=layout,
             part=self.part,
@@ -956,8 +973,17 @@ class ValidationText:
             tokens=len(rows) * T,
             documents=len(touched),
             held_out_documents=len(begins),
-            bytes=int(lengths[np.minimum(rows, tokenizer.vocab_size)].sum()),
+            bytes=int(row_bytes.sum()),
+            documents_read=[
+                dict(name=names[d] if names else None, bytes=int(doc_bytes[d]), sequences=int(sequences[d]))
+                for d in touched
+            ],
         )
+
+    def held_out_names(self):
+        """The held-out documents' names where the shard is a prepared folder's (an np.memmap knows its file)."""
+        path = getattr(self.shard, "filename", None)
+        return held_out_names_in(os.path.dirname(path)) if path else None
 
 
 def train_data_fingerprint(train_paths, manifest):

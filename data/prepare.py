@@ -599,6 +599,90 @@ def rebuild_shard(out_dir, paths, shard, workers, tokenizer):
     out.close()
 
 
+# -----------------------------------------------------------------------------
+# the held-out documents by name (what report.md says the validation text was)
+
+def held_out_names(manifest, out_dir):
+    """The names of the documents the validation shard holds, in its order, from out_dir's manifest; None where
+    they cannot be told. They are the documents of the stream before the first train shard's start, and the one it
+    starts inside (--val_tokens cuts one). A .txt file is one document, named by its path below the inputs' common
+    folder; a .jsonl or .parquet row is '<file> row <r>' (from 0), a .jsonl row with a 'topic' (the bundled Python
+    documentation's) its topic. The rows of a file held out whole are counted from the file, found where it was read
+    (or in data/pydoc/) with the fingerprint the manifest records."""
+    shards, inputs = manifest["shards"], manifest["inputs"]
+    if len(shards) < 2 or not isinstance(shards[1].get("start"), list):
+        return None  # an older prepare.py's, which did not record where a shard starts
+    last_file, last_row, offset = shards[1]["start"]
+    short = input_names([i[0] for i in inputs])
+    names = []
+    for f in range(min(last_file + 1, len(inputs))):
+        rows = last_row + (offset > 0) if f == last_file else document_count(inputs[f], out_dir)
+        if rows is None:
+            return None
+        names += row_names(inputs[f], short[f], rows, out_dir)
+    return names
+
+
+def held_out_names_in(data_dir):
+    """held_out_names of a prepared folder; None for shards made elsewhere (no manifest.json)."""
+    path = os.path.join(data_dir, "manifest.json")
+    return held_out_names(read_prepare_record(path), data_dir) if os.path.exists(path) else None
+
+
+def input_names(paths):
+    """Input paths below the folder they all share: the file names of one folder, subfolders kept."""
+    parts = [p.split("/") for p in paths]
+    common = 0
+    while all(len(q) > common + 1 and q[common] == parts[0][common] for q in parts):
+        common += 1
+    return ["/".join(q[common:]) for q in parts]
+
+
+def found_input(entry, out_dir):
+    """An input file as recorded ([path, bytes, fingerprint]) where it still is, unchanged; else None."""
+    path, recorded = entry[0], entry[2] if len(entry) > 2 else None  # [path, bytes]: an older prepare.py's
+    hub = f"hf://datasets/{FINEWEB_REPO}/"
+    where = os.path.join(out_dir, "download", path[len(hub):]) if path.startswith(hub) else os.path.join(out_dir, path)
+    for candidate in (where, os.path.join(HERE, "pydoc", os.path.basename(path))):
+        try:
+            if recorded and recorded == fingerprint(candidate):
+                return candidate
+        except OSError:
+            continue  # not there, or not readable: the next place
+    return None
+
+
+def document_count(entry, out_dir):
+    """How many documents an input file holds: 1 for .txt, its rows otherwise (None where it is not found)."""
+    if entry[0].endswith(".txt"):
+        return 1
+    path = found_input(entry, out_dir)
+    if path is None:
+        return None
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())  # a blank line is no row, as read_jsonl reads it
+
+
+def row_names(entry, short, rows, out_dir):
+    """The names of an input file's first rows documents."""
+    if entry[0].endswith(".txt"):
+        return [short] * rows
+    topics = {}
+    if entry[0].endswith(".jsonl") and (path := found_input(entry, out_dir)):
+        with open(path, "rb") as f:
+            for row, line in enumerate(line for line in f if line.strip()):
+                if row == rows:
+                    break
+                topic = json.loads(line).get("topic")
+                if isinstance(topic, str):
+                    topics[row] = topic
+    return [topics.get(row, f"{short} row {row}") for row in range(rows)]
+
+
 def pydoc_topics():
     """The second bundled corpus's source: the CPython documentation every interpreter ships
     (pydoc_data.topics, the text help('topic') shows: the language reference), one topic per line

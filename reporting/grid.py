@@ -7,6 +7,8 @@ comparisons of another grid (the same grid on another corpus) set beside these.
 import json
 
 from common import DataError
+from data.prepare import held_out_names_in
+from data.shards import resolve_data_dir
 from grid_files import described, grid_record, is_seed, read_paired
 from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS, POWER
 from reporting.paired import divergence, shorten, verdict_lines
@@ -108,8 +110,12 @@ def recorded_values(results, read):
     return list(dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values()))
 
 
-def validation_words(described):
-    """A cell's record of its validation text (records.ValidationText.described) in words."""
+NAMED_DOCUMENTS = 20  # validation documents named in the report's words; more are counted
+
+
+def validation_words(described, names=None):
+    """A cell's record of its validation text (records.ValidationText.described) in words; names: the held-out
+    documents' names from the cells' data_dir (held_out_names), for a record without its own."""
     if not isinstance(described, dict):
         return "validation text not described (a cell made before that record)"
     where = (
@@ -122,7 +128,56 @@ def validation_words(described):
         words += f", in {described['documents']} of its {described['held_out_documents']} documents"
     if is_seed(described.get("bytes")):
         words += f", {described['bytes']:,} bytes of text"
+    read = described.get("documents_read")
+    if isinstance(read, list) and all(isinstance(d, dict) for d in read) and any(d.get("name") for d in read):
+        words += ": " + listed(
+            f"{md(d.get('name') or 'unnamed')} ({fmt_count(d.get('bytes'), 'byte')}, "
+            f"{fmt_count(d.get('sequences'), 'sequence')})"
+            for d in read
+        )
+    elif names:
+        words += f" (held out, as its data_dir's manifest.json names them: {listed(map(md, names))})"
     return words
+
+
+def listed(items):
+    items = list(items)
+    more = len(items) - NAMED_DOCUMENTS
+    return ", ".join(items[:NAMED_DOCUMENTS]) + (f" and {more} more" if more > 0 else "")
+
+
+def fmt_count(n, unit):
+    return f"{n:,} {unit}{'s' if n != 1 else ''}" if is_seed(n) else f"{unit}s not recorded"
+
+
+def newest(described):
+    """The validation texts described, less a record made before the per-document one where another cell's record
+    of the same text has it: an old and a new cell of one grid read one text."""
+    full = [
+        {k: v for k, v in d.items() if k != "documents_read"}
+        for d in described
+        if isinstance(d, dict) and "documents_read" in d
+    ]
+    return [d for d in described if not (isinstance(d, dict) and "documents_read" not in d and d in full)]
+
+
+def named_documents(results, described, record):
+    """For a validation text recorded without names: its held-out documents' names from the data_dir of a cell that
+    recorded it (data/prepare.py's held_out_names), where that folder still holds as many; else None."""
+    if not isinstance(described, dict) or "documents_read" in described:
+        return None
+    for r in results.values():
+        if r.get("validation") == described and isinstance(record(r).get("data_dir"), str):
+            names = names_in(record(r)["data_dir"])
+            return names if names and len(names) == described.get("held_out_documents") else None
+    return None
+
+
+def names_in(data_dir):
+    try:
+        return held_out_names_in(resolve_data_dir(data_dir))
+    except (DataError, OSError, ValueError, TypeError, IndexError, KeyError):  # a manifest or input of another shape:
+        return None  # the names are not told, and the report is still written
 
 
 def data_lines(results, config):
@@ -156,7 +211,9 @@ def data_lines(results, config):
     )
     described = [json.loads(v) for v in recorded_values(results, lambda r: r.get("validation"))]
     if any(isinstance(d, dict) for d in described):  # what the text was, where the cells record it
-        validation += "; " + "; ".join(validation_words(d) for d in described)
+        validation += "; " + "; ".join(
+            validation_words(d, named_documents(results, d, record)) for d in newest(described)
+        )
     commits = recorded_values(
         results,
         lambda r: [((r.get("code") or record(r).get("code") or {}).get(k)) for k in ("git_commit", "git_dirty")],

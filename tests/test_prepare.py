@@ -145,6 +145,38 @@ def test_held_out_documents_too_short_for_one_validation_sequence_are_one_line(t
     assert manifest["val_tokens"] == 1025  # a short document among the held-out ones is fine: sequences span them
 
 
+def test_the_held_out_documents_are_named_in_the_validation_shards_order(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    for name, size in (("x.txt", 800), ("w.txt", 700), ("sub/b.txt", 600), ("z.txt", 3000)):
+        (src / name).write_text(name[-5] * size)
+    held_out = ["sub/b.txt", "w.txt", "x.txt"]  # the first three paths in sorted order, below the inputs' folder
+    by_docs = P.prepare(str(tmp_path / "docs"), input=str(src / "**" / "*.txt"), val_docs=3, shard_tokens=2000, **BYTES)
+    assert P.held_out_names(by_docs, str(tmp_path / "docs")) == held_out
+    assert P.held_out_names_in(str(tmp_path / "docs")) == held_out
+    # --val_tokens cuts x.txt: it is held out too, its rest trained on
+    by_tokens = P.prepare(str(tmp_path / "tokens"), input=str(src / "**" / "*.txt"), val_tokens=2000, **BYTES)
+    assert by_tokens["shards"][1]["start"] == [2, 0, 2000 - 601 - 701]
+    assert P.held_out_names(by_tokens, str(tmp_path / "tokens")) == held_out
+    assert P.held_out_names_in(str(tmp_path / "src")) is None, "shards made elsewhere: no manifest, no names"
+
+
+def test_held_out_rows_are_named_by_file_and_row_where_the_file_counts_them(tmp_path):
+    pattern, docs = make_corpus(tmp_path)  # a.parquet (37 rows), b.jsonl (11), c.txt
+    out = tmp_path / "out"
+    manifest = P.prepare(str(out), input=pattern, val_docs=40, shard_tokens=3000, **BYTES)
+    names = [f"a.parquet row {r}" for r in range(37)] + [f"b.jsonl row {r}" for r in range(3)]
+    assert P.held_out_names(manifest, str(out)) == names
+    (tmp_path / "src" / "b.jsonl").unlink()  # the file the shard ends in: its rows follow from the manifest alone
+    assert P.held_out_names(manifest, str(out)) == names
+    pq.write_table(pa.table({"text": ["other"] * 37}), tmp_path / "src" / "a.parquet")
+    assert P.held_out_names(manifest, str(out)) is None, "a file held out whole, changed: its rows cannot be counted"
+    topics = tmp_path / "topics.jsonl"
+    topics.write_text("".join(json.dumps(dict(topic=f"t{i}", text="x" * 600)) + "\n" for i in range(4)))
+    manifest = P.prepare(str(tmp_path / "topics"), input=str(topics), val_docs=2, shard_tokens=2000, **BYTES)
+    assert P.held_out_names(manifest, str(tmp_path / "topics")) == ["t0", "t1"], "a row's topic, the pydoc corpus's"
+
+
 def test_byte_shards_say_their_tokenizer(tmp_path):
     pattern, docs = make_corpus(tmp_path)
     out = tmp_path / "out"
@@ -292,6 +324,7 @@ def test_the_second_bundled_corpus_is_pythons_documentation_named_by_its_version
     assert manifest["val_tokens"] == len(byte_stream(texts[:20]))  # 20 whole topics
     assert manifest["total_tokens"] == len(byte_stream(texts))
     assert manifest["inputs"][0][0].endswith(f"topics_python{platform.python_version()}.jsonl")  # which Python made it
+    assert P.held_out_names(manifest, str(tmp_path / "pydoc_bytes")) == sorted(topics)[:20], "named by topic"
     again = P.prepare_bundled(str(tmp_path / "again"), "bytes", quiet=True, corpus="pydoc")
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]  # deterministic bytes
     monkeypatch.setattr(S, "BUNDLED", {str(tmp_path / "gone" / "pydoc_bytes"): "bytes"})

@@ -1753,6 +1753,70 @@ def test_identical_deltas_are_said_not_given_p_0(tmp_path, no_matplotlib):
     assert "every seed has the same delta (-0.5000): the t-test's p and interval are undefined" in text
 
 
+# a cell's record of its validation text before the per-document part (records.ValidationText.described)
+OLD_TEXT = dict(layout="spread", part="test", sequences=3, tokens=48, documents=2, held_out_documents=3, bytes=40)
+OLD_WORDS = "3 sequences spread evenly over the validation shard, in 2 of its 3 documents, 40 bytes of text"
+READ = [dict(name="hamlet.txt", bytes=30, sequences=2), dict(name=None, bytes=10, sequences=1)]
+
+
+def with_text(out, validation, arms=("parent", "rd")):
+    for arm, seed in LOSSES:
+        if arm in arms:
+            edit(out, arm, seed, lambda r: r.update(validation=validation))
+
+
+def with_data_dir(out, data_dir):
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(config, data_dir=str(data_dir))))
+
+
+def test_the_validation_text_names_each_document_read_with_its_bytes_and_sequences(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    with_text(out, dict(OLD_TEXT, documents_read=READ))
+    _, text = run(out)
+    assert f"{OLD_WORDS}: hamlet.txt (30 bytes, 2 sequences), unnamed (10 bytes, 1 sequence)." in text
+    many = [dict(name=f"t{i}", bytes=1, sequences=1) for i in range(25)]
+    words = grid.validation_words(dict(OLD_TEXT, documents_read=many))
+    assert words.endswith(
+        ": t0 (1 byte, 1 sequence), " + ", ".join(f"t{i} (1 byte, 1 sequence)" for i in range(1, 20)) + " and 5 more"
+    ), "20 named, the rest counted"
+
+
+def test_an_older_cells_validation_documents_are_named_from_its_data_dirs_manifest(tmp_path, no_matplotlib):
+    from data import prepare
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, size in (("c.txt", 500), ("a.txt", 400), ("b.txt", 300), ("d.txt", 3000)):
+        (src / name).write_text(name[0] * size)
+    data = tmp_path / "data"
+    prepare.prepare(str(data), input=str(src / "*.txt"), tokenizer="bytes", val_docs=3, workers=1, quiet=True)
+    out = make_grid(tmp_path, LOSSES)
+    with_text(out, OLD_TEXT)
+    with_data_dir(out, data)
+    _, text = run(out)
+    assert f"{OLD_WORDS} (held out, as its data_dir's manifest.json names them: a.txt, b.txt, c.txt)." in text
+    with_text(out, dict(OLD_TEXT, held_out_documents=4))
+    _, text = run(out)
+    assert "40 bytes of text." in text and "a.txt" not in text, "a folder holding other documents names none"
+    with_text(out, OLD_TEXT)
+    with_data_dir(out, tmp_path / "gone")
+    _, text = run(out)
+    assert f"{OLD_WORDS}." in text, "no data_dir here: today's words"
+
+
+def test_an_older_and_a_newer_cell_of_one_text_still_pair_and_the_text_is_said_once(tmp_path, no_matplotlib):
+    out = make_grid(tmp_path, LOSSES)
+    with_text(out, OLD_TEXT)
+    before, _ = run(out)
+    with_text(out, dict(OLD_TEXT, documents_read=READ), arms=("rd",))  # rd's cells made after the record
+    paired, text = run(out)
+    assert paired["arms"]["rd"]["seeds"] == [0, 1, 2, 3] and paired["arms"] == before["arms"], "every seed pairs"
+    assert text.count("3 sequences spread evenly") == 1 and f"{OLD_WORDS}: hamlet.txt (30 bytes" in text, (
+        "one text: the newer record's words"
+    )
+
+
 def test_seeds_trained_on_different_machines_are_named_and_still_pair(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     machine = dict(

@@ -59,6 +59,17 @@ def test_spread_puts_one_sequence_in_each_of_2n_equal_stretches_and_tuning_never
     np.testing.assert_array_equal(rows, np.stack([val[s : s + T + 1] for s in starts["test"]]))
 
 
+def read_per_document(begins, starts, T, is_byte):
+    """{document: [bytes, sequences]} of the sequences at starts, counted token by token."""
+    read = {}
+    for s in starts:
+        for doc in {int(np.searchsorted(begins, p, side="right") - 1) for p in range(s, s + T + 1)}:
+            read.setdefault(doc, [0, 0])[1] += 1
+        for p in range(s, s + T + 1):
+            read[int(np.searchsorted(begins, p, side="right") - 1)][0] += int(is_byte[p])
+    return read
+
+
 def test_described_counts_the_documents_and_bytes_read():
     lengths, T, E = [4000, 300, 9000, 50, 2500, 7000], 16, 2000
     val = documents(lengths)
@@ -66,20 +77,49 @@ def test_described_counts_the_documents_and_bytes_read():
     d = text.described(E, T, "spread")
     starts = text.starts(E, T, "spread")
     begins = np.cumsum([0] + lengths[:-1])
-    touched = {int(np.searchsorted(begins, p, side="right") - 1) for p in positions(starts, T)}
-    read = np.concatenate([val[s : s + T + 1] for s in starts])
+    read = read_per_document(begins, starts, T, val != EOT)
     assert d == dict(
         layout="spread",
         part="test",
         sequences=(E - 1) // T,
         tokens=(E - 1) // T * T,
-        documents=len(touched),
+        documents=len(read),
         held_out_documents=len(lengths),
-        bytes=int((read != EOT).sum()),
+        bytes=int(np.concatenate([val[s : s + T + 1] for s in starts]).__ne__(EOT).sum()),
+        # an array in memory has no manifest beside it: its documents are counted, not named
+        documents_read=[dict(name=None, bytes=b, sequences=n) for _, (b, n) in sorted(read.items())],
     )
     assert d["documents"] == 6  # the 50-token document too, at this density
     first = text.described(E, T, "first")
     assert first["documents"] == 1 and first["held_out_documents"] == 6  # the old layout: the first document only
+    assert first["documents_read"] == [dict(name=None, bytes=first["bytes"], sequences=(E - 1) // T)]
+
+
+@pytest.mark.parametrize("layout", ["spread", "first"])
+def test_a_prepared_shard_names_each_document_read_with_its_bytes_and_sequences(tmp_path, layout):
+    from data import prepare
+    from data.shards import open_shard
+
+    src, sizes = tmp_path / "src", {"b.txt": 2600, "c.txt": 400, "a.txt": 1000, "d.txt": 5000}
+    src.mkdir()
+    for name, size in sizes.items():
+        (src / name).write_text(name[0] * size)
+    prepare.prepare(
+        str(tmp_path / "data"), input=str(src / "*.txt"), tokenizer="bytes", val_docs=3, workers=1, quiet=True
+    )
+    shard = open_shard(str(tmp_path / "data" / "val_000000.bin"))
+    T, E = 64, 1500
+    text = records.ValidationText(shard, "bytes")
+    d = text.described(E, T, layout)
+    held_out = ["a.txt", "b.txt", "c.txt"]  # the first three in sorted order
+    begins = np.cumsum([0] + [sizes[n] + 1 for n in held_out[:-1]])
+    read = read_per_document(begins, text.starts(E, T, layout), T, np.asarray(shard) != EOT)
+    assert d["documents_read"] == [
+        dict(name=held_out[doc], bytes=b, sequences=n) for doc, (b, n) in sorted(read.items())
+    ]
+    assert sum(r["bytes"] for r in d["documents_read"]) == d["bytes"] and d["held_out_documents"] == 3
+    # spread reads all three; first reads a.txt and the start of b.txt
+    assert [r["name"] for r in d["documents_read"]] == (held_out if layout == "spread" else held_out[:2])
 
 
 def test_a_shard_too_short_for_both_sets_is_one_line():
