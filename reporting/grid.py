@@ -7,8 +7,6 @@ comparisons of another grid (the same grid on another corpus) set beside these.
 import json
 
 from common import DataError
-from data.prepare import held_out_names_in
-from data.shards import resolve_data_dir
 from grid_files import described, grid_record, is_seed, read_paired
 from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS, POWER
 from reporting.paired import divergence, shorten, verdict_lines
@@ -113,9 +111,10 @@ def recorded_values(results, read):
 NAMED_DOCUMENTS = 20  # validation documents named in the report's words; more are counted
 
 
-def validation_words(described, names=None):
-    """A cell's record of its validation text (records.ValidationText.described) in words; names: the held-out
-    documents' names from the cells' data_dir (held_out_names), for a record without its own."""
+def validation_words(described):
+    """A cell's record of its validation text (records.ValidationText.described) in words, each document read named
+    where the cell recorded them (cells made before that record are counted, never named from a data_dir as it is
+    now: the report is a function of the grid's files)."""
     if not isinstance(described, dict):
         return "validation text not described (a cell made before that record)"
     where = (
@@ -135,8 +134,6 @@ def validation_words(described, names=None):
             f"{fmt_count(d.get('sequences'), 'sequence')})"
             for d in read
         )
-    elif names:
-        words += f" (held out, as its data_dir's manifest.json names them: {listed(map(md, names))})"
     return words
 
 
@@ -159,25 +156,6 @@ def newest(described):
         if isinstance(d, dict) and "documents_read" in d
     ]
     return [d for d in described if not (isinstance(d, dict) and "documents_read" not in d and d in full)]
-
-
-def named_documents(results, described, record):
-    """For a validation text recorded without names: its held-out documents' names from the data_dir of a cell that
-    recorded it (data/prepare.py's held_out_names), where that folder still holds as many; else None."""
-    if not isinstance(described, dict) or "documents_read" in described:
-        return None
-    for r in results.values():
-        if r.get("validation") == described and isinstance(record(r).get("data_dir"), str):
-            names = names_in(record(r)["data_dir"])
-            return names if names and len(names) == described.get("held_out_documents") else None
-    return None
-
-
-def names_in(data_dir):
-    try:
-        return held_out_names_in(resolve_data_dir(data_dir))
-    except (DataError, OSError, ValueError, TypeError, IndexError, KeyError):  # a manifest or input of another shape:
-        return None  # the names are not told, and the report is still written
 
 
 def data_lines(results, config):
@@ -211,9 +189,7 @@ def data_lines(results, config):
     )
     described = [json.loads(v) for v in recorded_values(results, lambda r: r.get("validation"))]
     if any(isinstance(d, dict) for d in described):  # what the text was, where the cells record it
-        validation += "; " + "; ".join(
-            validation_words(d, named_documents(results, d, record)) for d in newest(described)
-        )
+        validation += "; " + "; ".join(validation_words(d) for d in newest(described))
     commits = recorded_values(
         results,
         lambda r: [((r.get("code") or record(r).get("code") or {}).get(k)) for k in ("git_commit", "git_dirty")],

@@ -1782,29 +1782,6 @@ def test_the_validation_text_names_each_document_read_with_its_bytes_and_sequenc
     ), "20 named, the rest counted"
 
 
-def test_an_older_cells_validation_documents_are_named_from_its_data_dirs_manifest(tmp_path, no_matplotlib):
-    from data import prepare
-
-    src = tmp_path / "src"
-    src.mkdir()
-    for name, size in (("c.txt", 500), ("a.txt", 400), ("b.txt", 300), ("d.txt", 3000)):
-        (src / name).write_text(name[0] * size)
-    data = tmp_path / "data"
-    prepare.prepare(str(data), input=str(src / "*.txt"), tokenizer="bytes", val_docs=3, workers=1, quiet=True)
-    out = make_grid(tmp_path, LOSSES)
-    with_text(out, OLD_TEXT)
-    with_data_dir(out, data)
-    _, text = run(out)
-    assert f"{OLD_WORDS} (held out, as its data_dir's manifest.json names them: a.txt, b.txt, c.txt)." in text
-    with_text(out, dict(OLD_TEXT, held_out_documents=4))
-    _, text = run(out)
-    assert "40 bytes of text." in text and "a.txt" not in text, "a folder holding other documents names none"
-    with_text(out, OLD_TEXT)
-    with_data_dir(out, tmp_path / "gone")
-    _, text = run(out)
-    assert f"{OLD_WORDS}." in text, "no data_dir here: today's words"
-
-
 def test_an_older_and_a_newer_cell_of_one_text_still_pair_and_the_text_is_said_once(tmp_path, no_matplotlib):
     out = make_grid(tmp_path, LOSSES)
     with_text(out, OLD_TEXT)
