@@ -121,3 +121,16 @@ def test_forward_memory_is_cuda_only():
     batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     assert bench.forward_memory(model, batch, nullcontext(), "cpu", True) is None
     assert model.activation_checkpointing is False
+
+
+def test_every_variant_stays_compiled_or_the_benchmark_stops(tmp_path, monkeypatch):
+    # dynamo keeps 8 graphs of GPT.forward by default, one per scheme: a 9th variant ran eager, silently (1.7 s
+    # "compile", eager ms/step). Compiling 10 variants is minutes on a CPU, so this checks what bench asks of dynamo
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", False)
+    variants = ["scaled_residual", "attnres_block", "frac", "denseformer", "muddformer", "hc", "mhc", "laurel", "dar"]
+    bench.main(TINY + [f"--variants={','.join(variants)}", "--rounds=1", f"--out={tmp_path / 'b.json'}"])
+    assert torch._dynamo.config.recompile_limit >= 2 * (len(variants) + 1)  # standard too
+    assert torch._dynamo.config.fail_on_recompile_limit_hit  # past it: an error, never eager in a compiled row
