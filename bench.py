@@ -229,8 +229,17 @@ def bench_models(cfg, argv):
                 else None,
             )
         )
+    # what made the numbers, in every row (dev/leaderboard.py --cost refuses rows of another shape)
+    made = dict(
+        {k: cfg[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "vocab_size", "dtype")},
+        compile=cfg["compile"],
+        device=device,
+        machine=machine.machine_record(runtime),
+        code=records.code_record()["git_commit"],
+    )
     for r in rows:
         r["mem_ratio"] = r["saved_bytes"] / rows[0]["saved_bytes"]
+        r["made"] = made
     print(
         f"{'variant':<15}{'params M':>10}{'active M':>10}{'ms/step':>10}{'tok/s':>10}{'time x':>9}{'saved MiB':>11}"
         f"{'saved x':>9}{'peak MiB':>10}{'MFU':>7}{'fwd MiB':>9}{'ckpt MiB':>10}"

@@ -22,6 +22,14 @@ seed at the evaluations nearest 10%, 20%, 30%, 50% and 100% of the budget, the s
 correlation of their ranking there with their final one (a seed that escapes the plateau late shows as a late
 spread that does not shrink, and a ranking set only at the end).
 
+--cost=BENCH_JSON takes each scheme's step-time ratio from a bench.py run at the grid's shape (every row says what
+made it: compiled or eager, the machine) instead of the grid's own cells, for the step-time column and the gain at
+equal wall time; rows of another shape are refused, and a scheme the file lacks gets no cost:
+
+$ python bench.py --n_layer=12 --n_embd=64 --n_head=4 --block_size=128 --batch_size=8 --vocab_size=320 \
+      --compile=True --dtype=float32 --peak_mem=False --out=compiled.json
+$ python dev/leaderboard.py out/leaderboard_shakespeare --cost=compiled.json
+
 Rank a scheme of model.RESIDUALS among a stored grid's rows, training only what it must:
 
 $ python dev/leaderboard.py --add=myscheme out/leaderboard_shakespeare [--dry_run] [--seeds=0,1 ...]
@@ -159,9 +167,39 @@ def check_grid(grid):
         )
 
 
-def rows(grid, longer=None):
+def bench_ratios(path, config):
+    """{bench.py variant: its time ratio to `standard`} from a bench.py output measured at the grid's shape."""
+    try:
+        rows = read(path)
+        made = {json.dumps(r["made"], sort_keys=True) for r in rows}
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        sys.exit(f"error: --cost={path} is not a bench.py output that records what made it ({e}); rerun bench.py")
+    shape = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "vocab_size", "dtype")
+    bench = json.loads(made.pop()) if len(made) == 1 else None
+    if bench is None or (differ := [k for k in shape if bench[k] != config.get(k)]):
+        sys.exit(
+            f"error: --cost={path} was measured at another shape than the grid's ("
+            + (", ".join(f"{k} {bench[k]} there, {config.get(k)} here" for k in differ) if bench else "several")
+            + "); rerun bench.py with the grid's settings (dev/leaderboard.py's docstring)"
+        )
+    return {r["variant"]: r["time_ratio"] for r in rows}
+
+
+def variant_of(settings):
+    """The bench.py variant an arm is (its scheme at its defaults, the AttnRes family's two block sizes), or None: an
+    arm of other settings was not benchmarked. Rates change no step time."""
+    residual, size = settings.get("residual", "standard"), settings.get("attnres_block_size", 4)
+    if set(settings) - {"residual", "attnres_block_size", "learning_rate", "min_lr"}:
+        return None
+    if residual == "attnres" and size == 1:
+        return "attnres_full"
+    return None if size != 4 else "attnres_block" if residual == "attnres" else residual
+
+
+def rows(grid, longer=None, cost=None):
     """{arm: (cell vs each baseline, verdict vs each baseline, step-time ratio, gain at equal wall time, mean delta
-    vs `standard`)}; longer: the grids of `standard` at longer budgets (default: those beside grid)."""
+    vs `standard`)}; longer: the grids of `standard` at longer budgets (default: those beside grid); cost: a
+    bench.py output whose ratios replace the grid's own step times (bench_ratios)."""
     config, paired = read(os.path.join(grid, "config.json")), read(os.path.join(grid, "paired.json"))
     arms = list(config["arms"])
     machines = {arm: {} for arm in arms}
@@ -185,6 +223,11 @@ def rows(grid, longer=None):
         }
         for arm in arms
     }
+    if cost:  # one ratio for every seed, from the bench at the grid's shape
+        measured = bench_ratios(cost, config)
+        speed = {arm: {s: measured.get(variant_of(config["arms"][arm])) for s in loss[arm]} for arm in arms}
+        speed = {arm: {s: r for s, r in seeds_.items() if r is not None} for arm, seeds_ in speed.items()}
+        speed["standard"] = {s: 1.0 for s in loss["standard"]}
     out = {}
     for arm in arms:
         if not loss[arm]:
@@ -192,7 +235,7 @@ def rows(grid, longer=None):
             out[arm] = ([why, why], [None, None], None, "-", None)
             continue
         stats = [paired["by_reference"].get(ref, {}).get("arms", {}).get(arm) for ref in BASELINES]
-        ratios = {s: speed[arm][s] / speed["standard"][s] for s in speed[arm]}
+        ratios = {s: speed[arm][s] / speed["standard"][s] for s in speed[arm] if s in speed["standard"]}
         gains, beyond = [], False
         for s in seeds:
             if s in loss[arm] and s in ratios:
@@ -202,7 +245,7 @@ def rows(grid, longer=None):
         st = paired_statistics(gains)
         equal = (
             "-"
-            if arm == "standard"
+            if arm == "standard" or not gains  # no seed with a step time (another host, or not in --cost's file)
             else f"{st['mean']:+.4f} [{st['ci95'][0]:+.4f}, {st['ci95'][1]:+.4f}], {st['wins']}/{st['n']}"
             if st["n"] > 1
             else f"{st['mean']:+.4f}, {st['wins']}/{st['n']}"
@@ -284,7 +327,7 @@ def row_line(name, row, across=""):
     return f"| {name} | {against[0]} | {against[1]} |{across} {'-' if ratio is None else f'{ratio:.2f}'} | {equal} |"
 
 
-def main(*grids):
+def main(*grids, cost=None):
     for g in grids:
         check_grid(g)
     configs = [setting(read(os.path.join(g, "config.json"))) for g in grids]
@@ -295,14 +338,15 @@ def main(*grids):
             f"error: {grids[0]} and the other grids differ in {', '.join(differ)}; a table across corpora "
             "compares one setting: rerun a grid with the other's values (config/leaderboard.py)"
         )
-    tables = {g: rows(g) for g in grids}
+    tables = {g: rows(g, cost=cost) for g in grids}
     corpora = " / ".join(os.path.basename(os.path.normpath(c["data_dir"])) for c in configs)  # the verdicts' order
     where = "both corpora" if len(grids) == 2 else "every corpus"
     across = f"holds on {where} (verdicts on {corpora}; vs `standard`; vs `scaled_residual`)"
     for grid, table in tables.items():
         cfg = read(os.path.join(grid, "config.json"))
         longer = ", ".join(os.path.relpath(g) for g in longer_grids(grid)) or "no longer grid"
-        print(f"\n{grid} ({cfg['data_dir']}; equal time from {longer})\n")
+        where = f"; step times from {cost}, every cell's seeds at one ratio" if cost else ""
+        print(f"\n{grid} ({cfg['data_dir']}; equal time from {longer}{where})\n")
         print(HEADER + (f"{across} | " if len(grids) > 1 else "") + COST_HEADER)
         print("|---|---|---|" + ("---|" if len(grids) > 1 else "") + "---|---|")
         for arm, row in table.items():
@@ -563,6 +607,7 @@ def cli(argv):
     parser.add_argument("grids", nargs="+", metavar="GRID")
     parser.add_argument("--add", metavar="SCHEME", help="rank this scheme of model.RESIDUALS among GRID's rows")
     parser.add_argument("--dry_run", action="store_true", help="with --add: say what it would train and how long")
+    parser.add_argument("--cost", metavar="BENCH_JSON", help="step-time ratios from a bench.py run at the grid's shape")
     args, passed = parser.parse_known_args(argv)
     if bad := [a for a in passed if not args.add or not re.fullmatch(r"--\w+=.*", a, re.S)]:
         parser.error(f"{bad[0]}: only --add passes train.py's settings on, as --key=value")
@@ -573,7 +618,7 @@ def cli(argv):
     elif args.dry_run:
         parser.error("--dry_run goes with --add")
     else:
-        main(*args.grids)
+        main(*args.grids, cost=args.cost)
 
 
 if __name__ == "__main__":

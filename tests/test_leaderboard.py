@@ -114,6 +114,41 @@ def test_a_seed_trained_on_another_host_than_standards_prices_nothing(grids, tmp
     assert re.search(r", [01]/1\b", rows["attnres"][3]), "the gain at equal time, seed 0 alone: " + rows["attnres"][3]
 
 
+NO_GAIN = "-"  # no ratio, so no gain at equal time
+
+
+def bench_file(path, grid_dir, ratios, **shape):
+    with open(os.path.join(grid_dir, "config.json")) as f:
+        config = json.load(f)
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "vocab_size", "dtype")
+    made = dict({k: config[k] for k in keys}, compile=True, device="cpu", machine={}, code=None) | shape
+    rows = [dict(variant=v, time_ratio=r, made=made) for v, r in ratios.items()]
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def test_cost_takes_each_schemes_ratio_from_a_bench_at_the_grids_shape(grids, tmp_path, capsys):
+    cost = bench_file(tmp_path / "compiled.json", grids[0], {"standard": 1.0, "attnres_block": 2.5})
+    rows = leaderboard.rows(grids[0], cost=cost)
+    assert rows["attnres"][2] == 2.5 and rows["scaled_residual"][2] is None, "the bench's ratio; no row, no cost"
+    assert rows["scaled_residual"][3] == NO_GAIN, rows["scaled_residual"][3]
+    gains = []
+    for s in (0, 1):  # attnres against standard at 2.5 x its 8 steps: 20, past the 16-step grid's budget
+        with open(os.path.join(grids[0], "attnres", f"seed{s}", "result.json")) as f:
+            mine = json.load(f)["val_loss"]
+        with open(os.path.join(grids[0] + "_standard16", "standard", f"seed{s}", "result.json")) as f:
+            gains.append(mine - json.load(f)["val_loss"])
+    assert rows["attnres"][3].startswith(f"{sum(gains) / 2:+.4f} [") and "beyond 16 steps" in rows["attnres"][3]
+    leaderboard.main(grids[0], cost=cost)
+    assert f"step times from {cost}" in capsys.readouterr().out
+    other = bench_file(tmp_path / "wide.json", grids[0], {"standard": 1.0}, n_embd=768)
+    with pytest.raises(SystemExit, match=r"measured at another shape than the grid's \(n_embd 768 there, "):
+        leaderboard.rows(grids[0], cost=other)
+    (tmp_path / "old.json").write_text(json.dumps([{"variant": "standard", "time_ratio": 1.0}]))
+    with pytest.raises(SystemExit, match="is not a bench.py output that records what made it"):
+        leaderboard.rows(grids[0], cost=str(tmp_path / "old.json"))
+
+
 def test_the_plateau_table_reads_standards_curves_and_ranks_the_seeds(grids, tmp_path, capsys):
     leaderboard.main(grids[0])
     out = capsys.readouterr().out
