@@ -605,6 +605,32 @@ def test_one_command_tunes_on_tuning_seeds_then_pairs_at_each_arms_rate(shards, 
     assert not os.path.exists(tmp_path / "o2" / "tune")
 
 
+@needs_snippet
+def test_one_command_tunes_the_routing_rate_too_and_trains_each_arm_at_its_scale(shards, tmp_path, monkeypatch):
+    import report
+
+    monkeypatch.setattr(report, "main", lambda argv: None)
+    out = str(tmp_path / "out")
+    routing = ["--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001", "--tune_iters=4"]
+    train.main(tiny(shards, out, "--arms=standard,attnres", *routing, "--tune_routing_lr_scales=0.1,1"))
+    tune_dir = os.path.join(out, "tune")
+    for rate in (1e-3, 3e-2):  # a cell per scale other than 1 for the routed arm, at every rate; none for standard
+        r = result(tune_dir, tune.tuning_arm("attnres-rs0.1", rate), 1000)
+        assert r["pairing"]["arm_settings"]["routing_lr_scale"] == 0.1 and r["steps"] == 4
+    assert not [name for name in os.listdir(tune_dir) if name.startswith("standard-rs")]
+    record = read_json(os.path.join(tune_dir, "choice.json"))
+    rate, scale = record["choice"]["attnres"], record["routing_choice"]["attnres"]
+    rows = [
+        tune.tuning_row(tune_dir, "attnres-rs0.1", rate, [1000, 1001], 4),
+        record["table"]["attnres"][tune.rate_name(rate)],
+    ]
+    assert record["routing_table"]["attnres"]["0.1"]["val_loss"] == rows[0]["val_loss"]
+    assert record["routing_table"]["attnres"]["1"]["val_loss"] == rows[1]["val_loss"]
+    arm = result(out, "attnres", 0)["pairing"]["arm_settings"]
+    assert arm.get("routing_lr_scale", 1.0) == scale and arm["learning_rate"] == rate  # the paired cell at its choice
+    assert "routing_lr_scale" not in result(out, "standard", 0)["pairing"]["arm_settings"]
+
+
 def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_its_rates(shards, tmp_path, monkeypatch):
     # every validation token each cell reads, counted where it is read (validation_batch), as positions in the shard
     out, E, T = str(tmp_path / "out"), 1000, 16
