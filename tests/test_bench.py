@@ -126,11 +126,20 @@ def test_forward_memory_is_cuda_only():
 def test_every_variant_stays_compiled_or_the_benchmark_stops(tmp_path, monkeypatch):
     # dynamo keeps 8 graphs of GPT.forward by default, one per scheme: a 9th variant ran eager, silently (1.7 s
     # "compile", eager ms/step). Compiling 10 variants is minutes on a CPU, so this checks what bench asks of dynamo
+    # while it sets each variant up, and that it asks nothing of the rest of the process
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", False)
+    seen, setup = [], bench.setup_variant
+    monkeypatch.setattr(
+        bench,
+        "setup_variant",
+        lambda *a: (
+            seen.append((torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit))
+            or setup(*a)
+        ),
+    )
     variants = ["scaled_residual", "attnres_block", "frac", "denseformer", "muddformer", "hc", "mhc", "laurel", "dar"]
+    before = torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit
     bench.main(TINY + [f"--variants={','.join(variants)}", "--rounds=1", f"--out={tmp_path / 'b.json'}"])
-    assert torch._dynamo.config.recompile_limit >= 2 * (len(variants) + 1)  # standard too
-    assert torch._dynamo.config.fail_on_recompile_limit_hit  # past it: an error, never eager in a compiled row
+    assert seen and all(limit >= 2 * (len(variants) + 1) and fail for limit, fail in seen), seen  # standard too
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == before
