@@ -646,7 +646,8 @@ MUTANTS = [
     (
         "model.py",
         "alpha, beta = self.output_weight[k], self.skip_weight[k]\n"
-        "        self.note(f\"laurel_weights/{self.name_of(k)}\", lambda: torch.stack([alpha, beta]).expand(*out.shape[:-1], 2))\n"
+        "        self.note(f\"laurel_weights/{self.name_of(k)}\", "
+        "lambda: torch.stack([alpha, beta]).expand(*out.shape[:-1], 2))\n"
         "        return alpha * out + beta * x",
         "alpha, beta = self.output_weight[k], self.skip_weight[k]\n        return beta * out + alpha * x",
         "tests/test_zoo.py",
