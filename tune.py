@@ -251,9 +251,7 @@ def routing_choice(cfg, tune_dir, choice):
             )
             for scale in sorted(scales(cfg) + [1.0])
         }
-        routing_rate, why = stable_choice(list(rows.values()))
-        if routing_rate is None:
-            raise ConfigError(f"arm {arm!r} at learning_rate {rate_name(rate)}: {why}; add smaller routing scales")
+        routing_rate, why = stable_choice(list(rows.values()))  # never None: the scale-1 row is the chosen rate's
         scale = next(float(s) for s, row in rows.items() if row["learning_rate"] == routing_rate)
         found["routing_table"][arm], found["routing_choice"][arm] = rows, scale
         found["routing_reason"][arm] = f"routing rate {rate_name(routing_rate)}: {why}"
@@ -303,7 +301,7 @@ def check_recorded(path, recorded, record):
         print(f"note: {path} rewritten: this tuning's {', '.join(changed)} differ from the recorded one's")
         return
     differ = [k for k in sorted(set(recorded) | set(new)) if recorded.get(k) != new.get(k)]
-    if differ == ["reason"]:  # the same choice from the same losses, said in another version's words
+    if set(differ) <= {"reason", "routing_reason"}:  # the same choice from the same losses, in another version's words
         print(f"note: {path} rewritten: its reasons in this version's words")
         return
     per_arm = [k for k in PER_ARM if k in new]

@@ -3,14 +3,15 @@
 # PrePostDANorm, LAuReL's bounded weights and column-orthogonal A, mHC's random projections and read-out head,
 # Delta AttnRes's zero queries; docs/variants.md, "Paper recipes") and each routed arm's routing rate tuned too:
 # routing_lr_scale 0.1 or 1 at its chosen rate (tune.py). The other schemes as in config/leaderboard.py.
-# config/leaderboard.py is the "defaults" configuration of docs/leaderboard.md; this one its "paper recipes".
+# Not run yet: docs/leaderboard.md's "Paper recipes" rows are config/leaderboard.py with the recipes added, at routing
+# rate 1x (out/leaderboard_recipes_shakespeare); this config adds the routing-rate tuning, in a folder of its own.
 # $ python launch.py --cluster=local --workers=2 --gpus_per_node=0 config/leaderboard_recipes.py
 # $ python dev/leaderboard.py --add=muddformer_paper out/leaderboard_shakespeare   # one scheme beside a stored grid
 import os
 
 exec(open(os.path.join(os.path.dirname(__file__), "leaderboard.py")).read())
 
-out_dir = "out/leaderboard_recipes_shakespeare"
+out_dir = "out/leaderboard_recipes_routing_shakespeare"
 _recipes = ("muddformer", "laurel_rw", "laurel_lr", "laurel", "mhc", "delta_attnres")  # those with a *_paper
 arms = {(f"{n}_paper" if n in _recipes else n): {"residual": f"{n}_paper" if n in _recipes else n} for n in arms}  # noqa: F821 (arms: config/leaderboard.py's)
 tune_routing_lr_scales = [0.1, 1.0]
