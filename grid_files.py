@@ -49,6 +49,8 @@ def as_compared(key, value):
     changes nothing (UNORDERED_KEYS)."""
     if value is None and key in ABSENT_MEANS:
         return ABSENT_MEANS[key]
+    if key == "tune_routing_lr_scales" and isinstance(value, list):  # 1, the rate's own scale, is tried either way
+        value = [v for v in value if v != 1]
     if key in UNORDERED_KEYS and isinstance(value, list):
         try:
             return sorted(value)

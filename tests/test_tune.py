@@ -508,6 +508,16 @@ def test_the_routing_scale_is_chosen_at_the_chosen_rate_by_the_same_rule_non_mon
     records.check_config(dict(cfg, arms=arms), 1)
 
 
+def test_a_listed_scale_of_1_is_the_same_tuning_as_none():
+    assert grid_files.as_compared("tune_routing_lr_scales", [1.0, 0.1]) == grid_files.as_compared(
+        "tune_routing_lr_scales", [0.1]
+    )
+    assert grid_files.as_compared("tune_routing_lr_scales", [0.3]) != grid_files.as_compared(
+        "tune_routing_lr_scales", [0.1]
+    )
+    assert not records.differences(dict(tune_routing_lr_scales=[0.1, 1]), dict(tune_routing_lr_scales=[0.1]))
+
+
 def test_a_scale_of_1_chosen_leaves_the_arm_as_without_routing_tuning(tmp_path):
     losses = LOSSES | {("attnres-rs0.1", 1e-3): (2.9, 2.9, 2.9), ("dar-rs0.1", 3e-3): (2.9, 2.9, 2.9)}
     cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 1])
