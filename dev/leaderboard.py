@@ -45,6 +45,7 @@ the grid a fresh one). --dry_run says what it would run and how long it takes at
 prints the scheme's row among the stored rows, ordered by the mean delta against `standard`.
 """
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -186,14 +187,14 @@ def bench_ratios(path, config):
 
 
 def variant_of(settings):
-    """The bench.py variant an arm is (its scheme at its defaults, the AttnRes family's two block sizes), or None: an
-    arm of other settings was not benchmarked. Rates change no step time."""
-    residual, size = settings.get("residual", "standard"), settings.get("attnres_block_size", 4)
-    if set(settings) - {"residual", "attnres_block_size", "learning_rate", "min_lr"}:
-        return None
-    if residual == "attnres" and size == 1:
-        return "attnres_full"
-    return None if size != 4 else "attnres_block" if residual == "attnres" else residual
+    """The bench.py variant (bench.VARIANTS) whose model settings an arm's are, or None: an arm of other settings
+    was not benchmarked. Rates change no step time; a setting at GPTConfig's default is no setting."""
+    import bench  # torch and train.py: only for --cost
+    from model import GPTConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    model = lambda s: {k: v for k, v in s.items() if k not in ("learning_rate", "min_lr") and v != default.get(k)}
+    return next((name for name, v in bench.VARIANTS.items() if model(v) == model(settings)), None)
 
 
 def rows(grid, longer=None, cost=None):
