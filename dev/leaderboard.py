@@ -53,6 +53,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import types
 
@@ -500,10 +501,15 @@ def train_worker(argv, threads):
 
 def train_workers(argv, threads, workers):
     """train_worker in `workers` processes sharing the rank grid (train.py's cell locks), until each is done."""
+    from cells import PREEMPTED, STOP_SIGNALS
+
     fork = multiprocessing.get_context("fork")
     processes = [fork.Process(target=train_worker, args=(argv, threads)) for _ in range(workers)]
     for p in processes:
         p.start()
+    # a scheduler's or kill's stop reaches this process alone: pass it on, so each worker checkpoints at its next step
+    forward = lambda signum, frame: [os.kill(w.pid, signum) for w in processes if w.exitcode is None]  # noqa: E731
+    before = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         for p in processes:
             p.join()
@@ -511,6 +517,11 @@ def train_workers(argv, threads, workers):
         for p in processes:
             p.join()
         sys.exit("interrupted: run the same command again to go on (finished cells are kept, a killed one resumes)")
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    if PREEMPTED in (codes := {p.exitcode for p in processes}) and codes <= {0, PREEMPTED}:
+        sys.exit("stopped by a signal: run the same command again to go on (stopped cells resume)")
     if failed := [p.exitcode for p in processes if p.exitcode]:
         sys.exit(
             f"error: {len(failed)} of {workers} worker(s) stopped (exit {', '.join(map(str, failed))}; the lines "

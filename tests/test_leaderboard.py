@@ -12,11 +12,15 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
+import cells
 import train
 from helpers import tiny
 
@@ -332,6 +336,33 @@ def test_add_dry_run_says_what_it_would_train_and_trains_nothing(stored, tmp_pat
     assert "--arms=standard,scaled_residual,gated --max_iters=12" in out
     assert "12 tuning cells of 4 steps, then 6 cells of 12 steps" in out
     assert not os.path.exists(rank) and digest(grid) == digest(stored)
+
+
+def test_add_passes_a_stop_signal_on_to_its_workers_and_says_how_to_go_on(tmp_path, monkeypatch):
+    """SIGTERM to --add's process (a scheduler's or kill's stop reaches it alone) reaches each worker, which stops
+    as train.py's loop does (PREEMPTED), and the command says to run it again; without the forwarding the workers
+    would train on, orphaned."""
+
+    def worker(argv, threads):  # train_worker's signal handling, without the training
+        with cells.stop_on_signals():
+            open(tmp_path / f"ready{os.getpid()}", "w").close()
+            while not cells.stop_received:
+                time.sleep(0.01)
+            open(tmp_path / f"stopped{os.getpid()}", "w").close()
+        sys.exit(cells.PREEMPTED)
+
+    def stop_when_ready():
+        while len(list(tmp_path.glob("ready*"))) < 2:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(leaderboard, "train_worker", worker)
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    with pytest.raises(SystemExit, match="stopped by a signal: run the same command again"):
+        leaderboard.train_workers([], 1, 2)
+    assert len(list(tmp_path.glob("stopped*"))) == 2, "each worker got the signal"
+    assert signal.getsignal(signal.SIGTERM) == before, "this process's own handler restored"
 
 
 def test_add_refuses_a_scheme_not_registered_in_one_line(stored):
