@@ -9,12 +9,9 @@ copied grid where only numpy and scipy are installed). train.py writes:
     out_dir/tune/choice.json                 the choice tune.py made from them (stable_choice)
     out_dir/report.md, paired.json, *.png    report.py's
 
-Two kinds of reader side by side: strict ones, for a run that goes on from a file (a problem is one
-line naming the remedy: read_record, check_result, check_owner, the tuning cells, recorded_choice),
-and lenient ones, for the report and for tools that list cells (a problem is a note, never a crash:
-json_object, cell_result, read_log, load_grid, load_downstream, read_tuning, read_paired). What a
-report reads (report_inputs) tells whether it is out of date. records.py, tune.py and report.py
-read a grid's files only through here.
+Strict readers serve a run that goes on from a file (a problem is one line naming the remedy), lenient ones the
+report and the tools that list cells (a problem is a note, never a crash). records.py, tune.py and report.py read a
+grid's files only through here.
 """
 
 import json
@@ -33,7 +30,6 @@ RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or
 
 
 def cell_dir(out_dir, arm, seed):
-    """A cell's folder: out_dir/<arm>/seed<k>."""
     return os.path.join(out_dir, arm, f"seed{seed}")
 
 
@@ -45,8 +41,7 @@ ABSENT_MEANS = {"eval_layout": "first", "tune_routing_lr_scales": []}
 
 
 def as_compared(key, value):
-    """A recorded setting as two records compare it (the rerun check, the report's pairing): sorted where its order
-    changes nothing (UNORDERED_KEYS)."""
+    """A recorded setting as two records compare it (the rerun check, the report's pairing)."""
     if value is None and key in ABSENT_MEANS:
         return ABSENT_MEANS[key]
     if key == "tune_routing_lr_scales" and isinstance(value, list):  # 1, the rate's own scale, is tried either way
@@ -60,7 +55,6 @@ def as_compared(key, value):
 
 
 def choice_path(out_dir):
-    """The tuned protocol's choice: out_dir/tune/choice.json."""
     return os.path.join(out_dir, TUNE_DIR, "choice.json")
 
 
@@ -144,6 +138,16 @@ def is_number(x):
     return isinstance(x, float) or isinstance(x, int) and not isinstance(x, bool) and abs(x) <= sys.float_info.max
 
 
+def is_finite(x):
+    return is_number(x) and math.isfinite(x)
+
+
+def field(record, key, kind):
+    """record[key] where it is of kind (dict, list), else an empty one: a damaged record reads as one without it."""
+    value = record.get(key)
+    return value if isinstance(value, kind) else kind()
+
+
 def is_seed(x):
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -179,6 +183,15 @@ def json_object(path):
     return (obj, None) if isinstance(obj, dict) else (None, f"{described(obj)}, not a JSON object")
 
 
+def checked_object(path, problem=lambda record: None):
+    """json_object where problem(the dict) finds nothing wrong, else (None, why); (None, None) where path is none."""
+    if not os.path.lexists(path):
+        return None, None
+    record, why = json_object(path)
+    why = why or problem(record)
+    return (None, why) if why else (record, None)
+
+
 def wrong_type(record, checks, prefix="", optional=True):
     """The first 'key is value, not kind' among checks = (key, test, kind) of a dict; an absent or null key is
     allowed when optional."""
@@ -199,7 +212,7 @@ def log_problem(record):
     problem = wrong_type(
         record,
         (
-            ("tokens", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+            ("tokens", is_finite, "a finite number"),
             ("val_loss", is_number, "a number"),
             ("routing", lambda r: isinstance(r, dict), "a dict"),
         ),
@@ -254,7 +267,7 @@ def result_problem(result):
             ("arm", lambda a: isinstance(a, str), "a string"),
             ("seed", is_seed, "a seed"),
             ("val_loss", is_number, "a number"),
-            ("wall_time_s", lambda t: is_number(t) and math.isfinite(t), "a finite number"),
+            ("wall_time_s", is_finite, "a finite number"),
             ("pairing", lambda v: isinstance(v, dict), "a dict"),
         ),
     )
@@ -265,15 +278,8 @@ def result_problem(result):
 
 
 def cell_result(cell_dir):
-    """(a cell's result.json, None), (None, why it cannot be used: not a file, not JSON, a field of the wrong type),
-    or (None, None) where the cell has none yet: for a reader that lists cells (the report, launch.py --status) and
-    must never stop at one."""
-    path = os.path.join(cell_dir, "result.json")
-    if not os.path.lexists(path):
-        return None, None
-    result, why = json_object(path)
-    why = why or result_problem(result)
-    return (None, why) if why else (result, None)
+    """A cell's result.json, checked, for a reader that lists cells (the report) and must never stop at one."""
+    return checked_object(os.path.join(cell_dir, "result.json"), result_problem)
 
 
 def subfolders(path):
@@ -305,12 +311,9 @@ def load_grid(out_dir):
     A cell's arm and seed are what its result.json records: a folder holding another cell's record (a copy
     or a link) is never counted, nor are two cells of one arm with the same init and data hashes. An arm is
     a folder listed in config.json or holding a cell of its own; a seed is one of those cells' or listed."""
-    notes, config = [], {}
-    if os.path.lexists(os.path.join(out_dir, "config.json")):
-        config, why = json_object(os.path.join(out_dir, "config.json"))
-        if why:
-            notes.append(f"config.json: unreadable ({why}); arms and seeds taken from the folders")
-            config = {}
+    config, why = checked_object(os.path.join(out_dir, "config.json"))
+    notes = [f"config.json: unreadable ({why}); arms and seeds taken from the folders"] if why else []
+    config = config or {}
     arms = config.get("arms", {})
     if not isinstance(arms, dict):
         notes.append(f"config.json: arms is {described(arms)}, not a dict of arm settings; arms taken from the folders")
@@ -391,10 +394,6 @@ def load_grid(out_dir):
     return arms, sorted(seeds), results, unusable, logs, notes
 
 
-def is_finite(x):
-    return is_number(x) and math.isfinite(x)
-
-
 def missing_or_wrong(record, checks, prefix=""):
     """The first key of checks = (key, test, kind) that a dict lacks or holds of the wrong kind, as a line, or None."""
     missing = [key for key, _, _ in checks if key not in record]
@@ -464,14 +463,11 @@ def load_downstream(out_dir, results):
     """({(arm, seed): downstream.json}, {(arm, seed): why it is not used}, notes) of the cells counted in results."""
     records, problems, notes = {}, {}, []
     for arm, seed in results:
-        path = os.path.join(out_dir, arm, f"seed{seed}", "downstream.json")
-        if not os.path.lexists(path):
-            continue
-        record, why = json_object(path)
-        if why := why or downstream_problem(record):
+        record, why = checked_object(os.path.join(cell_dir(out_dir, arm, seed), "downstream.json"), downstream_problem)
+        if why:
             problems[arm, seed] = "unreadable downstream.json"
             notes.append(f"{arm}/seed{seed}/downstream.json: unreadable ({why})")
-        else:
+        elif record:
             records[arm, seed] = record
     return records, problems, notes
 
@@ -501,7 +497,7 @@ def initial_loss(cell_dir):
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path} is unreadable or damaged ({e}); delete {cell_dir} to retrain it") from None
     loss = first.get("val_loss") if isinstance(first, dict) and first.get("step") == 0 else None
-    if type(loss) not in (int, float) or not math.isfinite(loss):
+    if not is_finite(loss):
         raise ConfigError(
             f"{path} does not start with the step-0 validation loss a tuning rate is judged against; "
             f"delete {cell_dir} to retrain it"
@@ -519,10 +515,7 @@ def tuning_loss(tune_dir, name, seed, rate, budget):
         )
     result = check_result(read_record(path, RESULT_REMEDY), path)
     check_owner(path, result, name, seed)
-    pairing = result.get("pairing") if isinstance(result.get("pairing"), dict) else {}
-    own = (
-        pairing.get("arm_settings") if isinstance(pairing.get("arm_settings"), dict) else {}
-    )  # damaged: not this tuning's
+    own = field(field(result, "pairing", dict), "arm_settings", dict)  # damaged: not this tuning's
     if own.get("learning_rate") != rate or result["status"] == "finished" and result.get("steps") != budget:
         raise ConfigError(
             f"{path} is not of this tuning (learning_rate {own.get('learning_rate')!r}, "
@@ -700,13 +693,8 @@ def tuning_problem(record, out_dir):
 
 
 def read_tuning(out_dir):
-    """(out_dir/tune/choice.json, None), (None, why it cannot be used), or (None, None) where there is none."""
-    path = choice_path(out_dir)
-    if not os.path.lexists(path):
-        return None, None
-    record, why = json_object(path)
-    why = why or tuning_problem(record, out_dir)
-    return (None, why) if why else (record, None)
+    """out_dir/tune/choice.json, checked against its tuning cells (tuning_problem)."""
+    return checked_object(choice_path(out_dir), lambda record: tuning_problem(record, out_dir))
 
 
 def tuning_results(out_dir, record):
@@ -773,12 +761,8 @@ def cell_state(cell_dir, max_iters):
     if pid and (host != socket.gethostname() or not pid.isdigit() or process_exists(int(pid))):
         last = last_log_record(os.path.join(cell_dir, "log.jsonl"))
         eta = f", {duration(last['eta_cell_s'])} left" if last.get("eta_cell_s") is not None else ""
-        return (
-            "training",
-            f"training: {host} pid {pid}, step {last.get('step', 0)}/{max_iters}{eta}",
-            used,
-            ckpt["step"],
-        )
+        text = f"training: {host} pid {pid}, step {last.get('step', 0)}/{max_iters}{eta}"
+        return "training", text, used, ckpt["step"]
     if ckpt["step"]:
         return "resumable", f"resumable at step {ckpt['step']}", used, ckpt["step"]
     return "pending", "pending", used, 0

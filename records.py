@@ -1,9 +1,9 @@
 """
 What a result is and when a grid may go on. A cell's settings (the run's keys, its arm's over them)
 are checked before anything trains; what made a cell (settings, data, code) is recorded beside it;
-a rerun goes on only where those records agree with it (or --allow_changes=True, recorded), through
-one check, check_rerun, for the grid's record, each cell's and each checkpoint's; result.json is
-the pairing record report.py compares across arms. docs/protocol.md says what each record means.
+a rerun goes on only where those records agree with it (check_rerun), or --allow_changes=True,
+recorded; result.json is the pairing record report.py compares across arms. docs/protocol.md says
+what each record means.
 """
 
 import ast
@@ -26,17 +26,9 @@ from configurator import coerce
 from data.prepare import held_out_names_in
 from data.shards import TOKENIZERS
 
-# a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py still call these
-# records.<name> (describe_done for cells.py only) until they read through grid_files
-from grid_files import (
-    RESULT_REMEDY,
-    as_compared,
-    cell_dir,
-    check_owner,
-    check_result,
-    describe_done,  # noqa: F401  (re-exported: cells.py and the tests call records.describe_done)
-    read_record,
-)
+# a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py call some as records.<name>
+from grid_files import RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result, field, read_record
+from grid_files import describe_done  # noqa: F401  (cells.py's records.describe_done)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,6 +43,8 @@ ARM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 ARM_NAME_MAX = 64
 OUT_DIR_SUFFIXES = (".json", ".md", ".png", ".tmp")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# settings that count sequences or steps: each at least 1
+COUNTS = ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "log_interval", "eval_batch_size")
 # keys that do not change a cell's result: left out of its pairing settings and of the rerun check.
 # data_dir: where the shards lie is not what they hold (train_data_sha256, val_hash and data_hash are);
 # wandb_*: a copy of the log elsewhere; downstream_*: an evaluation in eval mode, which draws no random numbers
@@ -180,24 +174,14 @@ def check_config(cfg, world, command_line=()):
             f"{'out_dir' if not cfg['out_dir'] else 'data_dir'} is empty; give a folder, e.g. "
             f"--out_dir=out or --data_dir=data/shakespeare_bytes"
         )
-    for key in (
-        "batch_size",
-        "gradient_accumulation_steps",
-        "max_iters",
-        "eval_interval",
-        "log_interval",
-        "eval_batch_size",
+    for keys, ok, rule in (
+        (COUNTS, lambda v: v >= 1, "must be at least 1"),
+        (("weight_decay", "grad_clip", "warmup_iters"), lambda v: v >= 0, "must not be negative"),
+        (("beta1", "beta2"), lambda v: 0 <= v < 1, "must be in [0, 1)"),
+        (("cooldown_frac",), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     ):
-        if cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
-    for key in ("weight_decay", "grad_clip", "warmup_iters"):
-        if not cfg[key] >= 0:
-            raise ConfigError(f"{key}={cfg[key]} must not be negative")
-    for key in ("beta1", "beta2"):
-        if not 0 <= cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]} must be in [0, 1)")
-    if not 0 <= cfg["cooldown_frac"] <= 1:
-        raise ConfigError(f"cooldown_frac={cfg['cooldown_frac']} must be in [0, 1]")
+        if bad := [k for k in keys if not ok(cfg[k])]:
+            raise ConfigError(f"{bad[0]}={cfg[bad[0]]} {rule}")
     if cfg["eval_layout"] not in EVAL_LAYOUTS:
         raise ConfigError(
             f"eval_layout={cfg['eval_layout']!r}: choose spread (sequences across the whole validation shard) or first"
@@ -271,10 +255,9 @@ def check_config(cfg, world, command_line=()):
             f"{cfg['batch_size'] * cfg['gradient_accumulation_steps']} sequences do not split evenly "
             f"over {world} processes; change either, or the number of processes"
         )
-    if cfg["lr_schedule"] not in ("cosine", "wsd"):
-        raise ConfigError(f"lr_schedule={cfg['lr_schedule']!r}: choose cosine or wsd")
-    if cfg["optimizer"] not in ("adamw", "muon"):
-        raise ConfigError(f"optimizer={cfg['optimizer']!r}: choose adamw or muon")
+    for key, choices in (("lr_schedule", ("cosine", "wsd")), ("optimizer", ("adamw", "muon"))):
+        if cfg[key] not in choices:
+            raise ConfigError(f"{key}={cfg[key]!r}: choose {' or '.join(choices)}")
     if cfg["optimizer"] == "muon" and not hasattr(torch.optim, "Muon"):
         raise ConfigError(
             f"optimizer='muon' needs torch.optim.Muon (torch 2.9 or later), this is torch "
@@ -514,15 +497,12 @@ def bound_name(node):
 
 
 def code_record():
-    """
-    The code that computes a result, one fingerprint per top-level definition of CODE_FILES, keyed by
-    the name it defines (a file's other statements under the file's name; imports left out: they bind
-    names to definitions fingerprinted here, or to torch, whose version is recorded). 'schemes': the
-    registry's classes each scheme computes with (its own, those it names or derives from), so that
-    code_changes compares only what a cell computes with: moving a definition to another file,
-    reordering definitions or adding a scheme no arm trains changes nothing. Also the git commit and
-    dirty flag where git can tell.
-    """
+    """One fingerprint per top-level definition of CODE_FILES, keyed by the name it defines (a file's other
+    statements under the file's name; imports left out: they bind names to definitions fingerprinted here, or to
+    torch, whose version is recorded); 'schemes': the registry's classes each scheme computes with (its own, those
+    it names or derives from), so that code_changes compares only what a cell computes with: moving a definition to
+    another file, reordering definitions or adding a scheme no arm trains changes nothing. Also the git commit and
+    dirty flag where git can tell."""
     statements, references = {}, {}
     for file in CODE_FILES:
         with open(os.path.join(HERE, file), "rb") as f:
@@ -570,10 +550,9 @@ def code_record():
 
 
 def code_changes(old, new, schemes):
-    """The definitions that differ between two code records (code_record) for a run of these schemes:
-    every definition but the registry's classes that none of them computes with (a scheme the old record lacks
-    computes with none). A record of an
-    earlier version (one fingerprint per file) compares as a whole."""
+    """The definitions that differ between two code records (code_record) for a run of these schemes: every
+    definition but the registry's classes that none of them computes with (a scheme the old record lacks computes
+    with none). A record of an earlier version (one fingerprint per file) compares as a whole."""
     if not all(
         isinstance(r, dict) and isinstance(r.get("definitions"), dict) and isinstance(r.get("schemes"), dict)
         for r in (old, new)
@@ -610,7 +589,7 @@ def run_schemes(*records):
     def of(record):
         if "arm" in record:
             return [record.get("residual")]
-        arms = record.get("arms") if isinstance(record.get("arms"), dict) else {}
+        arms = field(record, "arms", dict)
         return [s.get("residual", record.get("residual")) for s in arms.values() if isinstance(s, dict)]
 
     return {s for r in records for s in of(r) if isinstance(s, str)}
@@ -630,7 +609,7 @@ def differences(old, new):
         for arm in set(old_arms) & set(new_arms):
             if old_arms[arm] != new_arms[arm]:
                 diff[f"arms[{arm!r}]"] = [old_arms[arm], new_arms[arm]]
-    old_code, new_code = (r.get("code") if isinstance(r.get("code"), dict) else {} for r in (old, new))
+    old_code, new_code = field(old, "code", dict), field(new, "code", dict)
     if code_changes(old_code, new_code, run_schemes(old, new)):
         diff["code"] = [old_code.get("fingerprint"), new_code.get("fingerprint")]
     return diff
@@ -647,12 +626,10 @@ def described_changes(old, new, schemes):
 
 
 def check_rerun(path, old, new, allow):
-    """
-    The rerun check, for each record a run goes on from: the grid's config.json (GridRecord), a
-    cell's config.json (check_cell) and a checkpoint's record (checkpoint.resume). old: the record
-    read from path; new: the run's. A cell's record must be this cell's (new names an arm), and a
-    difference over the keys that change a result is refused unless allow. Returns the difference.
-    """
+    """For each record a run goes on from: the grid's config.json (GridRecord), a cell's (check_cell) and a
+    checkpoint's (checkpoint.resume). old: the record read from path; new: the run's. A cell's record must be this
+    cell's (new names an arm); a difference over the keys that change a result is refused unless allow. Returns the
+    difference."""
     if "arm" in new:
         check_owner(path, old, new["arm"], new["seed"])
     diff = differences(old, new)
@@ -664,7 +641,7 @@ def check_rerun(path, old, new, allow):
             else f"{k} ({short(a)} -> {short(b)})"
             for k, (a, b) in diff.items()
         )
-        recorded = old.get("code") if isinstance(old.get("code"), dict) else {}
+        recorded = field(old, "code", dict)
         at = (
             f" (the code of git commit {recorded['git_commit'][:12]}{', plus uncommitted edits' if recorded.get('git_dirty') else ''})"  # noqa: E501
             if "code" in diff and recorded.get("git_commit")
@@ -736,15 +713,13 @@ class GridRecord:
 
     def merged(self):
         recorded, cfg = self.recorded or {}, self.cfg
-        seeds = recorded.get("seeds") if isinstance(recorded.get("seeds"), list) else []
-        arms = recorded.get("arms") if isinstance(recorded.get("arms"), dict) else {}
-        changes = recorded.get("changes") if isinstance(recorded.get("changes"), list) else []
+        seeds = field(recorded, "seeds", list)
         return dict(
             cfg,
-            arms=arms | cfg["arms"],
+            arms=field(recorded, "arms", dict) | cfg["arms"],
             seeds=seeds + [s for s in cfg["seeds"] if s not in seeds],
             code=self.code,
-            changes=changes + ([self.change] if self.change else []),
+            changes=field(recorded, "changes", list) + ([self.change] if self.change else []),
         )
 
 
