@@ -104,16 +104,8 @@ def check_owner(path, record, arm, seed):
 
 def check_result(r, path):
     """A result.json as train.py writes it, or one line."""
-    ok = (
-        r.get("status") in ("finished", "diverged")
-        and isinstance(r.get("seed"), int)
-        and (
-            isinstance(r.get("val_loss"), (int, float)) and not isinstance(r.get("val_loss"), bool)
-            if r["status"] == "finished"
-            else isinstance(r.get("diverged_at"), int)
-        )
-    )
-    if not ok:
+    ended = is_number(r.get("val_loss")) if r.get("status") == "finished" else isinstance(r.get("diverged_at"), int)
+    if not (r.get("status") in ("finished", "diverged") and isinstance(r.get("seed"), int) and ended):
         raise ConfigError(
             f"{path} is not a result train.py wrote (status, seed, val_loss or diverged_at missing or "
             f"of the wrong type); {RESULT_REMEDY}"

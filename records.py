@@ -836,10 +836,9 @@ def shared_init_hash(model):
     return h.hexdigest()
 
 
-# where the validation sequences lie in the validation shard (eval_layout): 'spread' evenly over all of it, so every
-# held-out document longer than the spacing of the reported sequences (about 1/n of the shard) is read; 'first' its
-# first eval_tokens, one document of the bundled corpora (every grid made before eval_layout existed, whose records
-# lack the key: grid_files.as_compared reads that as 'first')
+# where the validation sequences lie in the validation shard (eval_layout, ValidationText): 'spread' reads every
+# held-out document longer than their spacing; 'first' one document of the bundled corpora, as every grid made
+# before the setting did (grid_files.as_compared reads a record without it so)
 EVAL_LAYOUTS = ("spread", "first")
 
 
@@ -848,9 +847,8 @@ class ValidationText:
     'tune': the tuned protocol's, which never share a token with them. 'spread': the shard cut into slots of T + 1
     tokens, 2 n of them picked at even spacing (n = (eval_tokens - 1) // T), the even picks reported and the odd
     ones tuning, so both sets cover the whole shard (where 2 n do not fit but n do, a frozen grid's: n at even
-    spacing, and no tuning ones). 'first': the first eval_tokens tokens as n sequences that share
-    their boundary tokens (tuning: the eval_tokens after them). The layout is a recorded setting and val_hash pins
-    the tokens, so cells of two layouts never pair."""
+    spacing, and no tuning ones). 'first': the first eval_tokens tokens as n sequences that share their boundary
+    tokens (tuning: the eval_tokens after them). val_hash pins the tokens, so cells of two layouts never pair."""
 
     def __init__(self, shard, tokenizer, part="test"):
         self.shard, self.tokenizer, self.part = shard, tokenizer, part
@@ -915,9 +913,10 @@ class ValidationText:
 
     def description(self, eval_tokens, T, layout):
         starts, rows = self.starts(eval_tokens, T, layout), self.rows(eval_tokens, T, layout)
+        counted = dict(layout=layout, part=self.part, sequences=len(rows), tokens=len(rows) * T)
         tokenizer = TOKENIZERS[self.tokenizer]() if self.tokenizer in TOKENIZERS else None
         if tokenizer is None:  # a shard of no known tokenizer: documents and bytes cannot be told
-            return dict(layout=layout, part=self.part, sequences=len(rows), tokens=len(rows) * T)
+            return counted
         begins = np.flatnonzero(np.asarray(self.shard) == tokenizer.eot)
         names = self.held_out_names()
         if not len(begins) or begins[0] != 0:  # a shard that starts mid-document: its first is no held-out one named
@@ -942,10 +941,7 @@ class ValidationText:
         sequences = np.bincount(doc, minlength=len(begins))
         touched = np.flatnonzero(sequences)
         return dict(
-            layout=layout,
-            part=self.part,
-            sequences=len(rows),
-            tokens=len(rows) * T,
+            counted,
             documents=len(touched),
             held_out_documents=len(begins),
             bytes=int(row_bytes.sum()),
