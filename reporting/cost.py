@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from grid_files import is_finite
-from reporting.text import cell_table, md
+from reporting.text import block, cell_table, md
 
 
 def machine_of(result):
@@ -41,34 +41,26 @@ def machine_lines(summary):
         return []
     if len(distinct) == 1:
         return [f"Every cell that records its machine ran on: {md(machine_name(distinct[0]))}.", ""]
-    lines = [
+    return block(
         "Machines (a result's last digits hold on its machine only: other instruction sets round differently):",
-        "",
-        *(f"- machine {i}: {md(machine_name(m))}" for i, m in enumerate(distinct)),
-        "",
-    ]
-    if several:
-        lines += [
-            "**Seeds trained on different machines** (paired all the same: a machine changes rounding, not "
-            "what is computed):",
-            "",
-            *(
-                f"- seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in cells.items())
-                for s, cells in several.items()
-            ),
-            "",
-        ]
-    return lines
+        [f"- machine {i}: {md(machine_name(m))}" for i, m in enumerate(distinct)],
+    ) + block(
+        "**Seeds trained on different machines** (paired all the same: a machine changes rounding, not "
+        "what is computed):",
+        [
+            f"- seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in cells.items())
+            for s, cells in several.items()
+        ],
+    )
 
 
 def wall_time_lines(arms, seeds, wall):
     cell = lambda arm, s: "-" if (t := wall.get(f"{arm}/seed{s}")) is None else f"{t:.0f}"
     total = lambda arm: f"{sum(wall.get(f'{arm}/seed{s}') or 0 for s in seeds):.0f}"
-    return [
+    return block(
         "Wall time per cell (s; training and evaluation, compile included):",
-        "",
-        *cell_table(arms, seeds, cell, ("total", total)),
-    ]
+        cell_table(arms, seeds, cell, ("total", total)),
+    )
 
 
 def step_time(log):
@@ -99,23 +91,16 @@ def step_time_lines(arms, seeds, logs, reference, results):
             both.append(times[arm, s] / times[reference, s])
             used.add(json.dumps(there, sort_keys=True))
         ratios[arm] = f"{np.mean(both):.2f}" if both else "-"
-    lines = [
+    ms = lambda a, s: "-" if times[a, s] is None else f"{times[a, s]:.1f}"
+    notes = [
+        f"{md(arm)}: seed(s) {', '.join(map(str, left))} left out of its ratio: its cell and {md(reference)}'s "
+        "trained on different machines (their result.json's config.machine); rerun one of the two beside the "
+        "other to price it."
+        for arm, left in apart.items()
+    ]
+    notes += [f"The ratios come from {len(used)} machines (each seed's two cells on one)."] if len(used) > 1 else []
+    return block(
         f"Training step time (ms/step, each cell's logged intervals but the first; ratio: the mean over seeds of "
         f"the arm's over {md(reference)}'s, measured in this grid):",
-        "",
-        *cell_table(
-            arms,
-            seeds,
-            lambda a, s: "-" if times[a, s] is None else f"{times[a, s]:.1f}",
-            (f"ratio to {md(reference)}", ratios.get),
-        ),
-    ]
-    for arm, left in apart.items():
-        lines.append(
-            f"{md(arm)}: seed(s) {', '.join(map(str, left))} left out of its ratio: its cell and {md(reference)}'s "
-            "trained on different machines (their result.json's config.machine); rerun one of the two beside the "
-            "other to price it."
-        )
-    if len(used) > 1:
-        lines.append(f"The ratios come from {len(used)} machines (each seed's two cells on one).")
-    return lines + ([""] if apart or len(used) > 1 else [])
+        cell_table(arms, seeds, ms, (f"ratio to {md(reference)}", ratios.get)),
+    ) + block(None, notes)

@@ -6,9 +6,8 @@ byte of its right answers.
 
 from grid_files import described
 from paired_stats import paired_statistics
-from reporting.paired import pairing_difference
-from reporting.text import STATISTICS, cell_table, fmt, identical_lines, md, per_seed, statistics_cells
-from reporting.text import statistics_table, table_head, table_row
+from reporting.paired import unpaired_reason
+from reporting.text import block, cell_table, fmt, md, per_seed, seed_groups, statistics_table
 
 
 def evaluation(record):
@@ -22,34 +21,26 @@ def evaluation(record):
     )
 
 
-def downstream_unpaired_reason(reference, arm, seed, results, downstream, problems):
-    """Why two cells' downstream results of one seed cannot be paired, or None: each must be of its cell's final
-    step, and both of one evaluation (task bundle, scoring code, precision, tasks and their items)."""
-    reasons = []
-    for a in (reference, arm):
-        where = f"{a}/seed{seed}"
-        if (a, seed) in problems:
-            reasons.append(f"{where} {problems[a, seed]}")
-        elif (a, seed) not in downstream:
-            reasons.append(f"{where} has no downstream.json")
-        elif downstream[a, seed]["step"] != results[a, seed].get("steps"):
-            reasons.append(
-                f"{where} downstream.json is of step {downstream[a, seed]['step']}, its result.json of "
-                f"step {described(results[a, seed].get('steps'))}"
-            )
-    if reasons:
-        return "; ".join(reasons)
-    difference = pairing_difference(evaluation(downstream[reference, seed]), evaluation(downstream[arm, seed]))
-    return f"{reference} and {arm} differ in {difference}" if difference else None
-
-
 def downstream_comparison(reference, arm, seeds, results, downstream, problems):
     """An arm's downstream results against the reference's over the seeds paired for the loss: the seeds that pair
     and why the others do not, CORE and each task's accuracy deltas with their statistics, and the evaluations
-    that differ between seeds (each seed paired fairly, but a mean that mixes them)."""
-    left_out = {
-        s: r for s in seeds if (r := downstream_unpaired_reason(reference, arm, s, results, downstream, problems))
-    }
+    that differ between seeds (each seed paired fairly, but a mean that mixes them). A seed pairs where both cells'
+    results are of their final step and of one evaluation (task bundle, scoring code, precision, tasks, items)."""
+
+    def problem(a, s):
+        if (a, s) in problems:
+            return problems[a, s]
+        if (a, s) not in downstream:
+            return "has no downstream.json"
+        if downstream[a, s]["step"] != results[a, s].get("steps"):
+            return (
+                f"downstream.json is of step {downstream[a, s]['step']}, its result.json of "
+                f"step {described(results[a, s].get('steps'))}"
+            )
+        return None
+
+    record = lambda a, s: evaluation(downstream[a, s])
+    left_out = {s: r for s in seeds if (r := unpaired_reason(reference, arm, s, problem, record))}
     paired = [s for s in seeds if s not in left_out]
     core = paired_statistics([downstream[arm, s]["core"] - downstream[reference, s]["core"] for s in paired], True)
     with_bits = [s for s in paired if "bits_per_byte" in downstream[reference, s]]  # both or neither (scoring_code)
@@ -77,15 +68,10 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
             f"items, scoring code {str(record.get('scoring_code'))[:12]}, {record.get('dtype')}",
             [],
         ).append(s)
-    mixed = (
-        ["; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {e}" for e, g in groups.items())]
-        if len(groups) > 1
-        else []
-    )
     return dict(
         seeds=paired,
         left_out=[dict(seed=s, reason=r) for s, r in left_out.items()],
-        mixed_evaluations=mixed,
+        mixed_evaluations=[seed_groups(groups.items())] if len(groups) > 1 else [],
         core=core,
         bits_per_byte=bits,
         tasks=tasks,
@@ -95,6 +81,13 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
 def downstream_lines(arms, seeds, downstream, problems, compared):
     """The report's downstream section: CORE per cell, then against each reference (compared: {reference: {arm:
     downstream_comparison}}) each arm's CORE and task accuracy deltas."""
+    core = lambda arm, s: (
+        fmt(downstream[arm, s]["core"], ".4f")
+        if (arm, s) in downstream
+        else "unreadable"
+        if (arm, s) in problems
+        else "-"
+    )
     lines = [
         "## Downstream tasks",
         "",
@@ -104,19 +97,7 @@ def downstream_lines(arms, seeds, downstream, problems, compared):
         "the seeds paired above, a seed counts when both cells' downstream.json are of their final step and of "
         "one evaluation (task bundle, scoring code, precision, tasks and items).",
         "",
-        "CORE per cell:",
-        "",
-        *cell_table(
-            arms,
-            seeds,
-            lambda arm, s: (
-                fmt(downstream[arm, s]["core"], ".4f")
-                if (arm, s) in downstream
-                else "unreadable"
-                if (arm, s) in problems
-                else "-"
-            ),
-        ),
+        *block("CORE per cell:", cell_table(arms, seeds, core)),
     ]
     for reference, against in compared.items():
         if against:
@@ -126,11 +107,10 @@ def downstream_lines(arms, seeds, downstream, problems, compared):
 
 def downstream_comparison_lines(reference, compared):
     """One reference's part of the downstream section: the seeds left out, CORE deltas, task accuracy deltas."""
-    lines = []
-    if left_out := [
-        f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, c in compared.items() for d in c["left_out"]
-    ]:
-        lines += ["**Downstream seeds left out** (of this section only):", "", *left_out, ""]
+    lines = block(
+        "**Downstream seeds left out** (of this section only):",
+        [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, c in compared.items() for d in c["left_out"]],
+    )
     lines += statistics_table("arm", "mean CORE delta", {arm: c["core"] for arm, c in compared.items()})
     lines += [
         per_seed(f"Per-seed CORE deltas, {md(arm)}", c["seeds"], c["core"]["deltas"]) for arm, c in compared.items()
@@ -138,27 +118,16 @@ def downstream_comparison_lines(reference, compared):
     lines.append("")
     if bits := {arm: c["bits_per_byte"] for arm, c in compared.items() if c["bits_per_byte"]["n"]}:
         lines += statistics_table("arm", "mean bits-per-byte delta", bits, lambda arm: f"{arm}, bits per byte")
-    if mixed := [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]]:
-        lines += [
-            "**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
-            "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:",
-            "",
-            *mixed,
-            "",
-        ]
+    lines += block(
+        "**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
+        "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:",
+        [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]],
+    )
+    kind = ("type", lambda t: md(t["icl_task_type"])), ("items", lambda t: ", ".join(map(str, t["items"])))
     for arm, c in compared.items():
         if c["tasks"]:
-            lines += [
-                f"Task accuracy, {md(arm)} - {md(reference)}:",
-                "",
-                *table_head("task", "type", "items", *(c.format("mean delta") for c in STATISTICS)),
-                *(
-                    table_row(label, md(t["icl_task_type"]), ", ".join(map(str, t["items"])), *statistics_cells(t))
-                    for label, t in c["tasks"].items()
-                ),
-                "",
-                *identical_lines({f"{arm}, {label}": t for label, t in c["tasks"].items()}),
-            ]
+            lines += [f"Task accuracy, {md(arm)} - {md(reference)}:", ""]
+            lines += statistics_table("task", "mean delta", c["tasks"], lambda label: f"{arm}, {label}", before=kind)
         if bits := {label: t["bits_per_byte"] for label, t in c["tasks"].items() if "bits_per_byte" in t}:
             lines += [f"Task bits per byte, {md(arm)} - {md(reference)} (lower is better):", ""]
             lines += statistics_table("task", "mean delta", bits, lambda label: f"{arm}, {label} bits per byte")

@@ -10,19 +10,20 @@ from common import DataError
 from grid_files import described, grid_record, is_seed, read_paired
 from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS, POWER
 from reporting.paired import divergence, shorten, verdict_lines
-from reporting.text import cell_table, fmt, interval, md, table_row
+from reporting.text import block, cell_table, fmt, interval, md, table
 from reporting.tuning import arm_learning_rates
 
 BASELINES = ("standard", "scaled_residual")  # by default every arm named after a baseline scheme is a reference
-
-
 SIZE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-
-
 GRID_ONLY_KEYS = ("out_dir", "code", "changes", "arms", "seeds", "reference_arm", "wandb_run_name")  # not its setup
-
-
+DATA_KEYS = ("data_dir", "train_data_sha256", "tokenizer")  # what --beside sets apart: the same grid on two corpora
 RATE_KEYS = ("learning_rate", "min_lr", "muon_learning_rate")
+NAMED_DOCUMENTS = 20  # validation documents named in the report's words; more are counted
+
+
+def differing(a, b, skip=GRID_ONLY_KEYS):
+    """The keys, in order of appearance, whose values two settings differ in, but skip's."""
+    return [k for k in dict.fromkeys([*a, *b]) if k not in skip and a.get(k) != b.get(k)]
 
 
 def shared_model(results):
@@ -78,8 +79,7 @@ def differing_settings(results, config, arm, reference):
     a, b = cell_settings(mine, config), cell_settings(theirs, config)
     if not a or not b:
         return "not recorded"
-    keys = [k for k in dict.fromkeys([*a, *b]) if k not in GRID_ONLY_KEYS and a.get(k) != b.get(k)]
-    return ", ".join(f"{k} {described(a.get(k))} ({described(b.get(k))})" for k in keys) or "none"
+    return ", ".join(f"{k} {described(a.get(k))} ({described(b.get(k))})" for k in differing(a, b)) or "none"
 
 
 def size_cells(result, config):
@@ -105,10 +105,7 @@ def size_cells(result, config):
 
 def recorded_values(results, read):
     """The distinct values read(result) gives over the counted cells (None where a cell records none), in order."""
-    return list(dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values()))
-
-
-NAMED_DOCUMENTS = 20  # validation documents named in the report's words; more are counted
+    return [json.loads(v) for v in dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values())]
 
 
 def validation_words(described):
@@ -129,18 +126,14 @@ def validation_words(described):
         words += f", {described['bytes']:,} bytes of text"
     read = described.get("documents_read")
     if isinstance(read, list) and all(isinstance(d, dict) for d in read) and any(d.get("name") for d in read):
-        words += ": " + listed(
+        named = [
             f"{md(d.get('name') or 'unnamed')} ({fmt_count(d.get('bytes'), 'byte')}, "
             f"{fmt_count(d.get('sequences'), 'sequence')})"
             for d in read
-        )
+        ]
+        more = len(named) - NAMED_DOCUMENTS
+        words += ": " + ", ".join(named[:NAMED_DOCUMENTS]) + (f" and {more} more" if more > 0 else "")
     return words
-
-
-def listed(items):
-    items = list(items)
-    more = len(items) - NAMED_DOCUMENTS
-    return ", ".join(items[:NAMED_DOCUMENTS]) + (f" and {more} more" if more > 0 else "")
 
 
 def fmt_count(n, unit):
@@ -163,16 +156,13 @@ def data_lines(results, config):
     validation text; and the code commit."""
     record = lambda r: r.get("config") if isinstance(r.get("config"), dict) else config
     field = lambda key: lambda r: record(r).get(key)
-    said = lambda values: "; ".join(
-        "not recorded" if v == "null" else md(json.loads(v)) if v.startswith('"') else md(v) for v in values
+    said = lambda key: "; ".join(
+        "not recorded" if v is None else md(v if isinstance(v, str) else json.dumps(v, sort_keys=True))
+        for v in recorded_values(results, field(key))
     )
-    corpus = said(recorded_values(results, field("data_dir")))
-    shards = ", ".join(
-        md(str(json.loads(v))[:12]) for v in recorded_values(results, field("train_data_sha256")) if v != "null"
-    )
-    tokenizer = said(recorded_values(results, field("tokenizer")))
+    shards = ", ".join(md(str(v)[:12]) for v in recorded_values(results, field("train_data_sha256")) if v is not None)
     trained = recorded_values(results, lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
-    tokens = ", ".join(f"{json.loads(v):,}" if v != "null" else "not recorded" for v in trained)
+    tokens = ", ".join("not recorded" if v is None else f"{v:,}" for v in trained)
     evaluated = recorded_values(
         results,
         lambda r: [
@@ -185,9 +175,9 @@ def data_lines(results, config):
         f"{'not recorded' if n is None else f'{n:,} tokens'} of the validation shard evaluated"
         + (f", {m} sequences" if m else "")
         + (f", val_hash {str(h)[:12]}" if h else "")
-        for n, m, h in map(json.loads, evaluated)
+        for n, m, h in evaluated
     )
-    described = [json.loads(v) for v in recorded_values(results, lambda r: r.get("validation"))]
+    described = recorded_values(results, lambda r: r.get("validation"))
     if any(isinstance(d, dict) for d in described):  # what the text was, where the cells record it
         validation += "; " + "; ".join(validation_words(d) for d in newest(described))
     commits = recorded_values(
@@ -196,12 +186,12 @@ def data_lines(results, config):
     )
     code = "; ".join(
         "not recorded" if not c else f"git commit {c[:12]}" + (", plus uncommitted edits" if dirty else "")
-        for c, dirty in map(json.loads, commits)
+        for c, dirty in commits
     )
     return [
-        f"Data: corpus {corpus}"
+        f"Data: corpus {said('data_dir')}"
         + (f" (train shards sha256 {shards}...)" if shards else "")
-        + f", tokenizer {tokenizer}; tokens trained per cell: {tokens}; validation text: {validation}.",
+        + f", tokenizer {said('tokenizer')}; tokens trained per cell: {tokens}; validation text: {validation}.",
         "",
         f"Code: {code}" + (" (cells of several versions: see Mixed versions)" if len(commits) > 1 else "") + ".",
         "",
@@ -230,21 +220,17 @@ def opening_lines(arms, references, results, comparisons, config):
             f"below is against {', '.join(map(md, references))}, not against a baseline.",
             "",
         ]
-    lines += [
-        "| arm | settings that differ from its reference (the reference's) | parameters | non-embedding | "
-        "active FLOPs per token (training) |",
-        "|---|---|---|---|---|",
+    head = ["arm", "settings that differ from its reference (the reference's)", "parameters", "non-embedding"]
+    rows = [
+        [
+            arm,
+            "(the reference)" if arm == references[0] else md(differing_settings(results, config, arm, references[0])),
+        ]
+        + size_cells(recorded_cell(results, arm), config)
+        for arm in arms
     ]
-    for arm in arms:
-        reference = references[0] if arm != references[0] else None
-        lines.append(
-            table_row(
-                arm,
-                "(the reference)" if reference is None else md(differing_settings(results, config, arm, reference)),
-                *size_cells(recorded_cell(results, arm), config),
-            )
-        )
-    lines += ["", *data_lines(results, config)] if results else [""]
+    lines += [*table([*head, "active FLOPs per token (training)"], rows), ""]
+    lines += data_lines(results, config) if results else []
     if verdicts := verdict_lines(comparisons, references):
         lines += [
             f"Verdicts (ahead: the 95% interval of the mean delta below 0; behind: above; else not detectable "
@@ -267,7 +253,7 @@ def final_loss_lines(arms, seeds, results):
         "-" if not (r := results.get((a, s))) else "diverged" if divergence(r) else fmt(r["val_loss"], ".4f")
     )
     rates = lambda arm: ", ".join(f"{rate:g}" for rate in arm_learning_rates(results, arm)) or "-"
-    return ["Final validation loss:", "", *cell_table(arms, seeds, loss, ("learning rate", rates))]
+    return block("Final validation loss:", cell_table(arms, seeds, loss, ("learning rate", rates)))
 
 
 def beside(out_dir, other, comparisons):
@@ -287,15 +273,6 @@ def beside(out_dir, other, comparisons):
         )
     configs = [grid_record(d) for d in (out_dir, other)]
     unrecorded = [d for d, c in zip((out_dir, other), configs) if not c]
-    differ = (
-        []
-        if unrecorded
-        else sorted(
-            k
-            for k in set(configs[0]) | set(configs[1])
-            if k not in GRID_ONLY_KEYS and configs[0].get(k) != configs[1].get(k)
-        )
-    )
     rows = []
     for reference, comparison in comparisons.items():
         there = (by_reference.get(reference) or {}).get("arms") or {}
@@ -308,14 +285,11 @@ def beside(out_dir, other, comparisons):
     arms = dict.fromkeys(a for row in rows for a in (row["reference"], row["arm"]))
     return dict(
         out_dir=other,
-        differ=differ,
+        differ=[] if unrecorded else sorted(differing(*configs)),
         rows=rows,
         unrecorded=unrecorded,
         arm_differ={} if unrecorded else arm_differences(configs, arms),
     )
-
-
-DATA_KEYS = ("data_dir", "train_data_sha256", "tokenizer")  # what --beside sets apart: the same grid on two corpora
 
 
 def arm_differences(configs, arms):
@@ -328,9 +302,10 @@ def arm_differences(configs, arms):
         if not all(isinstance(o, dict) for o in own):
             differ[arm] = ["not recorded in both grids' config.json"]
             continue
-        skip = (*GRID_ONLY_KEYS, *DATA_KEYS)
-        values = [{k: v for k, v in c.items() if k not in skip} | o for o, c in zip(own, configs)]
-        if keys := [k for k in sorted(set(values[0]) | set(values[1])) if values[0].get(k) != values[1].get(k)]:
+        values = [
+            {k: v for k, v in c.items() if k not in (*GRID_ONLY_KEYS, *DATA_KEYS)} | o for o, c in zip(own, configs)
+        ]
+        if keys := sorted(differing(*values, skip=())):
             differ[arm] = ["{} ({} vs {})".format(k, *shorten(values[0].get(k), values[1].get(k))) for k in keys]
     return differ
 
@@ -358,28 +333,21 @@ def beside_lines(side):
             if arms
             else "; every compared arm's own settings are alike."
         )
+    alike = lambda row: "; ".join(
+        f"{a}: {', '.join(side['arm_differ'][a])}" for a in (row["arm"], row["reference"]) if a in side["arm_differ"]
+    )
+    there = lambda row: (
+        "cannot be compared" if side["unrecorded"] else f"**other: {md(alike(row))}**" if alike(row) else "alike"
+    )
+    head = lambda where: [f"{where}: mean delta", "wins", "p", "CI, seeds and text"]  # cells(st)'s
+    rows = [[r["arm"], md(r["reference"]), *cells(r["here"]), *cells(r["there"]), there(r)] for r in side["rows"]]
     lines = [
         f"## Beside {md(side['out_dir'])}",
         "",
         f"Each comparison here and the same one there (from its paired.json): mean delta, wins, p (t-test) and the "
         f"95% interval over seeds and text (t). {settings}",
         "",
-        "| arm | reference | here: mean delta | wins | p | CI, seeds and text | there: mean delta | wins | p | "
-        "CI, seeds and text | settings there |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    alike = lambda row: "; ".join(
-        f"{a}: {', '.join(side['arm_differ'][a])}" for a in (row["arm"], row["reference"]) if a in side["arm_differ"]
-    )
-    lines += [
-        table_row(
-            row["arm"],
-            md(row["reference"]),
-            *cells(row["here"]),
-            *cells(row["there"]),
-            "cannot be compared" if side["unrecorded"] else f"**other: {md(alike(row))}**" if alike(row) else "alike",
-        )
-        for row in side["rows"]
+        *table(["arm", "reference", *head("here"), *head("there"), "settings there"], rows),
     ]
     if missing := [f"{row['arm']} against {row['reference']}" for row in side["rows"] if row["there"] is None]:
         lines += ["", f"Not in {md(side['out_dir'])}: {md(', '.join(missing))}."]

@@ -28,8 +28,7 @@ from paired_stats import (
     text_uncertainty,
     verdict,
 )
-from reporting.text import STATISTICS, fmt, identical_lines, interval, md, per_seed, statistics_cells, table_head
-from reporting.text import table_row, undefined
+from reporting.text import block, fmt, interval, md, per_seed, seed_groups, statistics_table, table, undefined
 
 MISSING = object()  # a pairing key one cell does not record
 
@@ -78,16 +77,13 @@ def pairing_difference(p, q):
     return None
 
 
-def unpaired_reason(arms, seed, results, unusable):
-    """Why a seed cannot be paired across these arms, or None when it can."""
-    problems = [f"{arm}/seed{seed} {p}" for arm in arms if (p := cell_problem(results, unusable, arm, seed))]
-    if problems:
+def unpaired_reason(reference, arm, seed, problem, record):
+    """Why two cells of a seed cannot be paired: each one's problem(arm, seed), else the first key on which their
+    record(arm, seed)s differ; None when they pair."""
+    if problems := [f"{a}/seed{seed} {p}" for a in (reference, arm) if (p := problem(a, seed))]:
         return "; ".join(problems)
-    for a, b in itertools.combinations(arms, 2):
-        difference = pairing_difference(results[a, seed]["pairing"], results[b, seed]["pairing"])
-        if difference:
-            return f"{a} and {b} differ in {difference}"
-    return None
+    difference = pairing_difference(record(reference, seed), record(arm, seed))
+    return f"{reference} and {arm} differ in {difference}" if difference else None
 
 
 def mixed_versions(results, arms, seeds):
@@ -109,12 +105,7 @@ def mixed_versions(results, arms, seeds):
             groups.setdefault(json.dumps([per_seed[s][arm].get(key) for arm in arms], sort_keys=True), []).append(s)
         if len(groups) > 1:
             brief = lambda v: " / ".join(dict.fromkeys(json.dumps(x)[:18] for x in json.loads(v)))  # reference / arm
-            notes.append(
-                f"{key}: "
-                + "; ".join(
-                    f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {brief(v)}" for v, g in groups.items()
-                )
-            )
+            notes.append(f"{key}: " + seed_groups((brief(v), g) for v, g in groups.items()))
     return notes
 
 
@@ -148,33 +139,28 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
     """Every arm paired with one reference seed by seed, but the earlier references (each already paired with this
     one): the seeds left out and why, each arm's paired statistics, power, delta curve and mixed versions."""
     others = [arm for arm in arms if arm != reference and arm not in earlier]
-    left_out = {
-        arm: {s: r for s in seeds if (r := unpaired_reason([reference, arm], s, results, unusable))} for arm in others
-    }
-    paired_seeds = {arm: [s for s in seeds if s not in left_out[arm]] for arm in others}
-    # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
-    paired_seeds[reference] = (
-        sorted(set().union(*paired_seeds.values()))
-        if others
-        else [s for s in seeds if not cell_problem(results, unusable, reference, s)]
-    )
-    paired, curves, mixed = {}, {}, {}
+    problem, pairing = lambda a, s: cell_problem(results, unusable, a, s), lambda a, s: results[a, s]["pairing"]
+    paired, paired_seeds, curves = {}, {}, {}
     for arm in others:
-        seeds_of = paired_seeds[arm]
+        left_out = {s: r for s in seeds if (r := unpaired_reason(reference, arm, s, problem, pairing))}
+        seeds_of = paired_seeds[arm] = [s for s in seeds if s not in left_out]
         st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
         st["ppl_change"] = perplexity_change(st["mean"])
         curves[arm] = delta_curve(logs, arm, reference, seeds_of)
-        mixed[arm] = mixed_versions(results, [reference, arm], seeds_of)
         paired[arm] = dict(
             st,
             seeds=seeds_of,
-            left_out=[dict(seed=s, reason=r) for s, r in left_out[arm].items()],
-            mixed_versions=mixed[arm],
+            left_out=[dict(seed=s, reason=r) for s, r in left_out.items()],
+            mixed_versions=mixed_versions(results, [reference, arm], seeds_of),
             delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
             power=power_analysis(st, effect),
             text=text_comparison(results, reference, arm, seeds_of),
         )
-    return dict(others=others, left_out=left_out, paired_seeds=paired_seeds, paired=paired, curves=curves, mixed=mixed)
+    # the reference's own curve: the seeds it is paired in with any arm (its finished ones when it is alone)
+    paired_seeds[reference] = (
+        sorted(set().union(*paired_seeds.values())) if others else [s for s in seeds if not problem(reference, s)]
+    )
+    return dict(others=others, paired_seeds=paired_seeds, paired=paired, curves=curves)
 
 
 def sequence_losses_of(result):
@@ -210,23 +196,18 @@ def text_comparison(results, reference, arm, seeds):
 def disagreement(st, text):
     """Why an arm's intervals disagree on whether 0 is inside (the seeds' t, the t over seeds and text, the bootstrap),
     and which one the verdict quotes; None where they agree."""
-    intervals = {
-        "the seeds' t interval": st["ci95"],
-        "the t interval over seeds and text": text["ci95_t"],
-        "the bootstrap": text["ci95"],
-    }
+    seeds_t, text_t, bootstrap = "the seeds' t interval", "the t interval over seeds and text", "the bootstrap"
+    intervals = {seeds_t: st["ci95"], text_t: text["ci95_t"], bootstrap: text["ci95"]}
     excludes = {name: ci[1] < 0 or ci[0] > 0 for name, ci in intervals.items() if not any(map(undefined, ci))}
     if len(set(excludes.values())) < 2:
         return None
     why = []
-    if "the bootstrap" in excludes and text["n"] < BOOTSTRAP_CALIBRATED_SEEDS:
+    if bootstrap in excludes and text["n"] < BOOTSTRAP_CALIBRATED_SEEDS:
         why.append(
             f"the bootstrap draws only from the {text['n']} seeds seen and is too narrow below "
             f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds"
         )
-    if "the seeds' t interval" in excludes and excludes["the seeds' t interval"] != excludes.get(
-        "the t interval over seeds and text", excludes["the seeds' t interval"]
-    ):
+    if seeds_t in excludes and excludes[seeds_t] != excludes.get(text_t, excludes[seeds_t]):
         why.append(
             "the t interval over seeds and text counts the text's variance (which sequences were evaluated) "
             "beside the seeds'"
@@ -243,110 +224,68 @@ def disagreement(st, text):
 def comparison_lines(reference, comparison, earlier, effect):
     """One reference's section of report.md: the seeds left out, each arm's per-seed deltas and statistics, power,
     and the seeds of other versions its means mix."""
-    others, paired, left_out, mixed = (comparison[k] for k in ("others", "paired", "left_out", "mixed"))
+    paired = comparison["paired"]
     lines = [f"## Paired against {md(reference)}", ""]
     if earlier:
         lines += [f"({', '.join(map(md, earlier))}: paired with {md(reference)} above; each pair once.)", ""]
-    if not others:
+    if not paired:
         return lines + ["No other arm to pair with.", ""]
-    if any(left_out.values()):
-        lines += [
-            "**Seeds left out** (not counted in that arm's n):",
-            "",
-            *(f"- {md(arm)}, seed {s}: {md(r)}" for arm in others for s, r in left_out[arm].items()),
-            "",
-        ]
-    lines += [per_seed(f"Per-seed deltas, {md(arm)}", paired[arm]["seeds"], paired[arm]["deltas"]) for arm in others]
+    lines += block(
+        "**Seeds left out** (not counted in that arm's n):",
+        [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, st in paired.items() for d in st["left_out"]],
+    )
+    lines += [per_seed(f"Per-seed deltas, {md(arm)}", st["seeds"], st["deltas"]) for arm, st in paired.items()]
     percent = lambda x: "off scale" if math.isinf(x) else "undefined" if math.isnan(x) else fmt(100 * x, "+.2f") + "%"
-    lines += ["", *table_head("arm", *(c.format("mean delta") for c in STATISTICS), "ppl change")]
-    lines += [table_row(arm, *statistics_cells(paired[arm]), percent(paired[arm]["ppl_change"])) for arm in others]
-    lines += ["", *identical_lines({arm: paired[arm] for arm in others})]
-    if any(math.isinf(paired[arm]["ppl_change"]) for arm in others):
+    ppl = lambda st: percent(st["ppl_change"])
+    lines += ["", *statistics_table("arm", "mean delta", paired, after=[("ppl change", ppl)])]
+    if any(math.isinf(st["ppl_change"]) for st in paired.values()):
         lines += [
             "ppl change off scale: exp(mean delta) - 1 is past a float (a mean delta above 709 nats: a diverging arm).",
             "",
         ]
-    lines += power_lines(others, paired, effect) + text_lines(others, paired)
-    if any(mixed.values()):
-        lines += [
-            "**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
-            "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
-            "the grid in a new out_dir:",
-            "",
-            *(f"- {md(arm)}: {md(note)}" for arm in others for note in mixed[arm]),
-            "",
-        ]
-    return lines
+    lines += power_lines(paired, effect) + text_lines(paired)
+    return lines + block(
+        "**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
+        "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
+        "the grid in a new out_dir:",
+        [f"- {md(arm)}: {md(note)}" for arm, st in paired.items() for note in st["mixed_versions"]],
+    )
 
 
-def power_lines(others, paired, effect):
+def power_lines(paired, effect):
     """The report's power table: what each arm's n can detect, and why where it cannot be said."""
-    lines = [
+    head = ["arm", "n", "s.d. of deltas", "smallest detectable mean delta", f"seeds to detect {effect:g} nats"]
+    rows = []
+    for arm, st in paired.items():
+        p = st["power"]
+        detects = "-" if p["detectable_effect"] is None else fmt(p["detectable_effect"], ".4f")
+        needed = "-" if p["seeds_needed"] is None else str(p["seeds_needed"])
+        rows.append([arm, str(st["n"]), fmt(p["std"], ".4f"), detects, needed, fmt(p["sign_test_min_p"], ".3g")])
+    notes = [f"- {md(arm)}: {note}" for arm, st in paired.items() for note in st["power"]["notes"]]
+    return block(
         f"Power of the paired t-test (two-sided, alpha {ALPHA:g}, power {POWER:g}) at each arm's n, sized from "
         f"the s.d. of its per-seed deltas (itself an estimate from those seeds):",
-        "",
-        f"| arm | n | s.d. of deltas | smallest detectable mean delta | seeds to detect {effect:g} nats | "
-        f"smallest sign-test p |",
-        "|---|---|---|---|---|---|",
-    ]
-    for arm in others:
-        p = paired[arm]["power"]
-        lines.append(
-            table_row(
-                arm,
-                str(paired[arm]["n"]),
-                fmt(p["std"], ".4f"),
-                "-" if p["detectable_effect"] is None else fmt(p["detectable_effect"], ".4f"),
-                "-" if p["seeds_needed"] is None else str(p["seeds_needed"]),
-                fmt(p["sign_test_min_p"], ".3g"),
-            )
-        )
-    lines.append("")
-    if notes := [f"- {md(arm)}: {note}" for arm in others for note in paired[arm]["power"]["notes"]]:
-        lines += [*notes, ""]
-    return lines
+        table([*head, "smallest sign-test p"], rows),
+    ) + block(None, notes)
 
 
-def text_lines(others, paired):
+def text_lines(paired):
     """The report's table of each arm's mean delta over seeds and validation text together, beside the seeds-only
     t interval, with each source's share of the variance; why it is unavailable where it is."""
-    lines = [
-        f"Seeds and validation text together: the share of the mean delta's variance that each source carries "
-        f"(two-way random-effects estimates): the seeds, the text (which sequences were evaluated) and how the "
-        f"seeds' deltas differ by sequence; the 95% interval from that variance (t, the seeds' n - 1 degrees of "
-        f"freedom), beside the seeds-only t interval; and a two-way bootstrap's ({BOOTSTRAP_RESAMPLES:,} "
-        f"resamples of seeds and sequences, a fixed generator seed), which draws only from the seeds seen: "
-        f"at few seeds it is the narrower.",
-        "",
-        "| arm | n | sequences | mean delta | 95% CI, seeds (t) | 95% CI, seeds and text (t) | bootstrap | "
-        "share: seeds | share: text | share: seed x text |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    notes = []
-    for arm in others:
-        st, text = paired[arm], paired[arm]["text"]
+    rows, notes = [], []
+    for arm, st in paired.items():
+        text = st["text"]
         seeds_only = "undefined" if st["identical"] else interval(st["ci95"])
         if "unavailable" in text:
-            lines.append(table_row(arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", *["-"] * 4))
+            rows.append([arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", *["-"] * 4])
             notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
             continue
-        share = text["share"]
-        shares = (
-            ["-"] * 3
-            if text.get("identical")
-            else [fmt(100 * share[k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text")]
-        )
-        lines.append(
-            table_row(
-                arm,
-                str(text["n"]),
-                str(text["sequences"]),
-                fmt(text["mean"]),
-                seeds_only,
-                interval(text["ci95_t"]),
-                interval(text["ci95"]),
-                *shares,
-            )
+        shares = ["-"] * 3
+        if not text.get("identical"):
+            shares = [fmt(100 * text["share"][k], ".0f") + "%" for k in ("seeds", "text", "seed_x_text")]
+        rows.append(
+            [arm, str(text["n"]), str(text["sequences"]), fmt(text["mean"]), seeds_only, interval(text["ci95_t"])]
+            + [interval(text["ci95"]), *shares]
         )
         if text.get("identical"):
             notes.append(
@@ -360,7 +299,16 @@ def text_lines(others, paired):
                 f"- {md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
                 f"{FEW_SEQUENCES}): the text's share is estimated from little text; raise eval_tokens"
             )
-    return lines + [""] + (notes + [""] if notes else [])
+    head = ["arm", "n", "sequences", "mean delta", "95% CI, seeds (t)", "95% CI, seeds and text (t)", "bootstrap"]
+    return block(
+        f"Seeds and validation text together: the share of the mean delta's variance that each source carries "
+        f"(two-way random-effects estimates): the seeds, the text (which sequences were evaluated) and how the "
+        f"seeds' deltas differ by sequence; the 95% interval from that variance (t, the seeds' n - 1 degrees of "
+        f"freedom), beside the seeds-only t interval; and a two-way bootstrap's ({BOOTSTRAP_RESAMPLES:,} "
+        f"resamples of seeds and sequences, a fixed generator seed), which draws only from the seeds seen: "
+        f"at few seeds it is the narrower.",
+        table([*head, "share: seeds", "share: text", "share: seed x text"], rows),
+    ) + block(None, notes)
 
 
 def verdict_lines(comparisons, references):
@@ -404,14 +352,8 @@ def diverged_cells(arms, seeds, results):
 def diverged_lines(diverged):
     if not diverged:
         return []
-    return [
-        "**Diverged cells** (never in the statistics):",
-        "",
-        "| arm | seed | step | reason |",
-        "|---|---|---|---|",
-        *(table_row(d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])) for d in diverged),
-        "",
-    ]
+    rows = [[d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])] for d in diverged]
+    return block("**Diverged cells** (never in the statistics):", table(["arm", "seed", "step", "reason"], rows))
 
 
 # a rise between two consecutive evaluations after warmup that flags a cell: in the stored leaderboard grids (12 x 64,
@@ -438,21 +380,20 @@ def spikes(arms, seeds, logs, warmup, tuned_steps):
 
 
 def spike_lines(found, warmup, tuned_steps):
-    if not found:
-        return []
-    return [
+    head = (
         f"**Loss spikes**: a rise of more than {SPIKE_NATS:g} nats between two consecutive evaluations after the "
-        f"{warmup} warmup steps, in the validation loss or the training loss logged at those steps (well above the "
-        f"noise: in the stored leaderboard grids no other arm rose by more than 0.062); a spike past the tuning's "
-        f"{tuned_steps} steps is one its choice of rate never saw:"
-        if tuned_steps is not None
-        else f"**Loss spikes**: a rise of more than {SPIKE_NATS:g} nats between two consecutive evaluations after the "
-        f"{warmup} warmup steps, in the validation loss or the training loss logged at those steps:",
-        "",
-        *(
+        f"{warmup} warmup steps, in the validation loss or the training loss logged at those steps"
+    )
+    if tuned_steps is not None:
+        head += (
+            f" (well above the noise: in the stored leaderboard grids no other arm rose by more than 0.062); a spike "
+            f"past the tuning's {tuned_steps} steps is one its choice of rate never saw"
+        )
+    return block(
+        head + ":",
+        [
             f"- {md(d['arm'])}, seed {d['seed']}: {d['loss']} loss {fmt(d['rise'], '+.3f')} nats between steps "
             f"{d['steps'][0]} and {d['steps'][1]}" + (" (past the tuning's budget)" if d["past_tuning"] else "")
             for d in found
-        ),
-        "",
-    ]
+        ],
+    )

@@ -22,8 +22,6 @@ def fmt(x, spec="+.4f"):
 
 
 MARKUP = re.compile(r"[\\`*\[\]<>|#&~$]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")  # an inner_word's _ is no markup
-
-
 BLOCK_START = re.compile(r"^([0-9]{0,9})([-+=.)])")  # a list marker ("-", "1.") where text begins a list item
 
 
@@ -55,53 +53,6 @@ def file_stem(name):
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name[:40]) + "-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
 
 
-def table_row(name, *cells):
-    """A markdown table row: name (an arm, a task: text from files) escaped, cells already markdown."""
-    return "| " + " | ".join([md(name), *cells]) + " |"
-
-
-def interval(ci):
-    """A 95% interval as a table cell: [low, high], or undefined where either end is (no seeds to draw it from)."""
-    return "undefined" if any(map(undefined, ci)) else f"[{fmt(ci[0])}, {fmt(ci[1])}]"
-
-
-def statistics_cells(st):
-    """n, wins, mean, s.d., 95% CI and both p-values of paired_statistics, as markdown table cells; what is not
-    defined (no seed, one seed, identical deltas) is "undefined", said why under the table (identical_lines)."""
-    t_test = st["n"] > 1 and not st["identical"]
-    return [
-        str(st["n"]),
-        f"{st['wins']}/{st['n']}",
-        fmt(st["mean"]),
-        fmt(st["std"], ".4f"),
-        interval(st["ci95"]) if t_test else "undefined",
-        fmt(st["p_ttest"], ".3g") if t_test else "undefined",
-        fmt(st["p_sign"], ".3g"),
-    ]
-
-
-def identical_lines(statistics):
-    """A line per comparison ({name: paired_statistics}) whose statistics are not all defined, saying why: no paired
-    seed, one, or every seed the same delta."""
-
-    def why(st):
-        if st["n"] == 0:
-            return "no paired seed: its mean, s.d., interval and p-values are undefined (see the seeds left out)"
-        if st["n"] == 1:
-            return (
-                "1 paired seed: no s.d., so the t-test's p and interval are undefined; a sign test of one seed "
-                "cannot go below p = 1"
-            )
-        if st["identical"]:
-            return (
-                f"every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are undefined "
-                f"(s.d. 0), not p = 0; the sign test still counts"
-            )
-
-    lines = [f"- {md(name)}: {reason}" for name, st in statistics.items() if (reason := why(st))]
-    return lines + [""] if lines else []
-
-
 def strict(x):
     """x with every non-finite float as None: paired.json is strict JSON (an arm with one seed has no std)."""
     if isinstance(x, float):
@@ -113,33 +64,79 @@ def strict(x):
     return x
 
 
-def table_head(*columns):
-    """A markdown table's first two lines."""
-    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+def block(head, lines):
+    """A paragraph (head, unless None) and the lines under it (a list, a table), each followed by a blank line; []
+    where there are no lines."""
+    return ([head, ""] if head else []) + lines + [""] if lines else []
 
 
-STATISTICS = ("n", "wins", "{}", "std", "95% CI", "p (t-test)", "p (sign)")  # statistics_cells' columns
-
-
-def statistics_table(first, mean, rows, name=lambda row: row):
-    """A table of paired_statistics ({row: st}), the mean's column named mean, and why what is undefined is."""
-    return [
-        *table_head(first, *(c.format(mean) for c in STATISTICS)),
-        *(table_row(row, *statistics_cells(st)) for row, st in rows.items()),
-        "",
-        *identical_lines({name(row): st for row, st in rows.items()}),
-    ]
+def table(head, rows):
+    """A markdown table: head's columns, then rows of cells, all markdown but each row's first (an arm, a task: text
+    from files), escaped here."""
+    line = lambda cells: "| " + " | ".join(cells) + " |"
+    return [line(head), "|---" * len(head) + "|", *(line([md(name), *cells]) for name, *cells in rows)]
 
 
 def cell_table(arms, seeds, value, last=None):
-    """A table of one value per cell (value(arm, seed), already text) and, given last (a header and
-    last(arm)), a column after the seeds'."""
+    """A table of one value per cell (value(arm, seed), already text) and, given last (a header and last(arm)), a
+    column after the seeds'."""
     head, column = last or (None, None)
-    return [
-        *table_head("arm", *(f"seed {s}" for s in seeds), *([head] if last else [])),
-        *(table_row(arm, *(value(arm, s) for s in seeds), *([column(arm)] if last else [])) for arm in arms),
-        "",
-    ]
+    return table(
+        ["arm", *(f"seed {s}" for s in seeds), *([head] if last else [])],
+        ([arm, *(value(arm, s) for s in seeds), *([column(arm)] if last else [])] for arm in arms),
+    )
+
+
+def interval(ci):
+    """A 95% interval as a table cell: [low, high], or undefined where either end is (no seeds to draw it from)."""
+    return "undefined" if any(map(undefined, ci)) else f"[{fmt(ci[0])}, {fmt(ci[1])}]"
+
+
+def why_undefined(st):
+    """Why some of paired_statistics' st is undefined (no paired seed, one, or every seed the same delta), or None."""
+    if st["n"] == 0:
+        return "no paired seed: its mean, s.d., interval and p-values are undefined (see the seeds left out)"
+    if st["n"] == 1:
+        return (
+            "1 paired seed: no s.d., so the t-test's p and interval are undefined; a sign test of one seed "
+            "cannot go below p = 1"
+        )
+    if st["identical"]:
+        return (
+            f"every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are undefined "
+            f"(s.d. 0), not p = 0; the sign test still counts"
+        )
+    return None
+
+
+def statistics_table(first, mean, rows, name=lambda row: row, before=(), after=()):
+    """A table of paired_statistics ({row: st}): n, wins, the mean (its column named mean), s.d., 95% CI and both
+    p-values, between the (header, cell(st)) columns before and after; then why what is undefined is."""
+
+    def cells(st):
+        t_test = st["n"] > 1 and not st["identical"]
+        return [
+            *(cell(st) for _, cell in before),
+            str(st["n"]),
+            f"{st['wins']}/{st['n']}",
+            fmt(st["mean"]),
+            fmt(st["std"], ".4f"),
+            interval(st["ci95"]) if t_test else "undefined",
+            fmt(st["p_ttest"], ".3g") if t_test else "undefined",
+            fmt(st["p_sign"], ".3g"),
+            *(cell(st) for _, cell in after),
+        ]
+
+    head = (
+        [h for h, _ in before] + ["n", "wins", mean, "std", "95% CI", "p (t-test)", "p (sign)"] + [h for h, _ in after]
+    )
+    why = [f"- {md(name(row))}: {reason}" for row, st in rows.items() if (reason := why_undefined(st))]
+    return table([first, *head], ([row, *cells(st)] for row, st in rows.items())) + [""] + block(None, why)
+
+
+def seed_groups(groups):
+    """(value, seeds) pairs as 'seeds 0, 1: value; seed 2: value'."""
+    return "; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {v}" for v, g in groups)
 
 
 def per_seed(label, seeds, deltas):

@@ -6,7 +6,7 @@ grid's, choices at the edge of the rates tried and arms that did not train at th
 """
 
 from grid_files import TUNE_DIR, is_finite, is_seed, read_tuning, tuning_results
-from reporting.text import fmt, md, table_head, table_row
+from reporting.text import block, fmt, md, table
 
 
 def learning_rate_of(result):
@@ -33,9 +33,9 @@ def grid_cost(results):
 
 
 def tuning_lines(record, arms, results, cost):
-    """The report's tuning section: mean (s.d.) tuning-seed loss per arm and rate, the chosen rate in bold, each
-    choice's reason, the rates that did not finish, the tuning's cost beside the grid's; and notes (in the section
-    and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
+    """The report's tuning section under its title: mean (s.d.) tuning-seed loss per arm and rate, the chosen rate in
+    bold, each choice's reason, the rates that did not finish, the tuning's cost beside the grid's; and notes (in the
+    section and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
     rates = sorted({row["learning_rate"] for rows in record["table"].values() for row in rows.values()})
     text, seeds = record["tuning_text"], record["tune_seeds"]
     where = (
@@ -46,8 +46,6 @@ def tuning_lines(record, arms, results, cost):
         f"validation set is its first {record['test_tokens']:,})"
     )
     lines = [
-        "## Learning-rate tuning",
-        "",
         f"Each arm's learning rate was chosen before the compared seeds trained, on text they are not judged on: "
         f"every arm ran at each rate below on tuning seeds {', '.join(map(str, seeds))} (never a compared seed) "
         f"for {record['tune_iters']} of the {record['max_iters']} steps (the whole schedule in them, min_lr "
@@ -58,11 +56,8 @@ def tuning_lines(record, arms, results, cost):
         f"lowest mean; an exact tie goes to the smaller). The paired result below compares each arm at its own "
         f"chosen rate.",
         "",
-        "Mean (s.d.) final validation loss on the tuning seeds (the chosen rate in bold):",
-        "",
-        *table_head("arm", *(f"lr {r:g}" for r in rates)),
     ]
-    notes, unfinished = [], []
+    table_rows, notes, unfinished = [], [], []
     for arm, rows in record["table"].items():
         by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
         shown = [
@@ -73,27 +68,24 @@ def tuning_lines(record, arms, results, cost):
             else f"{fmt(by_rate[r]['mean'], '.4f')} ({fmt(by_rate[r]['sd'], '.4f')})"
             for r in rates
         ]
-        lines.append(table_row(arm, *(f"**{text}**" if r == chosen else text for r, text in zip(rates, shown))))
+        table_rows.append([arm, *(f"**{text}**" if r == chosen else text for r, text in zip(rates, shown))])
         unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in by_rate.items() if row["problem"]]
         if len(by_rate) > 1 and chosen in (min(by_rate), max(by_rate)):
             notes.append(
                 f"{arm}: the chosen rate {chosen:g} is the {'smallest' if chosen == min(by_rate) else 'largest'} "
                 f"tried; the best may lie beyond it (widen tune_learning_rates)"
             )
-    lines += [
-        "",
-        "Choices:",
-        "",
-        *(f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}" for arm, rate in record["choice"].items()),
-        "",
-    ]
-    if unfinished:
-        lines += [
-            "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
-            "",
-            *(f"- {md(line)}" for line in unfinished),
-            "",
-        ]
+    lines += block(
+        "Mean (s.d.) final validation loss on the tuning seeds (the chosen rate in bold):",
+        table(["arm", *(f"lr {r:g}" for r in rates)], table_rows),
+    )
+    lines += block(
+        "Choices:", [f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}" for arm, rate in record["choice"].items()]
+    )
+    lines += block(
+        "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
+        [f"- {md(line)}" for line in unfinished],
+    )
     grid = grid_cost(results)
     cells = lambda n: f"{n} cell{'s' * (n != 1)}"
     lines += [
@@ -111,7 +103,7 @@ def tuning_lines(record, arms, results, cost):
                 f"{arm}: trained at {', '.join(f'{r:g}' for r in sorted(trained))}, tune/choice.json chose "
                 f"{record['choice'][arm]:g}"
             )
-    return lines + [f"- {md(note)}" for note in notes] + ([""] if notes else []), notes
+    return lines + block(None, [f"- {md(note)}" for note in notes]), notes
 
 
 SUMMARY_KEYS = (
@@ -132,25 +124,22 @@ def tuning_section(out_dir, arms, results, config):
     choice.json, or a missing one of a grid its config.json says was tuned; or ([], None) for a grid of the frozen
     protocol."""
     record, why = read_tuning(out_dir)
+    title = ["## Learning-rate tuning", ""]
     if why:
-        return [
-            "## Learning-rate tuning",
-            "",
-            f"{TUNE_DIR}/choice.json: unreadable ({md(why)}); the arms' "
-            f"rates cannot be traced to a tuning: the learning rate column below is what each arm trained at.",
-            "",
-        ], dict(problem=why)
+        said = (
+            f"{TUNE_DIR}/choice.json: unreadable ({md(why)}); the arms' rates cannot be traced to a tuning: the "
+            f"learning rate column below is what each arm trained at."
+        )
+        return title + [said, ""], dict(problem=why)
     if record is None and config.get("tune_learning_rates"):
-        why = f"missing, though config.json records tune_learning_rates {config['tune_learning_rates']}"
-        return [
-            "## Learning-rate tuning",
-            "",
+        said = (
             f"This grid was tuned (config.json: tune_learning_rates {md(config['tune_learning_rates'])}), but "
             f"{TUNE_DIR}/choice.json is missing: the arms' rates cannot be traced to the tuning. Rerun the train.py "
             f"command that made the grid (the same config and flags, its out_dir this folder): it writes the choice "
-            f"again from the tuning cells in {TUNE_DIR}/, trains none that finished, and writes this report again.",
-            "",
-        ], dict(problem=why)
+            f"again from the tuning cells in {TUNE_DIR}/, trains none that finished, and writes this report again."
+        )
+        why = f"missing, though config.json records tune_learning_rates {config['tune_learning_rates']}"
+        return title + [said, ""], dict(problem=why)
     if record is None:
         return [], None
     cost = grid_cost(tuning_results(out_dir, record))
@@ -159,4 +148,4 @@ def tuning_section(out_dir, arms, results, config):
         arm: {f"{row['learning_rate']:g}": row[key] for row in rows.values()} for arm, rows in record["table"].items()
     }
     summary = {k: record[k] for k in SUMMARY_KEYS} | dict(notes=notes, mean=by_rate("mean"), sd=by_rate("sd"))
-    return lines, summary | dict(cost=dict(tuning=cost, grid=grid_cost(results)))
+    return title + lines, summary | dict(cost=dict(tuning=cost, grid=grid_cost(results)))
