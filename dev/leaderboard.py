@@ -414,8 +414,16 @@ def plan(scheme, grid, passed):
     base = train.DEFAULTS | settings
     given = configure(base, passed)
     why = []
-    if changes := records.described_changes(recorded.get("code"), records.code_record(), {*BASELINES, scheme}):
+    code = records.code_record()
+    if changes := records.described_changes(recorded.get("code"), code, {*BASELINES, scheme}):
         why.append(f"this code computes otherwise than {grid}'s ({changes})")
+    # what the report pairs on: a cell's shared-code fingerprint as recorded, which also moves with NOT_COMPUTING
+    elif {r.get("pairing", {}).get("code") for a in BASELINES for r in results(grid, a).values()} != {
+        records.code_fingerprints(code, scheme)[0]
+    }:
+        why.append(
+            "its baselines' cells record another shared-code fingerprint than this code's (what report.py pairs on)"
+        )
     here, there = this_machine(recorded["device"]), machines_of(grid, BASELINES)
     if there != [here]:
         why.append(f"this machine ({names([here])}) is not the one its baselines recorded ({names(there)})")

@@ -365,6 +365,18 @@ def test_add_passes_a_stop_signal_on_to_its_workers_and_says_how_to_go_on(tmp_pa
     assert signal.getsignal(signal.SIGTERM) == before, "this process's own handler restored"
 
 
+def test_add_trains_the_baselines_afresh_where_their_cells_record_another_pairing_fingerprint(stored, tmp_path, capsys):
+    """The definitions unchanged but the fingerprint the report pairs on not this code's (NOT_COMPUTING moved, say):
+    reusing the stored baselines would give a scheme the report refuses to pair with them."""
+    grid = str(tmp_path / "board")
+    shutil.copytree(stored, grid)
+    edit_json(os.path.join(grid, "standard", "seed1", "result.json"), lambda r: r["pairing"].update(code="0" * 64))
+    leaderboard.cli(["--add=gated", "--dry_run", grid])
+    out = capsys.readouterr().out
+    assert out.startswith("its baselines' cells record another shared-code fingerprint than this code's"), out
+    assert "--arms=standard,scaled_residual,gated" in out
+
+
 def test_add_refuses_a_scheme_not_registered_in_one_line(stored):
     with pytest.raises(SystemExit, match=r"--add=nope: no such scheme in model.RESIDUALS \(standard, attnres, "):
         leaderboard.cli(["--add=nope", stored])
