@@ -30,11 +30,10 @@ from common import DataError, Parser, remove_stale_temporaries, run, write_text
 from grid_files import grid_record, load_downstream, load_grid
 from reporting.cost import machine_lines, machine_of, machines, step_time, step_time_lines, wall_time_lines
 from reporting.downstream import downstream_comparison, downstream_lines
-from reporting.grid import BASELINES, beside, beside_lines, final_loss_lines, intro_lines, model_line, opening_lines
-from reporting.grid import shared_model
+from reporting.grid import BASELINES, beside, beside_lines, final_loss_lines, model_line, opening_lines, shared_model
 from reporting.paired import compare, comparison_lines, diverged_cells, diverged_lines, spike_lines, spikes
 from reporting.plots import cell_note, jsd_name, plots, routing_name
-from reporting.text import md, strict
+from reporting.text import block, md, strict
 from reporting.tuning import arm_learning_rates, tuning_section
 
 __all__ = ["main", "machine_of", "step_time"]  # dev/leaderboard.py reads a cell's machine and step time as here
@@ -83,11 +82,6 @@ def references_of(given, arms):
     return references
 
 
-def output_names(arms, cell):
-    """Every file report.py may write into out_dir for these arms and this cell."""
-    return ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *map(jsd_name, arms), routing_name(cell)]
-
-
 def parse_cell(text, arms, seeds, results, logs):
     """--cell=arm/seedK as (arm, seed), or one error line."""
     match = re.fullmatch(r"(.+)/seed([0-9]+)", text)
@@ -119,29 +113,24 @@ def main(argv):
         if args.cell
         else (arms[-1], (first["paired_seeds"][arms[-1]] or seeds or [0])[0])
     )
-    for name in output_names(arms, cell):  # before anything is written: a folder there would stop the report half way
+    written = ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *map(jsd_name, arms), routing_name(cell)]
+    for name in written:  # before anything is written: a folder there would stop the report half way
         if os.path.isdir(path := os.path.join(args.out_dir, name)):
             raise DataError(f"{path} is a folder, where report.py writes its {name}; move or delete it")
     diverged, config = diverged_cells(arms, seeds, results), grid_record(args.out_dir)
-    lines = intro_lines(args.out_dir, references) + opening_lines(arms, references, results, comparisons, config)
-    model, differ = shared_model(results) if results else ({}, [])
+    lines = opening_lines(args.out_dir, arms, references, results, comparisons, config)
+    model, differ = shared_model(results)
     if results:
         lines += [md(model_line(model, differ)), ""]
     section, tuning = tuning_section(args.out_dir, arms, results, config)
-    lines += section
-    lines += final_loss_lines(arms, seeds, results)
     ran_on = machines(arms, seeds, results)
-    lines += machine_lines(ran_on)
+    lines += section + final_loss_lines(arms, seeds, results) + machine_lines(ran_on)
     for i, ref in enumerate(references):
         lines += comparison_lines(ref, comparisons[ref], references[:i], args.effect)
     side = args.beside and beside(args.out_dir, args.beside, comparisons)
-    if side:
-        lines += beside_lines(side)
-    lines += diverged_lines(diverged)
-    warmup, tuned_steps = (
-        config.get("warmup_iters") or 0,
-        config.get("tune_learning_rates") and config.get("tune_iters"),
-    )
+    lines += (beside_lines(side) if side else []) + diverged_lines(diverged)
+    warmup = config.get("warmup_iters") or 0
+    tuned_steps = config.get("tune_learning_rates") and config.get("tune_iters")
     spiked = spikes(arms, seeds, logs, warmup, tuned_steps)
     lines += spike_lines(spiked, warmup, tuned_steps)
     downstream, problems, downstream_notes = load_downstream(args.out_dir, results)
@@ -160,8 +149,7 @@ def main(argv):
     if any(t is not None for t in wall.values()):
         lines += wall_time_lines(arms, seeds, wall)
     lines += step_time_lines(arms, seeds, logs, references[0], results)
-    if notes:
-        lines += ["Skipped:", "", *(f"- {md(n)}" for n in notes), ""]
+    lines += block("Skipped:", [f"- {md(n)}" for n in notes])
     if args.cell:
         lines += cell_note(cell, arms, seeds, logs)
     summary = "\n".join(lines)
@@ -170,34 +158,25 @@ def main(argv):
     write_text(os.path.join(args.out_dir, "report.md"), "\n".join(lines))
     core = downstream and {f"{a}/seed{s}": r["core"] for (a, s), r in downstream.items()}
     # reference and arms (and downstream's arms): the first reference's, as a report of one reference writes them
-    write_text(
-        os.path.join(args.out_dir, "paired.json"),
-        json.dumps(
-            strict(
-                dict(
-                    reference=references[0],
-                    references=references,
-                    model=dict(model, differing=differ),
-                    arms=first["paired"],
-                    by_reference={
-                        ref: dict(arms=c["paired"], downstream=compared and compared[ref])
-                        for ref, c in comparisons.items()
-                    },
-                    diverged=diverged,
-                    spikes=spiked,
-                    downstream=compared and dict(core=core, arms=compared[references[0]]),
-                    tuning=tuning,
-                    learning_rates={arm: arm_learning_rates(results, arm) for arm in arms},
-                    wall_time_s=wall,
-                    machines=ran_on,
-                    beside=side,
-                    skipped=notes,
-                )
-            ),
-            indent=1,
-            allow_nan=False,
-        ),
+    paired = dict(
+        reference=references[0],
+        references=references,
+        model=dict(model, differing=differ),
+        arms=first["paired"],
+        by_reference={
+            ref: dict(arms=c["paired"], downstream=compared and compared[ref]) for ref, c in comparisons.items()
+        },
+        diverged=diverged,
+        spikes=spiked,
+        downstream=compared and dict(core=core, arms=compared[references[0]]),
+        tuning=tuning,
+        learning_rates={arm: arm_learning_rates(results, arm) for arm in arms},
+        wall_time_s=wall,
+        machines=ran_on,
+        beside=side,
+        skipped=notes,
     )
+    write_text(os.path.join(args.out_dir, "paired.json"), json.dumps(strict(paired), indent=1, allow_nan=False))
     print(summary)
 
 

@@ -3,12 +3,10 @@ What a result cost and where it ran: the machines the cells recorded, each cell'
 step time over the reference's in the same grid.
 """
 
-import json
-
 import numpy as np
 
 from grid_files import is_finite
-from reporting.text import block, cell_table, md
+from reporting.text import block, cell_table, distinct, md
 
 
 def machine_of(result):
@@ -26,13 +24,13 @@ def machines(arms, seeds, results):
     """The machines the cells ran on (each once) and, per seed whose cells ran on more than one, each cell's:
     they pair (another machine rounds differently; it computes the same thing), but their deltas carry rounding."""
     recorded = {(a, s): m for a in arms for s in seeds if (r := results.get((a, s))) and (m := machine_of(r))}
-    distinct = list({json.dumps(m, sort_keys=True): m for m in recorded.values()}.values())
+    each = distinct(recorded.values())
     several = {}
     for s in seeds:
         cells = {a: m for (a, seed), m in recorded.items() if seed == s}
-        if len({json.dumps(m, sort_keys=True) for m in cells.values()}) > 1:
-            several[s] = {a: distinct.index(m) for a, m in cells.items()}
-    return dict(machines=distinct, seeds_on_several=several)
+        if len(distinct(cells.values())) > 1:
+            several[s] = {a: each.index(m) for a, m in cells.items()}
+    return dict(machines=each, seeds_on_several=several)
 
 
 def machine_lines(summary):
@@ -78,7 +76,7 @@ def step_time_lines(arms, seeds, logs, reference, results):
     if all(t is None for t in times.values()):
         return []
     logged = lambda a, s: times[a, s] and times.get((reference, s))
-    apart, used, ratios = {}, set(), {}
+    apart, used, ratios = {}, [], {}
     for arm in arms:
         both = []
         for s in seeds:
@@ -89,7 +87,7 @@ def step_time_lines(arms, seeds, logs, reference, results):
                 apart.setdefault(arm, []).append(s)
                 continue
             both.append(times[arm, s] / times[reference, s])
-            used.add(json.dumps(there, sort_keys=True))
+            used.append(there)
         ratios[arm] = f"{np.mean(both):.2f}" if both else "-"
     ms = lambda a, s: "-" if times[a, s] is None else f"{times[a, s]:.1f}"
     notes = [
@@ -98,7 +96,8 @@ def step_time_lines(arms, seeds, logs, reference, results):
         "other to price it."
         for arm, left in apart.items()
     ]
-    notes += [f"The ratios come from {len(used)} machines (each seed's two cells on one)."] if len(used) > 1 else []
+    if len(used := distinct(used)) > 1:
+        notes.append(f"The ratios come from {len(used)} machines (each seed's two cells on one).")
     return block(
         f"Training step time (ms/step, each cell's logged intervals but the first; ratio: the mean over seeds of "
         f"the arm's over {md(reference)}'s, measured in this grid):",

@@ -10,7 +10,7 @@ from common import DataError
 from grid_files import described, grid_record, is_seed, read_paired
 from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS, POWER
 from reporting.paired import divergence, shorten, verdict_lines
-from reporting.text import block, cell_table, fmt, interval, md, table
+from reporting.text import block, cell_table, distinct, fmt, interval, md, table
 from reporting.tuning import arm_learning_rates
 
 BASELINES = ("standard", "scaled_residual")  # by default every arm named after a baseline scheme is a reference
@@ -103,11 +103,6 @@ def size_cells(result, config):
     return [f"{c:,}" if is_seed(c) else "not recorded" for c in counts[:2]] + [flops]
 
 
-def recorded_values(results, read):
-    """The distinct values read(result) gives over the counted cells (None where a cell records none), in order."""
-    return [json.loads(v) for v in dict.fromkeys(json.dumps(read(r), sort_keys=True) for r in results.values())]
-
-
 def validation_words(described):
     """A cell's record of its validation text (records.ValidationText.described) in words, each document read named
     where the cell recorded them (cells made before that record are counted, never named from a data_dir as it is
@@ -155,21 +150,21 @@ def data_lines(results, config):
     """The data the cells were trained and evaluated on, as their records say: corpus, tokens trained, the
     validation text; and the code commit."""
     record = lambda r: r.get("config") if isinstance(r.get("config"), dict) else config
-    field = lambda key: lambda r: record(r).get(key)
+    recorded = lambda read: distinct(map(read, results.values()))  # each value the cells record (None: not)
+    field = lambda key: recorded(lambda r: record(r).get(key))
     said = lambda key: "; ".join(
         "not recorded" if v is None else md(v if isinstance(v, str) else json.dumps(v, sort_keys=True))
-        for v in recorded_values(results, field(key))
+        for v in field(key)
     )
-    shards = ", ".join(md(str(v)[:12]) for v in recorded_values(results, field("train_data_sha256")) if v is not None)
-    trained = recorded_values(results, lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
+    shards = ", ".join(md(str(v)[:12]) for v in field("train_data_sha256") if v is not None)
+    trained = recorded(lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
     tokens = ", ".join("not recorded" if v is None else f"{v:,}" for v in trained)
-    evaluated = recorded_values(
-        results,
+    evaluated = recorded(
         lambda r: [
             (r.get("pairing") or {}).get("eval_tokens"),
             len(r["val_sequence_losses"]) if isinstance(r.get("val_sequence_losses"), list) else None,
             (r.get("pairing") or {}).get("val_hash"),
-        ],
+        ]
     )
     validation = "; ".join(
         f"{'not recorded' if n is None else f'{n:,} tokens'} of the validation shard evaluated"
@@ -177,12 +172,11 @@ def data_lines(results, config):
         + (f", val_hash {str(h)[:12]}" if h else "")
         for n, m, h in evaluated
     )
-    described = recorded_values(results, lambda r: r.get("validation"))
+    described = recorded(lambda r: r.get("validation"))
     if any(isinstance(d, dict) for d in described):  # what the text was, where the cells record it
         validation += "; " + "; ".join(validation_words(d) for d in newest(described))
-    commits = recorded_values(
-        results,
-        lambda r: [((r.get("code") or record(r).get("code") or {}).get(k)) for k in ("git_commit", "git_dirty")],
+    commits = recorded(
+        lambda r: [((r.get("code") or record(r).get("code") or {}).get(k)) for k in ("git_commit", "git_dirty")]
     )
     code = "; ".join(
         "not recorded" if not c else f"git commit {c[:12]}" + (", plus uncommitted edits" if dirty else "")
@@ -198,8 +192,11 @@ def data_lines(results, config):
     ]
 
 
-def intro_lines(out_dir, references):
-    return [
+def opening_lines(out_dir, arms, references, results, comparisons, config):
+    """What the report compared, first: the references and what a delta is; a grid without a baseline arm says so;
+    each arm's settings that differ from its reference, its size and FLOPs; the data and the code; one verdict per
+    pair."""
+    lines = [
         f"# Paired report: {md(out_dir)}",
         "",
         f"Reference arm{'s' if len(references) > 1 else ''}: {', '.join(map(md, references))}. "
@@ -208,12 +205,6 @@ def intro_lines(out_dir, references):
         f"pairing records agree.",
         "",
     ]
-
-
-def opening_lines(arms, references, results, comparisons, config):
-    """What the report compared, first: a grid without a baseline arm says so; each arm's settings that differ from
-    its reference, its size and FLOPs; the data and the code; one verdict per pair."""
-    lines = []
     if not any(arm in BASELINES for arm in arms):
         lines += [
             f"**No baseline arm**: none of the arms is a baseline scheme ({', '.join(BASELINES)}); every delta "
@@ -221,30 +212,21 @@ def opening_lines(arms, references, results, comparisons, config):
             "",
         ]
     head = ["arm", "settings that differ from its reference (the reference's)", "parameters", "non-embedding"]
-    rows = [
-        [
-            arm,
-            "(the reference)" if arm == references[0] else md(differing_settings(results, config, arm, references[0])),
-        ]
-        + size_cells(recorded_cell(results, arm), config)
-        for arm in arms
-    ]
+    ref = references[0]
+    differ = lambda arm: "(the reference)" if arm == ref else md(differing_settings(results, config, arm, ref))
+    rows = [[arm, differ(arm), *size_cells(recorded_cell(results, arm), config)] for arm in arms]
     lines += [*table([*head, "active FLOPs per token (training)"], rows), ""]
     lines += data_lines(results, config) if results else []
-    if verdicts := verdict_lines(comparisons, references):
-        lines += [
-            f"Verdicts (ahead: the 95% interval of the mean delta below 0; behind: above; else not detectable "
-            f"at this size). One interval is quoted: the t interval over seeds and text (the seeds' t interval "
-            f"where the cells record no per-sequence losses); the two-way bootstrap only from "
-            f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds, where it is calibrated (below, it draws from too few seeds "
-            f"and its interval is too narrow). That interval alone decides the verdict, not the seeds' t-test p in "
-            f"the tables below, which leaves the text's variance out (the two can disagree); 'detects' is the "
-            f"smallest mean delta the quoted interval tells from 0 with power {POWER:g}:",
-            "",
-            *verdicts,
-            "",
-        ]
-    return lines
+    return lines + block(
+        f"Verdicts (ahead: the 95% interval of the mean delta below 0; behind: above; else not detectable "
+        f"at this size). One interval is quoted: the t interval over seeds and text (the seeds' t interval "
+        f"where the cells record no per-sequence losses); the two-way bootstrap only from "
+        f"{BOOTSTRAP_CALIBRATED_SEEDS} seeds, where it is calibrated (below, it draws from too few seeds "
+        f"and its interval is too narrow). That interval alone decides the verdict, not the seeds' t-test p in "
+        f"the tables below, which leaves the text's variance out (the two can disagree); 'detects' is the "
+        f"smallest mean delta the quoted interval tells from 0 with power {POWER:g}:",
+        verdict_lines(comparisons, references),
+    )
 
 
 def final_loss_lines(arms, seeds, results):
@@ -276,12 +258,9 @@ def beside(out_dir, other, comparisons):
     rows = []
     for reference, comparison in comparisons.items():
         there = (by_reference.get(reference) or {}).get("arms") or {}
-        rows += [
-            dict(
-                arm=arm, reference=reference, here=here, there=there[arm] if isinstance(there.get(arm), dict) else None
-            )
-            for arm, here in comparison["paired"].items()
-        ]
+        for arm, here in comparison["paired"].items():
+            st = there.get(arm) if isinstance(there.get(arm), dict) else None
+            rows.append(dict(arm=arm, reference=reference, here=here, there=st))
     arms = dict.fromkeys(a for row in rows for a in (row["reference"], row["arm"]))
     return dict(
         out_dir=other,

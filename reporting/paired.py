@@ -19,15 +19,8 @@ import numpy as np
 from scipy import stats
 
 from grid_files import ABSENT_MEANS, as_compared, close, is_finite
-from paired_stats import ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER
-from paired_stats import (
-    interval_detects,
-    paired_statistics,
-    perplexity_change,
-    power_analysis,
-    text_uncertainty,
-    verdict,
-)
+from paired_stats import ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, verdict
+from paired_stats import interval_detects, paired_statistics, perplexity_change, power_analysis, text_uncertainty
 from reporting.text import block, fmt, interval, md, per_seed, seed_groups, statistics_table, table, undefined
 
 MISSING = object()  # a pairing key one cell does not record
@@ -318,17 +311,11 @@ def verdict_lines(comparisons, references):
     for reference in references:
         for arm, st in comparisons[reference]["paired"].items():
             word, ci, what = verdict(st)
+            mean = f"mean delta {fmt(st['mean'])} nats"
+            said = f"{mean}, 95% CI {interval(ci)} ({what})" if ci else what if st["n"] == 0 else f"{mean} ({what})"
             detects = interval_detects(ci, st["n"])
             lines.append(
-                f"- {md(arm)} against {md(reference)}: **{word}**: "
-                + (
-                    f"mean delta {fmt(st['mean'])} nats, 95% CI {interval(ci)} ({what}), "
-                    if ci
-                    else f"{what}, "
-                    if st["n"] == 0
-                    else f"mean delta {fmt(st['mean'])} nats ({what}), "
-                )
-                + f"{st['wins']}/{st['n']} seeds in favour"
+                f"- {md(arm)} against {md(reference)}: **{word}**: {said}, {st['wins']}/{st['n']} seeds in favour"
                 + (f"; this interval detects {detects:.4f} nats (power {POWER:g})" if detects else "")
             )
     return lines

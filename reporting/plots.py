@@ -31,6 +31,15 @@ def plots(out_dir, arms, comparisons, logs, cell):
     except ImportError:
         return []
     figures = []
+
+    def save(fig, name, title):
+        fig.tight_layout()
+        try:
+            write_atomic(os.path.join(out_dir, name), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+        finally:
+            plt.close(fig)
+        figures.append((title, name))
+
     # validation loss against tokens over each arm's paired seeds: all of training, and its second half zoomed in
     # (the early drop from ln(vocab) would otherwise squash the arms into one line)
     paired_seeds = next(iter(comparisons.values()))["paired_seeds"]  # each arm's seeds paired with the first reference
@@ -43,6 +52,7 @@ def plots(out_dir, arms, comparisons, logs, cell):
             for arm, (tokens, values) in val.items():
                 (line,) = ax.plot(tokens, values.mean(0), label=f"{plot_text(arm)} (n={len(values)})")
                 ax.fill_between(tokens, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
+            ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)")
         late = np.concatenate([v[:, t >= half].ravel() for t, v in val.values()])
         late = late[np.isfinite(late)]  # a non-finite evaluation would make the limits NaN
         axes[1].set(xlim=(half, None), title="second half of training")
@@ -50,17 +60,8 @@ def plots(out_dir, arms, comparisons, logs, cell):
             pad = 0.05 * (late.max() - late.min()) or 0.01
             axes[1].set(ylim=(late.min() - pad, late.max() + pad))
         axes[0].set(title="validation loss")
-        for ax in axes:
-            ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)")
         axes[0].legend()
-        figures.append(
-            save(
-                fig,
-                out_dir,
-                "val_loss.png",
-                "Validation loss against tokens (mean, min-max band over each arm's paired seeds)",
-            )
-        )
+        save(fig, "val_loss.png", "Validation loss against tokens (mean, min-max band over each arm's paired seeds)")
     # paired delta against each reference at every evaluation: a row per reference, a panel per arm
     shown = {
         ref: {arm: c for arm, c in comparison["curves"].items() if len(c["tokens"])}
@@ -75,48 +76,30 @@ def plots(out_dir, arms, comparisons, logs, cell):
                 ax.plot(c["tokens"], c["mean"], marker=".")
                 ax.fill_between(c["tokens"], c["ci95_low"], c["ci95_high"], alpha=0.25)
                 ax.axhline(0, color="black", linewidth=0.8)
-                ax.set(
-                    xlabel="training tokens",
-                    ylabel="delta NLL (nats/token)",
-                    title=f"{plot_text(arm)} - {plot_text(reference)} (n={c['n']})",
-                )
+                title = f"{plot_text(arm)} - {plot_text(reference)} (n={c['n']})"
+                ax.set(xlabel="training tokens", ylabel="delta NLL (nats/token)", title=title)
             for ax in row[len(curves) :]:
                 ax.axis("off")
         against = next(iter(shown)) if len(shown) == 1 else f"reference), a row per reference ({', '.join(shown)}"
-        figures.append(
-            save(
-                fig,
-                out_dir,
-                "delta_curve.png",
-                f"Paired delta NLL(arm) - NLL({against}) during training (mean, 95% t-interval)",
-            )
-        )
+        save(fig, "delta_curve.png", f"Paired delta NLL(arm) - NLL({against}) during training (mean, 95% t-interval)")
     # QK/V Jensen-Shannon divergence per layer over training, for arms with a value route
     arm, seed = cell
     for jsd_arm in arms:
-        records = [
-            r
-            for r in logs.get((jsd_arm, seed), [])
-            if (r.get("routing") or {}).get("qk_v_jsd") and r.get("tokens") is not None
-        ]
+        log = logs.get((jsd_arm, seed), [])
+        records = [r for r in log if (r.get("routing") or {}).get("qk_v_jsd") and r.get("tokens") is not None]
         if not records:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for layer in records[0]["routing"]["qk_v_jsd"]:  # a layer a later record lacks is a gap, not an error
-            ax.plot(
-                [r["tokens"] for r in records],
-                [r["routing"]["qk_v_jsd"].get(layer, np.nan) for r in records],
-                label=f"layer {plot_text(layer)}",
-            )
+            jsd = [r["routing"]["qk_v_jsd"].get(layer, np.nan) for r in records]
+            ax.plot([r["tokens"] for r in records], jsd, label=f"layer {plot_text(layer)}")
         ax.set(
             xlabel="training tokens",
             ylabel="JSD (nats)",
             title=f"{plot_text(jsd_arm)} seed{seed}: QK vs V depth routes",
         )
         ax.legend(fontsize=7, ncol=2)
-        figures.append(
-            save(fig, out_dir, jsd_name(jsd_arm), f"{jsd_arm}: QK/V Jensen-Shannon divergence per layer over training")
-        )
+        save(fig, jsd_name(jsd_arm), f"{jsd_arm}: QK/V Jensen-Shannon divergence per layer over training")
     # depth-weight heatmaps of one cell's final evaluation, one panel per route (a read's name without its layer)
     final = [r for r in logs.get((arm, seed), []) if (r.get("routing") or {}).get("weights")]
     if final:
@@ -134,19 +117,8 @@ def plots(out_dir, arms, comparisons, logs, cell):
             ax.set_yticks(range(len(rows)), [plot_text(n) for n, _ in rows], fontsize=6)
             ax.set_xticks(range(width))
             fig.colorbar(image, ax=ax)
-        figures.append(save(fig, out_dir, routing_name(cell), f"Depth weights of {arm} seed{seed} at the end"))
+        save(fig, routing_name(cell), f"Depth weights of {arm} seed{seed} at the end")
     return figures
-
-
-def save(fig, out_dir, name, title):
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    try:
-        write_atomic(os.path.join(out_dir, name), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    finally:
-        plt.close(fig)
-    return title, name
 
 
 def cell_note(cell, arms, seeds, logs):

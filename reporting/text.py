@@ -3,6 +3,7 @@ The report's words: numbers, text from files as inert markdown or plot text, fil
 """
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -51,6 +52,11 @@ def file_stem(name):
     if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
         return name
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name[:40]) + "-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+
+
+def distinct(values):
+    """values, each once (once as JSON: a dict in any key order), in order of first appearance."""
+    return list({json.dumps(v, sort_keys=True): v for v in values}.values())
 
 
 def strict(x):
