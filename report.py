@@ -137,18 +137,11 @@ def main(argv):
     notes += downstream_notes
     compared = None
     if downstream or problems:
-        compared = {
-            ref: {
-                arm: downstream_comparison(ref, arm, c["paired_seeds"][arm], results, downstream, problems)
-                for arm in c["others"]
-            }
-            for ref, c in comparisons.items()
-        }
+        pair = lambda ref, arm, seeds: downstream_comparison(ref, arm, seeds, results, downstream, problems)
+        compared = {ref: {a: pair(ref, a, c["paired_seeds"][a]) for a in c["others"]} for ref, c in comparisons.items()}
         lines += downstream_lines(arms, seeds, downstream, problems, compared)
     wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
-    if any(t is not None for t in wall.values()):
-        lines += wall_time_lines(arms, seeds, wall)
-    lines += step_time_lines(arms, seeds, logs, references[0], results)
+    lines += wall_time_lines(arms, seeds, wall) + step_time_lines(arms, seeds, logs, references[0], results)
     lines += block("Skipped:", [f"- {md(n)}" for n in notes])
     if args.cell:
         lines += cell_note(cell, arms, seeds, logs)

@@ -53,6 +53,8 @@ def machine_lines(summary):
 
 
 def wall_time_lines(arms, seeds, wall):
+    if all(t is None for t in wall.values()):
+        return []
     cell = lambda arm, s: "-" if (t := wall.get(f"{arm}/seed{s}")) is None else f"{t:.0f}"
     total = lambda arm: f"{sum(wall.get(f'{arm}/seed{s}') or 0 for s in seeds):.0f}"
     return block(

@@ -42,52 +42,40 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
     record = lambda a, s: evaluation(downstream[a, s])
     left_out = {s: r for s in seeds if (r := unpaired_reason(reference, arm, s, problem, record))}
     paired = [s for s in seeds if s not in left_out]
-    core = paired_statistics([downstream[arm, s]["core"] - downstream[reference, s]["core"] for s in paired], True)
+    # arm - reference of read(a cell's downstream.json) over seeds; bits per byte: lower is better
+    delta = lambda seeds, read, higher_is_better=False: paired_statistics(
+        [read(downstream[arm, s]) - read(downstream[reference, s]) for s in seeds], higher_is_better
+    )
     with_bits = [s for s in paired if "bits_per_byte" in downstream[reference, s]]  # both or neither (scoring_code)
-    bits = paired_statistics(
-        [downstream[arm, s]["bits_per_byte"] - downstream[reference, s]["bits_per_byte"] for s in with_bits]
-    ) | dict(seeds=with_bits)  # lower is better
     tasks = {}
     for label in dict.fromkeys(label for s in paired for label in downstream[reference, s]["tasks"]):
         with_task = [s for s in paired if label in downstream[reference, s]["tasks"]]
-        of = {a: [downstream[a, s]["tasks"][label] for s in with_task] for a in (reference, arm)}
-        st = paired_statistics([t["accuracy"] - r["accuracy"] for t, r in zip(of[arm], of[reference])], True)
-        kinds = dict.fromkeys(t["icl_task_type"] for t in of[reference])
-        tasks[label] = dict(
-            st, seeds=with_task, icl_task_type=" / ".join(kinds), items=sorted({t["items"] for t in of[reference]})
-        )
-        if all("bits_per_byte" in t for t in of[reference]):
-            tasks[label]["bits_per_byte"] = paired_statistics(
-                [t["bits_per_byte"] - r["bits_per_byte"] for t, r in zip(of[arm], of[reference])]
-            )
-    groups = {}
-    for s in paired:
-        record = downstream[reference, s]
-        groups.setdefault(
-            f"bundle {record['bundle_sha256'][:12]}, {sum(t['items'] for t in record['tasks'].values())} "
-            f"items, scoring code {str(record.get('scoring_code'))[:12]}, {record.get('dtype')}",
-            [],
-        ).append(s)
+        theirs = [downstream[reference, s]["tasks"][label] for s in with_task]
+        kinds = " / ".join(dict.fromkeys(t["icl_task_type"] for t in theirs))
+        st = delta(with_task, lambda d: d["tasks"][label]["accuracy"], True)
+        tasks[label] = dict(st, seeds=with_task, icl_task_type=kinds, items=sorted({t["items"] for t in theirs}))
+        if all("bits_per_byte" in t for t in theirs):
+            tasks[label]["bits_per_byte"] = delta(with_task, lambda d: d["tasks"][label]["bits_per_byte"])
+    evaluated = lambda s: (
+        f"bundle {downstream[reference, s]['bundle_sha256'][:12]}, "
+        f"{sum(t['items'] for t in downstream[reference, s]['tasks'].values())} items, scoring code "
+        f"{str(downstream[reference, s].get('scoring_code'))[:12]}, {downstream[reference, s].get('dtype')}"
+    )
+    mixed = seed_groups(paired, evaluated)
     return dict(
         seeds=paired,
         left_out=[dict(seed=s, reason=r) for s, r in left_out.items()],
-        mixed_evaluations=[seed_groups(groups.items())] if len(groups) > 1 else [],
-        core=core,
-        bits_per_byte=bits,
+        mixed_evaluations=[mixed] if mixed else [],
+        core=delta(paired, lambda d: d["core"], True),
+        bits_per_byte=delta(with_bits, lambda d: d["bits_per_byte"]) | dict(seeds=with_bits),
         tasks=tasks,
     )
 
 
 def downstream_lines(arms, seeds, downstream, problems, compared):
     """The report's downstream section: CORE per cell, then against each reference (compared: {reference: {arm:
-    downstream_comparison}}) each arm's CORE and task accuracy deltas."""
-    core = lambda arm, s: (
-        fmt(downstream[arm, s]["core"], ".4f")
-        if (arm, s) in downstream
-        else "unreadable"
-        if (arm, s) in problems
-        else "-"
-    )
+    downstream_comparison}}) the seeds left out and each arm's CORE, bits per byte and task deltas."""
+    core = {cell: "unreadable" for cell in problems} | {cell: fmt(d["core"], ".4f") for cell, d in downstream.items()}
     lines = [
         "## Downstream tasks",
         "",
@@ -97,38 +85,36 @@ def downstream_lines(arms, seeds, downstream, problems, compared):
         "the seeds paired above, a seed counts when both cells' downstream.json are of their final step and of "
         "one evaluation (task bundle, scoring code, precision, tasks and items).",
         "",
-        *block("CORE per cell:", cell_table(arms, seeds, core)),
+        *block("CORE per cell:", cell_table(arms, seeds, lambda a, s: core.get((a, s), "-"))),
     ]
-    for reference, against in compared.items():
-        if against:
-            lines += [f"**Against {md(reference)}**:", "", *downstream_comparison_lines(reference, against)]
-    return lines
-
-
-def downstream_comparison_lines(reference, compared):
-    """One reference's part of the downstream section: the seeds left out, CORE deltas, task accuracy deltas."""
-    lines = block(
-        "**Downstream seeds left out** (of this section only):",
-        [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, c in compared.items() for d in c["left_out"]],
-    )
-    lines += statistics_table("arm", "mean CORE delta", {arm: c["core"] for arm, c in compared.items()})
-    lines += [
-        per_seed(f"Per-seed CORE deltas, {md(arm)}", c["seeds"], c["core"]["deltas"]) for arm, c in compared.items()
-    ]
-    lines.append("")
-    if bits := {arm: c["bits_per_byte"] for arm, c in compared.items() if c["bits_per_byte"]["n"]}:
-        lines += statistics_table("arm", "mean bits-per-byte delta", bits, lambda arm: f"{arm}, bits per byte")
-    lines += block(
-        "**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
-        "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:",
-        [f"- {md(arm)}: {md(note)}" for arm, c in compared.items() for note in c["mixed_evaluations"]],
-    )
     kind = ("type", lambda t: md(t["icl_task_type"])), ("items", lambda t: ", ".join(map(str, t["items"])))
-    for arm, c in compared.items():
-        if c["tasks"]:
-            lines += [f"Task accuracy, {md(arm)} - {md(reference)}:", ""]
-            lines += statistics_table("task", "mean delta", c["tasks"], lambda label: f"{arm}, {label}", before=kind)
-        if bits := {label: t["bits_per_byte"] for label, t in c["tasks"].items() if "bits_per_byte" in t}:
-            lines += [f"Task bits per byte, {md(arm)} - {md(reference)} (lower is better):", ""]
-            lines += statistics_table("task", "mean delta", bits, lambda label: f"{arm}, {label} bits per byte")
+    for reference, against in compared.items():
+        if not against:
+            continue
+        lines += [f"**Against {md(reference)}**:", ""]
+        lines += block(
+            "**Downstream seeds left out** (of this section only):",
+            [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, c in against.items() for d in c["left_out"]],
+        )
+        lines += statistics_table("arm", "mean CORE delta", {arm: c["core"] for arm, c in against.items()})
+        lines += [
+            per_seed(f"Per-seed CORE deltas, {md(arm)}", c["seeds"], c["core"]["deltas"]) for arm, c in against.items()
+        ]
+        lines.append("")
+        if bits := {arm: c["bits_per_byte"] for arm, c in against.items() if c["bits_per_byte"]["n"]}:
+            lines += statistics_table("arm", "mean bits-per-byte delta", bits, lambda arm: f"{arm}, bits per byte")
+        lines += block(
+            "**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
+            "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:",
+            [f"- {md(arm)}: {md(note)}" for arm, c in against.items() for note in c["mixed_evaluations"]],
+        )
+        for arm, c in against.items():
+            if c["tasks"]:
+                lines += [f"Task accuracy, {md(arm)} - {md(reference)}:", ""]
+                lines += statistics_table(
+                    "task", "mean delta", c["tasks"], lambda label: f"{arm}, {label}", before=kind
+                )
+            if bits := {label: t["bits_per_byte"] for label, t in c["tasks"].items() if "bits_per_byte" in t}:
+                lines += [f"Task bits per byte, {md(arm)} - {md(reference)} (lower is better):", ""]
+                lines += statistics_table("task", "mean delta", bits, lambda label: f"{arm}, {label} bits per byte")
     return lines

@@ -159,13 +159,9 @@ def data_lines(results, config):
     shards = ", ".join(md(str(v)[:12]) for v in field("train_data_sha256") if v is not None)
     trained = recorded(lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
     tokens = ", ".join("not recorded" if v is None else f"{v:,}" for v in trained)
-    evaluated = recorded(
-        lambda r: [
-            (r.get("pairing") or {}).get("eval_tokens"),
-            len(r["val_sequence_losses"]) if isinstance(r.get("val_sequence_losses"), list) else None,
-            (r.get("pairing") or {}).get("val_hash"),
-        ]
-    )
+    pairing = lambda r: r.get("pairing") or {}
+    sequences = lambda r: len(r["val_sequence_losses"]) if isinstance(r.get("val_sequence_losses"), list) else None
+    evaluated = recorded(lambda r: [pairing(r).get("eval_tokens"), sequences(r), pairing(r).get("val_hash")])
     validation = "; ".join(
         f"{'not recorded' if n is None else f'{n:,} tokens'} of the validation shard evaluated"
         + (f", {m} sequences" if m else "")

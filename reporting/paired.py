@@ -91,14 +91,12 @@ def mixed_versions(results, arms, seeds):
         return {f"settings.{k}": old for k, old in ABSENT_MEANS.items()} | v  # recorded before the key: as then
 
     per_seed = {s: {arm: values(results[arm, s]["pairing"]) for arm in arms} for s in seeds}
+    brief = lambda v: " / ".join(dict.fromkeys(json.dumps(x)[:18] for x in json.loads(v)))  # reference / arm
     notes = []
     for key in sorted({k for s in seeds for arm in arms for k in per_seed[s][arm]}):
-        groups = {}
-        for s in seeds:
-            groups.setdefault(json.dumps([per_seed[s][arm].get(key) for arm in arms], sort_keys=True), []).append(s)
-        if len(groups) > 1:
-            brief = lambda v: " / ".join(dict.fromkeys(json.dumps(x)[:18] for x in json.loads(v)))  # reference / arm
-            notes.append(f"{key}: " + seed_groups((brief(v), g) for v, g in groups.items()))
+        value = lambda s: json.dumps([per_seed[s][arm].get(key) for arm in arms], sort_keys=True)
+        if groups := seed_groups(seeds, value, brief):
+            notes.append(f"{key}: {groups}")
     return notes
 
 
@@ -156,16 +154,16 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
     return dict(others=others, paired_seeds=paired_seeds, paired=paired, curves=curves)
 
 
-def sequence_losses_of(result):
-    """(a finished result's per-sequence validation losses, None) or (None, why they cannot be used)."""
+def sequence_losses_problem(result):
+    """Why a finished result's per-sequence validation losses cannot be used, or None."""
     losses = result.get("val_sequence_losses")
     if losses is None:
-        return None, "no per-sequence validation losses (a cell of an earlier version)"
+        return "no per-sequence validation losses (a cell of an earlier version)"
     if not isinstance(losses, list) or len(losses) < 2 or not all(is_finite(x) for x in losses):
-        return None, "val_sequence_losses is not a list of 2 or more finite numbers"
+        return "val_sequence_losses is not a list of 2 or more finite numbers"
     if not close(math.fsum(losses) / len(losses), result["val_loss"]):
-        return None, "val_sequence_losses do not average to its val_loss (an edited result?)"
-    return losses, None
+        return "val_sequence_losses do not average to its val_loss (an edited result?)"
+    return None
 
 
 def text_comparison(results, reference, arm, seeds):
@@ -173,14 +171,11 @@ def text_comparison(results, reference, arm, seeds):
     unavailable: it needs every paired seed's per-sequence losses (never a part of the seeds: that would mix)."""
     if len(seeds) < 2:
         return dict(unavailable=f"{len(seeds)} paired seed{'s' * (len(seeds) != 1)}: it needs 2 or more")
-    rows, problems = [], []
-    for s in seeds:
-        (ours, why), (theirs, their_why) = (sequence_losses_of(results[a, s]) for a in (arm, reference))
-        problems += [f"{a}/seed{s}: {w}" for a, w in ((arm, why), (reference, their_why)) if w]
-        if not (why or their_why):
-            rows.append(np.subtract(ours, theirs))
-    if problems:
+    cells = [(a, s) for s in seeds for a in (arm, reference)]
+    if problems := [f"{a}/seed{s}: {why}" for a, s in cells if (why := sequence_losses_problem(results[a, s]))]:
         return dict(unavailable="; ".join(problems))
+    losses = lambda a, s: results[a, s]["val_sequence_losses"]
+    rows = [np.subtract(losses(arm, s), losses(reference, s)) for s in seeds]
     if len({len(r) for r in rows}) > 1:
         return dict(unavailable="the cells' validation sets hold different numbers of sequences")
     return text_uncertainty(np.stack(rows))
@@ -323,17 +318,9 @@ def verdict_lines(comparisons, references):
 
 def diverged_cells(arms, seeds, results):
     """The cells that diverged: arm, seed, the step and the reason."""
-    return [
-        dict(
-            arm=a,
-            seed=s,
-            step=r.get("steps") if r.get("diverged_at") is None else r["diverged_at"],
-            reason=divergence(r),
-        )
-        for s in seeds
-        for a in arms
-        if (r := results.get((a, s))) and divergence(r)
-    ]
+    step = lambda r: r.get("steps") if r.get("diverged_at") is None else r["diverged_at"]
+    cells = [(a, s, r) for s in seeds for a in arms if (r := results.get((a, s))) and divergence(r)]
+    return [dict(arm=a, seed=s, step=step(r), reason=divergence(r)) for a, s, r in cells]
 
 
 def diverged_lines(diverged):

@@ -140,9 +140,16 @@ def statistics_table(first, mean, rows, name=lambda row: row, before=(), after=(
     return table([first, *head], ([row, *cells(st)] for row, st in rows.items())) + [""] + block(None, why)
 
 
-def seed_groups(groups):
-    """(value, seeds) pairs as 'seeds 0, 1: value; seed 2: value'."""
-    return "; ".join(f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {v}" for v, g in groups)
+def seed_groups(seeds, value, said=str):
+    """The seeds grouped by value(seed) as 'seeds 0, 1: said(value); seed 2: ...', or None where one value is all's."""
+    groups = {}
+    for s in seeds:
+        groups.setdefault(value(s), []).append(s)
+    if len(groups) > 1:
+        return "; ".join(
+            f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {said(v)}" for v, g in groups.items()
+        )
+    return None
 
 
 def per_seed(label, seeds, deltas):

@@ -11,10 +11,8 @@ from reporting.text import block, fmt, md, table
 
 def learning_rate_of(result):
     """The learning rate a cell trained at: its arm's own where the arm sets one, else the grid's; None unrecorded."""
-    pairing = result.get("pairing") or {}
-    rate = (pairing.get("arm_settings") or {}).get(
-        "learning_rate", (pairing.get("settings") or {}).get("learning_rate")
-    )
+    own, grid = ((result.get("pairing") or {}).get(k) or {} for k in ("arm_settings", "settings"))
+    rate = own.get("learning_rate", grid.get("learning_rate"))
     return rate if is_finite(rate) else None
 
 
@@ -32,10 +30,35 @@ def grid_cost(results):
     )
 
 
-def tuning_lines(record, arms, results, cost):
-    """The report's tuning section under its title: mean (s.d.) tuning-seed loss per arm and rate, the chosen rate in
-    bold, each choice's reason, the rates that did not finish, the tuning's cost beside the grid's; and notes (in the
-    section and in paired.json) where a choice lies at the edge of the rates tried or is not what an arm trained at."""
+# what paired.json's tuning holds of choice.json
+SUMMARY_KEYS = "choice reason tune_seeds tune_iters max_iters min_lr_ratio tuning_text test_tokens".split()
+
+
+def tuning_section(out_dir, arms, results, config):
+    """report.md's tuning section and paired.json's tuning, or ([], None) for a grid of the frozen protocol. The
+    section: mean (s.d.) tuning-seed loss per arm and rate, the chosen rate in bold, each choice's reason, the rates
+    that did not finish, the tuning's cost beside the grid's, and notes (in paired.json too) where a choice lies at
+    the edge of the rates tried or is not what an arm trained at; or the problem of an unusable choice.json, or of a
+    missing one where config.json says the grid was tuned."""
+    record, why = read_tuning(out_dir)
+    title = ["## Learning-rate tuning", ""]
+    if why:
+        said = (
+            f"{TUNE_DIR}/choice.json: unreadable ({md(why)}); the arms' rates cannot be traced to a tuning: the "
+            f"learning rate column below is what each arm trained at."
+        )
+        return title + [said, ""], dict(problem=why)
+    if record is None and config.get("tune_learning_rates"):
+        said = (
+            f"This grid was tuned (config.json: tune_learning_rates {md(config['tune_learning_rates'])}), but "
+            f"{TUNE_DIR}/choice.json is missing: the arms' rates cannot be traced to the tuning. Rerun the train.py "
+            f"command that made the grid (the same config and flags, its out_dir this folder): it writes the choice "
+            f"again from the tuning cells in {TUNE_DIR}/, trains none that finished, and writes this report again."
+        )
+        why = f"missing, though config.json records tune_learning_rates {config['tune_learning_rates']}"
+        return title + [said, ""], dict(problem=why)
+    if record is None:
+        return [], None
     rates = sorted({row["learning_rate"] for rows in record["table"].values() for row in rows.values()})
     text, seeds = record["tuning_text"], record["tune_seeds"]
     where = (
@@ -86,7 +109,7 @@ def tuning_lines(record, arms, results, cost):
         "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
         [f"- {md(line)}" for line in unfinished],
     )
-    grid = grid_cost(results)
+    cost, grid = grid_cost(tuning_results(out_dir, record)), grid_cost(results)
     cells = lambda n: f"{n} cell{'s' * (n != 1)}"
     lines += [
         f"Cost: the tuning {cells(cost['cells'])}, {cost['steps']:,} steps, {cost['wall_time_s']:,.0f} s wall; "
@@ -103,49 +126,8 @@ def tuning_lines(record, arms, results, cost):
                 f"{arm}: trained at {', '.join(f'{r:g}' for r in sorted(trained))}, tune/choice.json chose "
                 f"{record['choice'][arm]:g}"
             )
-    return lines + block(None, [f"- {md(note)}" for note in notes]), notes
-
-
-SUMMARY_KEYS = (
-    "choice",
-    "reason",
-    "tune_seeds",
-    "tune_iters",
-    "max_iters",
-    "min_lr_ratio",
-    "tuning_text",
-    "test_tokens",
-)
-
-
-def tuning_section(out_dir, arms, results, config):
-    """report.md's tuning section and paired.json's tuning: the choice and its reasons, its tuning seeds, budget and
-    text, the mean and s.d. per arm and rate, the cost of the tuning and of the grid; the problem of an unusable
-    choice.json, or a missing one of a grid its config.json says was tuned; or ([], None) for a grid of the frozen
-    protocol."""
-    record, why = read_tuning(out_dir)
-    title = ["## Learning-rate tuning", ""]
-    if why:
-        said = (
-            f"{TUNE_DIR}/choice.json: unreadable ({md(why)}); the arms' rates cannot be traced to a tuning: the "
-            f"learning rate column below is what each arm trained at."
-        )
-        return title + [said, ""], dict(problem=why)
-    if record is None and config.get("tune_learning_rates"):
-        said = (
-            f"This grid was tuned (config.json: tune_learning_rates {md(config['tune_learning_rates'])}), but "
-            f"{TUNE_DIR}/choice.json is missing: the arms' rates cannot be traced to the tuning. Rerun the train.py "
-            f"command that made the grid (the same config and flags, its out_dir this folder): it writes the choice "
-            f"again from the tuning cells in {TUNE_DIR}/, trains none that finished, and writes this report again."
-        )
-        why = f"missing, though config.json records tune_learning_rates {config['tune_learning_rates']}"
-        return title + [said, ""], dict(problem=why)
-    if record is None:
-        return [], None
-    cost = grid_cost(tuning_results(out_dir, record))
-    lines, notes = tuning_lines(record, arms, results, cost)
-    by_rate = lambda key: {
+    per_rate = lambda key: {
         arm: {f"{row['learning_rate']:g}": row[key] for row in rows.values()} for arm, rows in record["table"].items()
     }
-    summary = {k: record[k] for k in SUMMARY_KEYS} | dict(notes=notes, mean=by_rate("mean"), sd=by_rate("sd"))
-    return title + lines, summary | dict(cost=dict(tuning=cost, grid=grid_cost(results)))
+    summary = {k: record[k] for k in SUMMARY_KEYS} | dict(notes=notes, mean=per_rate("mean"), sd=per_rate("sd"))
+    return title + lines + block(None, [f"- {md(n)}" for n in notes]), summary | dict(cost=dict(tuning=cost, grid=grid))
