@@ -9,14 +9,8 @@ $ python report.py out/calibrate_pydoc --beside=out/calibrate_shakespeare
 Reads out/<arm>/seed<k>/{result.json,log.jsonl} (grid_files.load_grid), pairs every arm with each reference
 seed by seed and writes out/report.md and out/paired.json, plus PNG plots when matplotlib is installed. The
 references are --reference's arms, by default every arm named after a baseline scheme (standard,
-scaled_residual), else the first arm; each pair once. The report's parts, each in reporting/:
-  grid.py        what was compared (settings, size, data, code) and --beside, another grid's results beside these
-  paired.py      which seeds pair and why not, the statistics, power, text and the verdicts
-  tuning.py      the tuned protocol's choice (tune/choice.json) and its cost
-  downstream.py  the cells' CORE results (downstream.json), paired
-  cost.py        the machines, wall times and step times
-  plots.py       validation loss, the paired delta, QK/V divergence and one cell's depth weights (--cell)
-  text.py        numbers and text from files as inert markdown
+scaled_residual), else the first arm; each pair once. The report's parts are reporting/'s modules, each
+described there: grid (what was compared), paired, tuning, downstream, cost, plots and text (its words).
 Every file is written to a temporary name of this process and renamed; paired.json is strict JSON.
 """
 

@@ -34,14 +34,12 @@ def machines(arms, seeds, results):
 
 
 def machine_lines(summary):
-    distinct, several = summary["machines"], summary["seeds_on_several"]
-    if not distinct:
-        return []
-    if len(distinct) == 1:
-        return [f"Every cell that records its machine ran on: {md(machine_name(distinct[0]))}.", ""]
+    ran_on, several = summary["machines"], summary["seeds_on_several"]  # several: none where one machine or none
+    if len(ran_on) == 1:
+        return [f"Every cell that records its machine ran on: {md(machine_name(ran_on[0]))}.", ""]
     return block(
         "Machines (a result's last digits hold on its machine only: other instruction sets round differently):",
-        [f"- machine {i}: {md(machine_name(m))}" for i, m in enumerate(distinct)],
+        [f"- machine {i}: {md(machine_name(m))}" for i, m in enumerate(ran_on)],
     ) + block(
         "**Seeds trained on different machines** (paired all the same: a machine changes rounding, not "
         "what is computed):",
@@ -59,7 +57,7 @@ def wall_time_lines(arms, seeds, wall):
     total = lambda arm: f"{sum(wall.get(f'{arm}/seed{s}') or 0 for s in seeds):.0f}"
     return block(
         "Wall time per cell (s; training and evaluation, compile included):",
-        cell_table(arms, seeds, cell, ("total", total)),
+        cell_table(arms, seeds, cell, after=[("total", total)]),
     )
 
 
@@ -103,5 +101,5 @@ def step_time_lines(arms, seeds, logs, reference, results):
     return block(
         f"Training step time (ms/step, each cell's logged intervals but the first; ratio: the mean over seeds of "
         f"the arm's over {md(reference)}'s, measured in this grid):",
-        cell_table(arms, seeds, ms, (f"ratio to {md(reference)}", ratios.get)),
+        cell_table(arms, seeds, ms, after=[(f"ratio to {md(reference)}", ratios.get)]),
     ) + block(None, notes)

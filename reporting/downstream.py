@@ -73,8 +73,7 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
 
 
 def downstream_lines(arms, seeds, downstream, problems, compared):
-    """The report's downstream section: CORE per cell, then against each reference (compared: {reference: {arm:
-    downstream_comparison}}) the seeds left out and each arm's CORE, bits per byte and task deltas."""
+    """The report's downstream section; compared: {reference: {arm: downstream_comparison}}."""
     core = {cell: "unreadable" for cell in problems} | {cell: fmt(d["core"], ".4f") for cell, d in downstream.items()}
     lines = [
         "## Downstream tasks",

@@ -147,8 +147,7 @@ def newest(described):
 
 
 def data_lines(results, config):
-    """The data the cells were trained and evaluated on, as their records say: corpus, tokens trained, the
-    validation text; and the code commit."""
+    """The data the cells were trained and evaluated on, and the code, as their records say."""
     record = lambda r: r.get("config") if isinstance(r.get("config"), dict) else config
     recorded = lambda read: distinct(map(read, results.values()))  # each value the cells record (None: not)
     field = lambda key: recorded(lambda r: record(r).get(key))
@@ -189,9 +188,7 @@ def data_lines(results, config):
 
 
 def opening_lines(out_dir, arms, references, results, comparisons, config):
-    """What the report compared, first: the references and what a delta is; a grid without a baseline arm says so;
-    each arm's settings that differ from its reference, its size and FLOPs; the data and the code; one verdict per
-    pair."""
+    """report.md's opening (this module's docstring): the title, the references and what a delta is, first."""
     lines = [
         f"# Paired report: {md(out_dir)}",
         "",
@@ -231,7 +228,7 @@ def final_loss_lines(arms, seeds, results):
         "-" if not (r := results.get((a, s))) else "diverged" if divergence(r) else fmt(r["val_loss"], ".4f")
     )
     rates = lambda arm: ", ".join(f"{rate:g}" for rate in arm_learning_rates(results, arm)) or "-"
-    return block("Final validation loss:", cell_table(arms, seeds, loss, ("learning rate", rates)))
+    return block("Final validation loss:", cell_table(arms, seeds, loss, after=[("learning rate", rates)]))
 
 
 def beside(out_dir, other, comparisons):
@@ -286,7 +283,7 @@ def arm_differences(configs, arms):
 
 
 def beside_lines(side):
-    """The report's side-by-side table of this grid's comparisons and the other grid's (beside)."""
+    """The section of beside(): a row per comparison, here and there."""
 
     def cells(st):
         if st is None:

@@ -80,9 +80,8 @@ def unpaired_reason(reference, arm, seed, problem, record):
 
 
 def mixed_versions(results, arms, seeds):
-    """What differs between the seeds of a comparison, beyond the seed itself (init and data hashes):
-    each seed is paired fairly, but a mean over seeds trained under other code or settings
-    (--allow_changes) mixes versions. ["key: seeds 0, 1: value; seed 2: value", ...]."""
+    """["key: seeds 0, 1: value; seed 2: value", ...] for each pairing key, but the seed's own (init and data
+    hashes), whose value differs between the seeds: each seed pairs, but a mean over them mixes versions."""
 
     def values(pairing):
         v = {k: pairing.get(k) for k in ("code", "scheme_code", "eval_tokens", "val_hash", "init_from", "changes")}
@@ -210,8 +209,7 @@ def disagreement(st, text):
 
 
 def comparison_lines(reference, comparison, earlier, effect):
-    """One reference's section of report.md: the seeds left out, each arm's per-seed deltas and statistics, power,
-    and the seeds of other versions its means mix."""
+    """One reference's section of report.md."""
     paired = comparison["paired"]
     lines = [f"## Paired against {md(reference)}", ""]
     if earlier:
@@ -258,8 +256,7 @@ def power_lines(paired, effect):
 
 
 def text_lines(paired):
-    """The report's table of each arm's mean delta over seeds and validation text together, beside the seeds-only
-    t interval, with each source's share of the variance; why it is unavailable where it is."""
+    """Each arm's mean delta over seeds and validation text together, and why where it is unavailable."""
     rows, notes = [], []
     for arm, st in paired.items():
         text = st["text"]
@@ -300,8 +297,7 @@ def text_lines(paired):
 
 
 def verdict_lines(comparisons, references):
-    """One line per pair: ahead, behind or not detectable at this size, on the one interval quoted (quoted_interval),
-    with the mean delta, the seeds in favour and the smallest delta the grid detects."""
+    """One line per pair: ahead, behind or not detectable at this size, on the one interval quoted."""
     lines = []
     for reference in references:
         for arm, st in comparisons[reference]["paired"].items():

@@ -83,14 +83,10 @@ def table(head, rows):
     return [line(head), "|---" * len(head) + "|", *(line([md(name), *cells]) for name, *cells in rows)]
 
 
-def cell_table(arms, seeds, value, last=None):
-    """A table of one value per cell (value(arm, seed), already text) and, given last (a header and last(arm)), a
-    column after the seeds'."""
-    head, column = last or (None, None)
-    return table(
-        ["arm", *(f"seed {s}" for s in seeds), *([head] if last else [])],
-        ([arm, *(value(arm, s) for s in seeds), *([column(arm)] if last else [])] for arm in arms),
-    )
+def cell_table(arms, seeds, value, after=()):
+    """A table of one value per cell (value(arm, seed), already text), then the (header, cell(arm)) columns after."""
+    head = ["arm", *(f"seed {s}" for s in seeds), *(h for h, _ in after)]
+    return table(head, ([arm, *(value(arm, s) for s in seeds), *(cell(arm) for _, cell in after)] for arm in arms))
 
 
 def interval(ci):

@@ -1,8 +1,6 @@
 """
 Learning rates: the rate each cell trained at, and the tuned protocol's tuning (train.py's tune_learning_rates,
-tune.py): out/tune/choice.json, checked against the tuning cells by grid_files.read_tuning, as the mean (s.d.)
-tuning-seed loss per arm and rate with the chosen rate marked, each choice's reason, the tuning's cost beside the
-grid's, choices at the edge of the rates tried and arms that did not train at their choice.
+tune.py): out/tune/choice.json, checked against the tuning cells by grid_files.read_tuning.
 """
 
 from grid_files import TUNE_DIR, is_finite, is_seed, read_tuning, tuning_results
