@@ -36,11 +36,7 @@ __all__ = ["main", "machine_of", "step_time"]  # dev/leaderboard.py reads a cell
 def parse_args(argv):
     parser = Parser("report.py", __doc__)
     parser.add_argument("out_dir")
-    parser.add_argument(
-        "--reference",
-        help="reference arms, comma-separated (default: the arms named standard and "
-        "scaled_residual, else the first arm)",
-    )
+    parser.add_argument("--reference", help="reference arms, comma-separated (default: the baseline arms, see above)")
     parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
     parser.add_argument(
         "--effect",
@@ -49,9 +45,7 @@ def parse_args(argv):
         help="mean delta (nats) to count the seeds needed for (default 0.03: RD-AttnRes's gain)",
     )
     parser.add_argument(
-        "--beside",
-        help="another grid's out_dir (the same grid on another corpus, with its own report) "
-        "whose paired results to set beside these",
+        "--beside", help="another grid's out_dir (reported already) whose paired results to set beside these"
     )
     args = parser.parse_args(argv)
     if not (math.isfinite(args.effect) and args.effect > 0):

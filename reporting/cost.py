@@ -75,12 +75,11 @@ def step_time_lines(arms, seeds, logs, reference, results):
     times = {(a, s): step_time(logs.get((a, s), [])) for a in arms for s in seeds}
     if all(t is None for t in times.values()):
         return []
-    logged = lambda a, s: times[a, s] and times.get((reference, s))
     apart, used, ratios = {}, [], {}
     for arm in arms:
         both = []
         for s in seeds:
-            if not logged(arm, s):
+            if not (times[arm, s] and times[reference, s]):
                 continue
             here, there = (machine_of(results.get((a, s)) or {}) for a in (arm, reference))  # None: not recorded
             if here and there and here != there:

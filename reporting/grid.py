@@ -138,11 +138,8 @@ def fmt_count(n, unit):
 def newest(described):
     """The validation texts described, less a record made before the per-document one where another cell's record
     of the same text has it: an old and a new cell of one grid read one text."""
-    full = [
-        {k: v for k, v in d.items() if k != "documents_read"}
-        for d in described
-        if isinstance(d, dict) and "documents_read" in d
-    ]
+    per_document = [d for d in described if isinstance(d, dict) and "documents_read" in d]
+    full = [{k: v for k, v in d.items() if k != "documents_read"} for d in per_document]
     return [d for d in described if not (isinstance(d, dict) and "documents_read" not in d and d in full)]
 
 

@@ -64,8 +64,7 @@ def plots(out_dir, arms, comparisons, logs, cell):
         save(fig, "val_loss.png", "Validation loss against tokens (mean, min-max band over each arm's paired seeds)")
     # paired delta against each reference at every evaluation: a row per reference, a panel per arm
     shown = {
-        ref: {arm: c for arm, c in comparison["curves"].items() if len(c["tokens"])}
-        for ref, comparison in comparisons.items()
+        ref: {arm: c for arm, c in comp["curves"].items() if len(c["tokens"])} for ref, comp in comparisons.items()
     }
     shown = {ref: curves for ref, curves in shown.items() if curves}
     if shown:
@@ -93,11 +92,8 @@ def plots(out_dir, arms, comparisons, logs, cell):
         for layer in records[0]["routing"]["qk_v_jsd"]:  # a layer a later record lacks is a gap, not an error
             jsd = [r["routing"]["qk_v_jsd"].get(layer, np.nan) for r in records]
             ax.plot([r["tokens"] for r in records], jsd, label=f"layer {plot_text(layer)}")
-        ax.set(
-            xlabel="training tokens",
-            ylabel="JSD (nats)",
-            title=f"{plot_text(jsd_arm)} seed{seed}: QK vs V depth routes",
-        )
+        title = f"{plot_text(jsd_arm)} seed{seed}: QK vs V depth routes"
+        ax.set(xlabel="training tokens", ylabel="JSD (nats)", title=title)
         ax.legend(fontsize=7, ncol=2)
         save(fig, jsd_name(jsd_arm), f"{jsd_arm}: QK/V Jensen-Shannon divergence per layer over training")
     # depth-weight heatmaps of one cell's final evaluation, one panel per route (a read's name without its layer)
