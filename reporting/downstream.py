@@ -22,10 +22,9 @@ def evaluation(record):
 
 
 def downstream_comparison(reference, arm, seeds, results, downstream, problems):
-    """An arm's downstream results against the reference's over the seeds paired for the loss: the seeds that pair
-    and why the others do not, CORE and each task's accuracy deltas with their statistics, and the evaluations
-    that differ between seeds (each seed paired fairly, but a mean that mixes them). A seed pairs where both cells'
-    results are of their final step and of one evaluation (task bundle, scoring code, precision, tasks, items)."""
+    """An arm's downstream results against the reference's: the seeds that pair (both cells' results of their final
+    step and of one evaluation) and why the others do not, the deltas' statistics, and the evaluations that differ
+    between seeds (each seed paired fairly, but a mean that mixes them)."""
 
     def problem(a, s):
         if (a, s) in problems:
@@ -56,12 +55,11 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
         tasks[label] = dict(st, seeds=with_task, icl_task_type=kinds, items=sorted({t["items"] for t in theirs}))
         if all("bits_per_byte" in t for t in theirs):
             tasks[label]["bits_per_byte"] = delta(with_task, lambda d: d["tasks"][label]["bits_per_byte"])
-    evaluated = lambda s: (
-        f"bundle {downstream[reference, s]['bundle_sha256'][:12]}, "
-        f"{sum(t['items'] for t in downstream[reference, s]['tasks'].values())} items, scoring code "
-        f"{str(downstream[reference, s].get('scoring_code'))[:12]}, {downstream[reference, s].get('dtype')}"
+    evaluated = lambda d: (
+        f"bundle {d['bundle_sha256'][:12]}, {sum(t['items'] for t in d['tasks'].values())} items, scoring code "
+        f"{str(d.get('scoring_code'))[:12]}, {d.get('dtype')}"
     )
-    mixed = seed_groups(paired, evaluated)
+    mixed = seed_groups(paired, lambda s: evaluated(downstream[reference, s]))
     return dict(
         seeds=paired,
         left_out=[dict(seed=s, reason=r) for s, r in left_out.items()],

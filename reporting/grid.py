@@ -27,8 +27,7 @@ def differing(a, b, skip=GRID_ONLY_KEYS):
 
 
 def shared_model(results):
-    """The model settings every counted cell records alike (its size; its MLP, dense or MoE), and the
-    keys among those that differ between cells: a reader of the report sees what was compared."""
+    """The model settings (size; MLP, dense or MoE) every counted cell records alike, and the keys that differ."""
     settings = [s for r in results.values() if (s := (r.get("pairing") or {}).get("settings"))]  # an old cell: none
     if not settings:
         return {}, []
@@ -43,10 +42,9 @@ def model_line(alike, differ):
     if alike.get("n_experts", 1) == 1:
         mlp = "dense MLP" if "n_experts" not in differ else ""
     else:
-        width = alike.get("moe_expert_hidden")
         mlp = (
             f"MoE MLP: {alike['n_experts']} experts, top-{alike.get('moe_top_k')}, "
-            f"{alike.get('moe_shared_experts', 0)} shared, expert width {width or 'auto'}, "
+            f"{alike.get('moe_shared_experts', 0)} shared, expert width {alike.get('moe_expert_hidden') or 'auto'}, "
             f"balancing bias rate {alike.get('moe_bias_rate')}"
         )
     parts = [p for p in (size, mlp) if p] + ([f"differing between cells: {', '.join(differ)}"] if differ else [])
@@ -289,22 +287,21 @@ def beside_lines(side):
         ci = "unavailable" if "ci95_t" not in text else interval(text["ci95_t"])
         return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), ci]
 
+    said = lambda arm: f"{arm}: {', '.join(side['arm_differ'][arm])}"
     if side["unrecorded"]:
         settings = (
             f"The grids' settings cannot be compared: {md(' and '.join(side['unrecorded']))} holds no readable "
             f"config.json."
         )
     else:
-        arms = "; ".join(f"{arm}: {', '.join(keys)}" for arm, keys in side["arm_differ"].items())
+        arms = "; ".join(map(said, side["arm_differ"]))
         grid = f"differ in: {md(', '.join(side['differ']))}" if side["differ"] else "are alike"
         settings = f"The grids' settings {grid}" + (
             f"; **arms of one name with other settings** (their rows compare different methods or rates): {md(arms)}."
             if arms
             else "; every compared arm's own settings are alike."
         )
-    alike = lambda row: "; ".join(
-        f"{a}: {', '.join(side['arm_differ'][a])}" for a in (row["arm"], row["reference"]) if a in side["arm_differ"]
-    )
+    alike = lambda row: "; ".join(said(a) for a in (row["arm"], row["reference"]) if a in side["arm_differ"])
     there = lambda row: (
         "cannot be compared" if side["unrecorded"] else f"**other: {md(alike(row))}**" if alike(row) else "alike"
     )

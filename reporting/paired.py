@@ -99,14 +99,10 @@ def mixed_versions(results, arms, seeds):
     return notes
 
 
-def val_curve(log):
-    """{training tokens: validation loss} of one cell's evaluations."""
-    return {r["tokens"]: r["val_loss"] for r in log if r.get("val_loss") is not None and r.get("tokens") is not None}
-
-
 def loss_curves(logs, arm, seeds):
     """(tokens every seed evaluated at, array seeds x tokens of validation losses)"""
-    curves = [val_curve(logs.get((arm, s), [])) for s in seeds]
+    evaluated = lambda r: r.get("val_loss") is not None and r.get("tokens") is not None
+    curves = [{r["tokens"]: r["val_loss"] for r in logs.get((arm, s), []) if evaluated(r)} for s in seeds]
     tokens = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     return np.array(tokens), np.array([[c[t] for t in tokens] for c in curves]).reshape(len(curves), len(tokens))
 

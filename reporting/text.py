@@ -1,6 +1,4 @@
-"""
-The report's words: numbers, text from files as inert markdown or plot text, file names, and its tables.
-"""
+"""The report's words: numbers, text from files as inert markdown or plot text, file names, and its tables."""
 
 import hashlib
 import json

@@ -7,16 +7,12 @@ from grid_files import TUNE_DIR, is_finite, is_seed, read_tuning, tuning_results
 from reporting.text import block, fmt, md, table
 
 
-def learning_rate_of(result):
-    """The learning rate a cell trained at: its arm's own where the arm sets one, else the grid's; None unrecorded."""
-    own, grid = ((result.get("pairing") or {}).get(k) or {} for k in ("arm_settings", "settings"))
-    rate = own.get("learning_rate", grid.get("learning_rate"))
-    return rate if is_finite(rate) else None
-
-
 def arm_learning_rates(results, arm):
-    """The learning rates an arm's cells trained at, sorted: one, several (the seeds differ), or none recorded."""
-    return sorted({rate for (a, _), r in results.items() if a == arm and (rate := learning_rate_of(r)) is not None})
+    """The learning rates an arm's cells trained at (the arm's own where it sets one, else the grid's), sorted: one,
+    several (the seeds differ), or none recorded."""
+    rate = lambda p: (p.get("arm_settings") or {}).get("learning_rate", (p.get("settings") or {}).get("learning_rate"))
+    rates = [rate(r.get("pairing") or {}) for (a, _), r in results.items() if a == arm]
+    return sorted({r for r in rates if is_finite(r)})
 
 
 def grid_cost(results):
@@ -33,11 +29,9 @@ SUMMARY_KEYS = "choice reason tune_seeds tune_iters max_iters min_lr_ratio tunin
 
 
 def tuning_section(out_dir, arms, results, config):
-    """report.md's tuning section and paired.json's tuning, or ([], None) for a grid of the frozen protocol. The
-    section: mean (s.d.) tuning-seed loss per arm and rate, the chosen rate in bold, each choice's reason, the rates
-    that did not finish, the tuning's cost beside the grid's, and notes (in paired.json too) where a choice lies at
-    the edge of the rates tried or is not what an arm trained at; or the problem of an unusable choice.json, or of a
-    missing one where config.json says the grid was tuned."""
+    """report.md's tuning section and paired.json's tuning, or ([], None) for a grid of the frozen protocol; notes
+    (in both) where a choice lies at the edge of the rates tried or is not what an arm trained at; the problem of an
+    unusable choice.json, or of a missing one where config.json says the grid was tuned."""
     record, why = read_tuning(out_dir)
     title = ["## Learning-rate tuning", ""]
     if why:
