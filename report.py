@@ -125,7 +125,7 @@ def main(argv):
     notes += downstream_notes
     compared = None
     if downstream or problems:
-        pair = lambda ref, arm, seeds: downstream_comparison(ref, arm, seeds, results, downstream, problems)
+        pair = lambda ref, arm, paired: downstream_comparison(ref, arm, paired, results, downstream, problems)
         compared = {ref: {a: pair(ref, a, c["paired_seeds"][a]) for a in c["others"]} for ref, c in comparisons.items()}
         lines += downstream_lines(arms, seeds, downstream, problems, compared)
     wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}

@@ -329,9 +329,8 @@ SPIKE_NATS = 0.1
 
 
 def spikes(arms, seeds, logs, warmup, tuned_steps):
-    """Each rise of more than SPIKE_NATS between two consecutive evaluations after warmup, of a cell's validation
-    loss or of its training loss logged at those steps: arm, seed, the steps, what rose and by how much, and whether
-    past tuned_steps (the tuning's budget, which its choice of rate never saw; None: not tuned)."""
+    """Each rise of more than SPIKE_NATS between two consecutive evaluations after warmup, of the validation loss or
+    the training loss logged at those steps; past_tuning: after tuned_steps (None: untuned), unseen by the tuning."""
     found = []
     for arm, s in itertools.product(arms, seeds):
         log = [r for r in logs.get((arm, s), []) if is_finite(r.get("step"))]

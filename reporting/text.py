@@ -69,8 +69,7 @@ def strict(x):
 
 
 def block(head, lines):
-    """A paragraph (head, unless None) and the lines under it (a list, a table), each followed by a blank line; []
-    where there are no lines."""
+    """A paragraph (head, unless None) and the lines under it, each followed by a blank line; [] without lines."""
     return ([head, ""] if head else []) + lines + [""] if lines else []
 
 
@@ -110,28 +109,23 @@ def why_undefined(st):
 
 
 def statistics_table(first, mean, rows, name=lambda row: row, before=(), after=()):
-    """A table of paired_statistics ({row: st}): n, wins, the mean (its column named mean), s.d., 95% CI and both
-    p-values, between the (header, cell(st)) columns before and after; then why what is undefined is."""
-
-    def cells(st):
-        t_test = st["n"] > 1 and not st["identical"]
-        return [
-            *(cell(st) for _, cell in before),
-            str(st["n"]),
-            f"{st['wins']}/{st['n']}",
-            fmt(st["mean"]),
-            fmt(st["std"], ".4f"),
-            interval(st["ci95"]) if t_test else "undefined",
-            fmt(st["p_ttest"], ".3g") if t_test else "undefined",
-            fmt(st["p_sign"], ".3g"),
-            *(cell(st) for _, cell in after),
-        ]
-
-    head = (
-        [h for h, _ in before] + ["n", "wins", mean, "std", "95% CI", "p (t-test)", "p (sign)"] + [h for h, _ in after]
-    )
+    """A table of paired_statistics ({row: st}), the mean's column named mean, between the (header, cell(st)) columns
+    before and after; then why what is undefined is."""
+    t_test = lambda st: st["n"] > 1 and not st["identical"]
+    columns = [
+        *before,
+        ("n", lambda st: str(st["n"])),
+        ("wins", lambda st: f"{st['wins']}/{st['n']}"),
+        (mean, lambda st: fmt(st["mean"])),
+        ("std", lambda st: fmt(st["std"], ".4f")),
+        ("95% CI", lambda st: interval(st["ci95"]) if t_test(st) else "undefined"),
+        ("p (t-test)", lambda st: fmt(st["p_ttest"], ".3g") if t_test(st) else "undefined"),
+        ("p (sign)", lambda st: fmt(st["p_sign"], ".3g")),
+        *after,
+    ]
+    cells = [[row, *(cell(st) for _, cell in columns)] for row, st in rows.items()]
     why = [f"- {md(name(row))}: {reason}" for row, st in rows.items() if (reason := why_undefined(st))]
-    return table([first, *head], ([row, *cells(st)] for row, st in rows.items())) + [""] + block(None, why)
+    return table([first, *(h for h, _ in columns)], cells) + [""] + block(None, why)
 
 
 def seed_groups(seeds, value, said=str):
