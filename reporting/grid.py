@@ -118,6 +118,7 @@ def validation_words(described):
     if is_seed(described.get("bytes")):
         words += f", {described['bytes']:,} bytes of text"
     read = described.get("documents_read")
+    fmt_count = lambda n, unit: f"{n:,} {unit}{'s' if n != 1 else ''}" if is_seed(n) else f"{unit}s not recorded"
     if isinstance(read, list) and all(isinstance(d, dict) for d in read) and any(d.get("name") for d in read):
         named = [
             f"{md(d.get('name') or 'unnamed')} ({fmt_count(d.get('bytes'), 'byte')}, "
@@ -127,10 +128,6 @@ def validation_words(described):
         more = len(named) - NAMED_DOCUMENTS
         words += ": " + ", ".join(named[:NAMED_DOCUMENTS]) + (f" and {more} more" if more > 0 else "")
     return words
-
-
-def fmt_count(n, unit):
-    return f"{n:,} {unit}{'s' if n != 1 else ''}" if is_seed(n) else f"{unit}s not recorded"
 
 
 def newest(described):

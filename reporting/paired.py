@@ -36,20 +36,6 @@ def divergence(result):
     return None
 
 
-def cell_problem(results, unusable, arm, seed):
-    """Why a cell cannot be paired, or None."""
-    if (arm, seed) in unusable:
-        return unusable[arm, seed]
-    if (arm, seed) not in results:
-        return "missing"
-    result = results[arm, seed]
-    if divergence(result):
-        return "diverged"
-    if not isinstance(result.get("pairing"), dict):
-        return "no pairing record"
-    return None
-
-
 def shorten(x, y):
     """Two differing values as short strings that still show where they differ."""
     a, b = ("missing" if v is MISSING else v if isinstance(v, str) else json.dumps(v) for v in (x, y))
@@ -125,7 +111,19 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
     """Every arm paired with one reference seed by seed, but the earlier references (each already paired with this
     one): the seeds left out and why, each arm's paired statistics, power, delta curve and mixed versions."""
     others = [arm for arm in arms if arm != reference and arm not in earlier]
-    problem, pairing = lambda a, s: cell_problem(results, unusable, a, s), lambda a, s: results[a, s]["pairing"]
+
+    def problem(a, s):  # why a cell cannot be paired, or None
+        if (a, s) in unusable:
+            return unusable[a, s]
+        if (a, s) not in results:
+            return "missing"
+        if divergence(results[a, s]):
+            return "diverged"
+        if not isinstance(results[a, s].get("pairing"), dict):
+            return "no pairing record"
+        return None
+
+    pairing = lambda a, s: results[a, s]["pairing"]
     paired, paired_seeds, curves = {}, {}, {}
     for arm in others:
         left_out = {s: r for s in seeds if (r := unpaired_reason(reference, arm, s, problem, pairing))}

@@ -72,11 +72,11 @@ def tuning_section(out_dir, arms, results, config):
         f"chosen rate.",
         "",
     ]
-    said = lambda row: "not finished" if row["problem"] else f"{fmt(row['mean'], '.4f')} ({fmt(row['sd'], '.4f')})"
+    mean_sd = lambda row: "not finished" if row["problem"] else f"{fmt(row['mean'], '.4f')} ({fmt(row['sd'], '.4f')})"
     table_rows, notes, unfinished = [], [], []
     for arm, rows in record["table"].items():
         by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
-        shown = [said(by_rate[r]) if r in by_rate else "-" for r in rates]
+        shown = [mean_sd(by_rate[r]) if r in by_rate else "-" for r in rates]
         table_rows.append([arm, *(f"**{text}**" if r == chosen else text for r, text in zip(rates, shown))])
         unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in by_rate.items() if row["problem"]]
         if len(by_rate) > 1 and chosen in (min(by_rate), max(by_rate)):
