@@ -118,7 +118,9 @@ def main(argv):
     side = args.beside and beside(args.out_dir, args.beside, comparisons)
     lines += (beside_lines(side) if side else []) + diverged_lines(diverged)
     warmup = config.get("warmup_iters") or 0
-    tuned_steps = config.get("tune_learning_rates") and config.get("tune_iters")
+    # tune.iters: tune_iters, 0 meaning a quarter of max_iters; an untuned grid (no rates) has no tuning budget
+    tuned = config.get("tune_learning_rates")
+    tuned_steps = (config.get("tune_iters") or -(-config.get("max_iters", 0) // 4)) if tuned else None
     spiked = spikes(arms, seeds, logs, warmup, tuned_steps)
     lines += spike_lines(spiked, warmup, tuned_steps)
     downstream, problems, downstream_notes = load_downstream(args.out_dir, results)

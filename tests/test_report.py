@@ -2030,17 +2030,24 @@ def test_a_cell_without_depth_weights_says_what_cell_draws(tmp_path, no_matplotl
     assert "no depth-weight plot" not in text
 
 
-def test_a_loss_spike_after_warmup_is_flagged_with_arm_seed_and_step(tmp_path, no_matplotlib):
+@pytest.mark.parametrize(
+    "tuning, past",
+    [
+        (dict(tune_learning_rates=[1e-3], tune_iters=15), " (past the tuning's budget)"),
+        (dict(tune_learning_rates=[1e-3], tune_iters=0, max_iters=60), " (past the tuning's budget)"),  # 15 steps
+        (dict(tune_learning_rates=[1e-3], tune_iters=0, max_iters=80), ""),  # its default budget: 20 steps
+        (dict(tune_learning_rates=[], tune_iters=200), ""),  # untuned (the longer grids of `standard`)
+    ],
+)
+def test_a_loss_spike_after_warmup_is_flagged_with_arm_seed_and_step(tmp_path, no_matplotlib, tuning, past):
     out = make_grid(tmp_path, {})
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(
-        json.dumps(dict(config, warmup_iters=10, tune_learning_rates=[1e-3], tune_iters=15))
-    )
+    (out / "config.json").write_text(json.dumps(dict(config, warmup_iters=10, **tuning)))
     for arm, curve in (("parent", {0: 10.8, 1000: 6.0, 2000: 5.0}), ("rd", {0: 10.8, 1000: 5.0, 2000: 5.5})):
         for s in range(2):
             write_cell(out, arm, s, curve[2000] + s / 100, curve={t: v + s / 100 for t, v in curve.items()})
     paired, text = run(out)
-    assert "- rd, seed 0: validation loss +0.500 nats between steps 10 and 20 (past the tuning's budget)" in text
+    assert f"- rd, seed 0: validation loss +0.500 nats between steps 10 and 20{past}\n" in text
     assert "- rd, seed 1: training loss +0.500 nats between steps 10 and 20" in text
     assert "parent, seed" not in text.split("**Loss spikes**")[1], "a falling loss is no spike"
     assert {(d["arm"], d["seed"], tuple(d["steps"])) for d in paired["spikes"]} == {
