@@ -479,6 +479,31 @@ def tuning_arm(arm, rate):
     return f"{arm}-lr{rate_name(rate)}"
 
 
+def scaled_arm(arm, scale):
+    """The tuning arm's stem for an arm at a routing scale: <arm>-rs<scale> (its cells: <arm>-rs<scale>-lr<rate>)."""
+    return f"{arm}-rs{rate_name(scale)}"
+
+
+def routing_rows(tune_dir, arm, rate, scales, seeds, budget):
+    """{scale name: tuning row} of an arm at its chosen rate and each routing scale (1 included: the rate's own
+    cells), each row's learning_rate the routing parameters' (rate x scale), which stable_choice orders by."""
+    return {
+        rate_name(scale): dict(
+            tuning_row(tune_dir, arm if scale == 1 else scaled_arm(arm, scale), rate, seeds, budget),
+            learning_rate=rate * scale,
+        )
+        for scale in sorted({*scales, 1.0})
+    }
+
+
+def routing_pick(rows):
+    """(scale, reason): stable_choice over the routing rates, so a smaller scale is the safer choice, taken unless a
+    larger one beats it; never None, the scale-1 row being the chosen rate's."""
+    routing_rate, why = stable_choice(list(rows.values()))
+    scale = next(float(s) for s, row in rows.items() if row["learning_rate"] == routing_rate)
+    return scale, f"routing rate {rate_name(routing_rate)}: {why}"
+
+
 def initial_loss(cell_dir):
     """A tuning cell's validation loss at step 0, before any training: the first record of its log.jsonl (a
     resumed log is cut back to its checkpoint, never before it)."""
@@ -681,6 +706,25 @@ def tuning_problem(record, out_dir):
             return f"reason.{arm} is {described(record['reason'].get(arm))}, not the tuning rule's: {reason}"
     if extra := sorted(set(record["choice"]) - set(record["table"])):
         return f"choice.{extra[0]} has no row in table"
+    routing = [record.get(k, {}) for k in ("routing_table", "routing_choice", "routing_reason")]
+    if not all(isinstance(part, dict) for part in routing) or not isinstance(record.get("routing_scales", []), list):
+        return "routing_table, routing_choice and routing_reason are not dicts, or routing_scales not a list"
+    for arm in sorted(set().union(*routing)):
+        try:
+            held = routing_rows(
+                tune_dir,
+                arm,
+                record["choice"][arm],
+                record["routing_scales"],
+                record["tune_seeds"],
+                record["tune_iters"],
+            )
+        except (UserError, KeyError, TypeError) as e:
+            return f"routing_table.{arm} cannot be checked against its tuning cells: {e}"
+        if routing[0].get(arm) != held:
+            return f"routing_table.{arm} is not what its tuning cells in {TUNE_DIR}/ give (an edited or copied file)"
+        if [routing[1].get(arm), routing[2].get(arm)] != list(pick := routing_pick(held)):
+            return f"routing_choice.{arm} or its reason is not the tuning rule's: {pick[0]:g} ({pick[1]})"
     return None
 
 
@@ -691,9 +735,15 @@ def read_tuning(out_dir):
 
 def tuning_results(out_dir, record):
     """{(tuning arm, seed): result.json} of the tuning cells of a checked choice.json (each readable:
-    tuning_problem)."""
+    tuning_problem), those of each routing scale too (at every rate: the tuning trains them all before choosing)."""
     tune_dir = os.path.join(out_dir, TUNE_DIR)
-    names = [tuning_arm(arm, row["learning_rate"]) for arm, rows in record["table"].items() for row in rows.values()]
+    names = [
+        tuning_arm(stem, row["learning_rate"])
+        for arm, rows in record["table"].items()
+        for stem in [arm]
+        + [scaled_arm(arm, s) for s in record.get("routing_scales", []) if arm in record["routing_table"]]
+        for row in rows.values()
+    ]
     return {
         (name, seed): json_object(os.path.join(cell_dir(tune_dir, name, seed), "result.json"))[0]
         for name in names

@@ -29,7 +29,17 @@ import sys
 
 import records
 from common import ConfigError, write_json
-from grid_files import TUNE_DIR, rate_name, recorded_choice, stable_choice, tuning_arm, tuning_row
+from grid_files import (
+    TUNE_DIR,
+    rate_name,
+    recorded_choice,
+    routing_pick,
+    routing_rows,
+    scaled_arm,
+    stable_choice,
+    tuning_arm,
+    tuning_row,
+)
 from model import RESIDUALS
 
 TUNED_KEYS = ("learning_rate", "min_lr")  # what tuning sets in each arm (routing_lr_scale too, with scales)
@@ -45,11 +55,6 @@ def routed(cfg, settings):
     read, in launch.py; no scheme's parameter count depends on it.)"""
     config = records.model_config(dict(cfg, vocab_size=cfg["vocab_size"] or 1), settings)
     return RESIDUALS[config.residual].extra_params(config) > 0
-
-
-def scaled_arm(arm, scale):
-    """The tuning arm's stem for an arm at a routing scale: <arm>-rs<scale> (its cells: <arm>-rs<scale>-lr<rate>)."""
-    return f"{arm}-rs{rate_name(scale)}"
 
 
 def iters(cfg):
@@ -243,18 +248,9 @@ def routing_choice(cfg, tune_dir, choice):
     for arm, settings in cfg["arms"].items():
         if not scales(cfg) or not routed(cfg, settings):
             continue
-        rate = choice[arm]
-        rows = {
-            rate_name(scale): dict(
-                tuning_row(tune_dir, arm if scale == 1 else scaled_arm(arm, scale), rate, seeds, budget),
-                learning_rate=rate * scale,  # what stable_choice orders by: the routing parameters' rate
-            )
-            for scale in sorted(scales(cfg) + [1.0])
-        }
-        routing_rate, why = stable_choice(list(rows.values()))  # never None: the scale-1 row is the chosen rate's
-        scale = next(float(s) for s, row in rows.items() if row["learning_rate"] == routing_rate)
-        found["routing_table"][arm], found["routing_choice"][arm] = rows, scale
-        found["routing_reason"][arm] = f"routing rate {rate_name(routing_rate)}: {why}"
+        rows = routing_rows(tune_dir, arm, choice[arm], scales(cfg), seeds, budget)
+        found["routing_table"][arm] = rows
+        found["routing_choice"][arm], found["routing_reason"][arm] = routing_pick(rows)
     return found
 
 

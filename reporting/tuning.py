@@ -3,7 +3,7 @@ Learning rates: the rate each cell trained at, and the tuned protocol's tuning (
 tune.py): out/tune/choice.json, checked against the tuning cells by grid_files.read_tuning.
 """
 
-from grid_files import TUNE_DIR, is_finite, is_seed, read_tuning, tuning_results
+from grid_files import TUNE_DIR, is_finite, is_seed, rate_name, read_tuning, tuning_results
 from reporting.text import block, fmt, md, table
 
 
@@ -72,6 +72,7 @@ def tuning_section(out_dir, arms, results, config):
         f"chosen rate.",
         "",
     ]
+    bold = lambda text, chosen: f"**{text}**" if chosen else text
     mean_sd = lambda row: "not finished" if row["problem"] else f"{fmt(row['mean'], '.4f')} ({fmt(row['sd'], '.4f')})"
     table_rows, notes, unfinished = [], [], []
     for arm, rows in record["table"].items():
@@ -91,6 +92,33 @@ def tuning_section(out_dir, arms, results, config):
     lines += block(
         "Choices:", [f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}" for arm, rate in record["choice"].items()]
     )
+    if routing := record.get("routing_table"):
+        scales = sorted({float(name) for rows in routing.values() for name in rows})
+        lines += block(
+            "Routing rate (tune_routing_lr_scales): each routed arm's routing parameters also trained at each scale "
+            "below x its chosen rate, on the same tuning seeds and budget, chosen by the same rule over the routing "
+            "rates (so the smaller scale unless a larger one beats it). Mean (s.d.), the chosen scale in bold:",
+            table(
+                ["arm", *(f"routing x{s:g}" for s in scales)],
+                [
+                    [
+                        arm,
+                        *(
+                            bold(mean_sd(rows[n]), float(n) == record["routing_choice"][arm])
+                            for n in map(rate_name, scales)
+                        ),
+                    ]
+                    for arm, rows in routing.items()
+                ],
+            ),
+        )
+        lines += block(
+            "Routing choices:",
+            [
+                f"- {md(arm)}: x{scale:g}, {md(record['routing_reason'][arm])}"
+                for arm, scale in record["routing_choice"].items()
+            ],
+        )
     lines += block(
         "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
         [f"- {md(line)}" for line in unfinished],

@@ -619,6 +619,7 @@ def test_one_command_tunes_on_tuning_seeds_then_pairs_at_each_arms_rate(shards, 
 def test_one_command_tunes_the_routing_rate_too_and_trains_each_arm_at_its_scale(shards, tmp_path, monkeypatch):
     import report
 
+    write_report = report.main
     monkeypatch.setattr(report, "main", lambda argv: None)
     out = str(tmp_path / "out")
     routing = ["--tune_learning_rates=1e-3,3e-2", "--tune_seeds=1000,1001", "--tune_iters=4"]
@@ -639,6 +640,21 @@ def test_one_command_tunes_the_routing_rate_too_and_trains_each_arm_at_its_scale
     arm = result(out, "attnres", 0)["pairing"]["arm_settings"]
     assert arm.get("routing_lr_scale", 1.0) == scale and arm["learning_rate"] == rate  # the paired cell at its choice
     assert "routing_lr_scale" not in result(out, "standard", 0)["pairing"]["arm_settings"]
+    # the report shows the routing rows and choice, checked against the tuning cells, and counts their cost
+    write_report([out])
+    with open(os.path.join(out, "report.md")) as f:
+        text = f.read()
+    means = {n: f"{row['mean']:.4f} ({row['sd']:.4f})" for n, row in record["routing_table"]["attnres"].items()}
+    cells = [f"**{m}**" if float(n) == scale else m for n, m in sorted(means.items(), key=lambda i: float(i[0]))]
+    assert f"| attnres | {cells[0]} | {cells[1]} |" in text, text
+    assert f"- attnres: x{scale:g}, {record['routing_reason']['attnres']}" in text
+    assert "Cost: the tuning 12 cells, 48 steps" in text  # 2 arms x 2 rates x 2 seeds, and attnres-rs0.1's 4
+    edit = dict(record, routing_table={"attnres": {**record["routing_table"]["attnres"], "1": rows[0]}})
+    with open(os.path.join(tune_dir, "choice.json"), "w") as f:
+        json.dump(edit, f)
+    write_report([out])
+    with open(os.path.join(out, "report.md")) as f:
+        assert "routing_table.attnres is not what its tuning cells in tune/ give" in f.read()
 
 
 def test_the_choice_reads_no_test_token_and_a_killed_tuning_goes_on_only_with_its_rates(shards, tmp_path, monkeypatch):
