@@ -885,7 +885,7 @@ MUTANTS = [
         "laurel_lr_paper: A at 1/sqrt(d), r times the paper's init",
     ),
     (
-        "tune.py",
+        "grid_files.py",
         "learning_rate=rate * scale",
         "learning_rate=scale",
         "tests/test_tune.py",
@@ -926,6 +926,13 @@ MUTANTS = [
         "timed, self.untimed = steps, 0",
         "tests/test_progress.py",
         "a resumed interval's step time divides this process's time by steps an earlier process trained",
+    ),
+    (
+        "grid_files.py",
+        "if routing[0].get(arm) != held:",
+        "if False:",
+        "tests/test_tune.py",
+        "the report trusts an edited routing table in choice.json",
     ),
 ]
 
