@@ -14,6 +14,7 @@ report and the tools that list cells (a problem is a note, never a crash). recor
 grid's files only through here.
 """
 
+import itertools
 import json
 import math
 import os
@@ -707,18 +708,17 @@ def tuning_problem(record, out_dir):
     if extra := sorted(set(record["choice"]) - set(record["table"])):
         return f"choice.{extra[0]} has no row in table"
     routing = [record.get(k, {}) for k in ("routing_table", "routing_choice", "routing_reason")]
-    if not all(isinstance(part, dict) for part in routing) or not isinstance(record.get("routing_scales", []), list):
+    scales = record.get("routing_scales", [])
+    if not all(isinstance(part, dict) for part in routing) or not isinstance(scales, list):
         return "routing_table, routing_choice and routing_reason are not dicts, or routing_scales not a list"
-    for arm in sorted(set().union(*routing)):
+    if not set(routing[0]) == set(routing[1]) == set(routing[2]):
+        return "routing_table, routing_choice and routing_reason name different arms"
+    for arm in sorted(routing[0]):
+        seeds, budget = record["tune_seeds"], record["tune_iters"]
         try:
-            held = routing_rows(
-                tune_dir,
-                arm,
-                record["choice"][arm],
-                record["routing_scales"],
-                record["tune_seeds"],
-                record["tune_iters"],
-            )
+            held = routing_rows(tune_dir, arm, record["choice"][arm], scales, seeds, budget)
+            for scale, rate in itertools.product(scales, record["learning_rates"]):  # every cell the cost line counts
+                tuning_row(tune_dir, scaled_arm(arm, scale), rate, seeds, budget)
         except (UserError, KeyError, TypeError) as e:
             return f"routing_table.{arm} cannot be checked against its tuning cells: {e}"
         if routing[0].get(arm) != held:
@@ -736,12 +736,11 @@ def read_tuning(out_dir):
 def tuning_results(out_dir, record):
     """{(tuning arm, seed): result.json} of the tuning cells of a checked choice.json (each readable:
     tuning_problem), those of each routing scale too (at every rate: the tuning trains them all before choosing)."""
-    tune_dir = os.path.join(out_dir, TUNE_DIR)
+    tune_dir, routed = os.path.join(out_dir, TUNE_DIR), record.get("routing_table", {})
     names = [
         tuning_arm(stem, row["learning_rate"])
         for arm, rows in record["table"].items()
-        for stem in [arm]
-        + [scaled_arm(arm, s) for s in record.get("routing_scales", []) if arm in record["routing_table"]]
+        for stem in [arm] + [scaled_arm(arm, s) for s in record.get("routing_scales", []) if arm in routed]
         for row in rows.values()
     ]
     return {

@@ -21,7 +21,7 @@ import re
 import sys
 
 from common import DataError, Parser, remove_stale_temporaries, run, write_text
-from grid_files import grid_record, load_downstream, load_grid
+from grid_files import grid_record, is_seed, load_downstream, load_grid
 from reporting.cost import machine_lines, machine_of, machines, step_time, step_time_lines, wall_time_lines
 from reporting.downstream import downstream_comparison, downstream_lines
 from reporting.grid import BASELINES, beside, beside_lines, final_loss_lines, model_line, opening_lines, shared_model
@@ -120,7 +120,9 @@ def main(argv):
     warmup = config.get("warmup_iters") or 0
     # tune.iters: tune_iters, 0 meaning a quarter of max_iters; an untuned grid (no rates) has no tuning budget
     tuned = config.get("tune_learning_rates")
-    tuned_steps = (config.get("tune_iters") or -(-config.get("max_iters", 0) // 4)) if tuned else None
+    steps = config.get("max_iters")
+    budget = (config.get("tune_iters") or -(-steps // 4)) if is_seed(steps) else None
+    tuned_steps = budget if tuned and is_seed(budget) else None
     spiked = spikes(arms, seeds, logs, warmup, tuned_steps)
     lines += spike_lines(spiked, warmup, tuned_steps)
     downstream, problems, downstream_notes = load_downstream(args.out_dir, results)

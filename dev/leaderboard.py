@@ -418,9 +418,9 @@ def plan(scheme, grid, passed):
     if changes := records.described_changes(recorded.get("code"), code, {*BASELINES, scheme}):
         why.append(f"this code computes otherwise than {grid}'s ({changes})")
     # what the report pairs on: a cell's shared-code fingerprint as recorded, which also moves with NOT_COMPUTING
-    elif {r.get("pairing", {}).get("code") for a in BASELINES for r in results(grid, a).values()} != {
-        records.code_fingerprints(code, scheme)[0]
-    }:
+    elif (
+        recorded_code := {(r.get("pairing") or {}).get("code") for a in BASELINES for r in results(grid, a).values()}
+    ) and recorded_code != {records.code_fingerprints(code, scheme)[0]}:
         why.append(
             "its baselines' cells record another shared-code fingerprint than this code's (what report.py pairs on)"
         )
@@ -493,12 +493,13 @@ def train_worker(argv, threads):
     import torch
 
     import train
-    from cells import PREEMPTED, Preempted, stop_on_signals
+    from cells import PREEMPTED, STOP_SIGNALS, Preempted, stop_on_signals
 
     if threads:
         torch.set_num_threads(threads)  # the grid's recorded count: compiled CPU kernels round otherwise on another
     try:
         with stop_on_signals():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by train_workers until handled here
             train.main(argv)
     except UserError as e:
         sys.exit(f"error: {e}")
@@ -513,11 +514,14 @@ def train_workers(argv, threads, workers):
 
     fork = multiprocessing.get_context("fork")
     processes = [fork.Process(target=train_worker, args=(argv, threads)) for _ in range(workers)]
+    # a scheduler's or kill's stop reaches this process alone: pass it on, so each worker checkpoints at its next step;
+    # held back (blocked, and so in the workers until their own handler is in) while the workers start
+    forward = lambda signum, frame: [os.kill(w.pid, signum) for w in processes if w.exitcode is None]  # noqa: E731
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     for p in processes:
         p.start()
-    # a scheduler's or kill's stop reaches this process alone: pass it on, so each worker checkpoints at its next step
-    forward = lambda signum, frame: [os.kill(w.pid, signum) for w in processes if w.exitcode is None]  # noqa: E731
     before = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         for p in processes:
             p.join()
@@ -529,7 +533,8 @@ def train_workers(argv, threads, workers):
         for sig, handler in before.items():
             signal.signal(sig, handler)
     if PREEMPTED in (codes := {p.exitcode for p in processes}) and codes <= {0, PREEMPTED}:
-        sys.exit("stopped by a signal: run the same command again to go on (stopped cells resume)")
+        print("stopped by a signal: run the same command again to go on (stopped cells resume)", file=sys.stderr)
+        sys.exit(PREEMPTED)  # train.py's and launch.py's status for stopped and checkpointed
     if failed := [p.exitcode for p in processes if p.exitcode]:
         sys.exit(
             f"error: {len(failed)} of {workers} worker(s) stopped (exit {', '.join(map(str, failed))}; the lines "

@@ -95,9 +95,10 @@ def tuning_section(out_dir, arms, results, config):
     if routing := record.get("routing_table"):
         scales = sorted({float(name) for rows in routing.values() for name in rows})
         lines += block(
-            "Routing rate (tune_routing_lr_scales): each routed arm's routing parameters also trained at each scale "
-            "below x its chosen rate, on the same tuning seeds and budget, chosen by the same rule over the routing "
-            "rates (so the smaller scale unless a larger one beats it). Mean (s.d.), the chosen scale in bold:",
+            "Routing rate (tune_routing_lr_scales): each routed arm also trained with its routing parameters at each "
+            "scale below x the learning rate, at every rate, on the same tuning seeds and budget; at its chosen rate "
+            "the scale is chosen by the same rule over the routing rates (so the smaller scale unless a larger one "
+            "beats it). Mean (s.d.) at the chosen rate, the chosen scale in bold:",
             table(
                 ["arm", *(f"routing x{s:g}" for s in scales)],
                 [
@@ -119,6 +120,19 @@ def tuning_section(out_dir, arms, results, config):
                 for arm, scale in record["routing_choice"].items()
             ],
         )
+        for arm, scale in record["routing_choice"].items():
+            if len(scales) > 1 and scale in (scales[0], scales[-1]):
+                edge = "smallest" if scale == scales[0] else "largest"
+                notes.append(
+                    f"{arm}: the chosen routing scale {scale:g} is the {edge} tried; the best may lie beyond it "
+                    f"(widen tune_routing_lr_scales)"
+                )
+        unfinished += [
+            f"{a} at routing x{n}: {r['problem']}"
+            for a, rows in routing.items()
+            for n, r in rows.items()
+            if r["problem"]
+        ]
     lines += block(
         "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
         [f"- {md(line)}" for line in unfinished],
@@ -144,4 +158,5 @@ def tuning_section(out_dir, arms, results, config):
         arm: {f"{row['learning_rate']:g}": row[key] for row in rows.values()} for arm, rows in record["table"].items()
     }
     summary = {k: record[k] for k in SUMMARY_KEYS} | dict(notes=notes, mean=per_rate("mean"), sd=per_rate("sd"))
+    summary |= {k: record[k] for k in ("routing_scales", "routing_choice", "routing_reason") if k in record}
     return title + lines + block(None, [f"- {md(n)}" for n in notes]), summary | dict(cost=dict(tuning=cost, grid=grid))

@@ -338,13 +338,14 @@ def test_add_dry_run_says_what_it_would_train_and_trains_nothing(stored, tmp_pat
     assert not os.path.exists(rank) and digest(grid) == digest(stored)
 
 
-def test_add_passes_a_stop_signal_on_to_its_workers_and_says_how_to_go_on(tmp_path, monkeypatch):
+def test_add_passes_a_stop_signal_on_to_its_workers_and_says_how_to_go_on(tmp_path, monkeypatch, capsys):
     """SIGTERM to --add's process (a scheduler's or kill's stop reaches it alone) reaches each worker, which stops
     as train.py's loop does (PREEMPTED), and the command says to run it again; without the forwarding the workers
     would train on, orphaned."""
 
     def worker(argv, threads):  # train_worker's signal handling, without the training
         with cells.stop_on_signals():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, cells.STOP_SIGNALS)
             open(tmp_path / f"ready{os.getpid()}", "w").close()
             while not cells.stop_received:
                 time.sleep(0.01)
@@ -359,8 +360,10 @@ def test_add_passes_a_stop_signal_on_to_its_workers_and_says_how_to_go_on(tmp_pa
     monkeypatch.setattr(leaderboard, "train_worker", worker)
     before = signal.getsignal(signal.SIGTERM)
     threading.Thread(target=stop_when_ready, daemon=True).start()
-    with pytest.raises(SystemExit, match="stopped by a signal: run the same command again"):
+    with pytest.raises(SystemExit) as stop:
         leaderboard.train_workers([], 1, 2)
+    assert stop.value.code == cells.PREEMPTED, "stopped and checkpointed, as train.py and launch.py say it"
+    assert "stopped by a signal: run the same command again" in capsys.readouterr().err
     assert len(list(tmp_path.glob("stopped*"))) == 2, "each worker got the signal"
     assert signal.getsignal(signal.SIGTERM) == before, "this process's own handler restored"
 
