@@ -3,8 +3,9 @@
 # PrePostDANorm, LAuReL's bounded weights and column-orthogonal A, mHC's random projections and read-out head,
 # Delta AttnRes's zero queries; docs/variants.md, "Paper recipes") and each routed arm's routing rate tuned too:
 # routing_lr_scale 0.1 or 1 at its chosen rate (tune.py). The other schemes as in config/leaderboard.py.
-# Not run yet: docs/leaderboard.md's "Paper recipes" rows are config/leaderboard.py with the recipes added, at routing
-# rate 1x (out/leaderboard_recipes_shakespeare); this config adds the routing-rate tuning, in a folder of its own.
+# Run whole: not yet. Five of its arms ran compiled on Shakespeare (--compile=True --arms=standard,scaled_residual,frac,
+# muddformer,muddformer_paper: docs/leaderboard.md, "Compiled, the routing rate tuned"); its "Paper recipes" rows are
+# config/leaderboard.py with the recipes added, at routing rate 1x (out/leaderboard_recipes_shakespeare).
 # $ python launch.py --cluster=local --workers=2 --gpus_per_node=0 config/leaderboard_recipes.py
 # $ python dev/leaderboard.py --add=muddformer_paper out/leaderboard_shakespeare   # one scheme beside a stored grid
 import os
