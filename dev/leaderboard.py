@@ -459,13 +459,14 @@ def estimate(grid, cfg, workers, scheme):
     the slowest stored arm's."""
     import tune
 
-    speed = {}
+    speed = {}  # arm: (ms a step, s an evaluation, s a cell spends before it steps at its pace: compiling, chiefly)
     for arm in read(os.path.join(grid, "config.json"))["arms"]:
         logs = [read_log(os.path.join(grid, arm, f"seed{s}", "log.jsonl"))[0] for s in results(grid, arm)]
-        ms = [t for log in logs if (t := step_time(log))]
-        evals = [r["eval_s"] for log in logs for r in log if "eval_s" in r]
-        if ms and evals:
-            speed[arm] = (float(np.mean(ms)), float(np.mean(evals)))
+        timed = [(log, t) for log in logs if (t := step_time(log))]
+        evals = [r["eval_s"] for log, _ in timed for r in [r for r in log if "eval_s" in r][1:]]
+        if timed and evals:
+            startup = [start_s(log, t, float(np.median(evals))) for log, t in timed]
+            speed[arm] = (float(np.mean([t for _, t in timed])), float(np.mean(evals)), float(np.median(startup)))
     if "standard" not in speed:
         return f"no time estimate: {grid}'s `standard` cells logged no step time"
     paired = [(a, cfg["max_iters"]) for a in cfg["arms"] for _ in cfg["seeds"]]
@@ -473,18 +474,27 @@ def estimate(grid, cfg, workers, scheme):
     tuned = [(s["residual"], tuning["max_iters"]) for s in tuning["arms"].values() for _ in tuning["seeds"]]
     evals = lambda steps: steps // cfg["eval_interval"] + 1 + (steps % cfg["eval_interval"] > 0)
     slowest, cells = max(speed, key=lambda a: speed[a][0]), paired + tuned
-    total = {  # seconds of one process, the new scheme stepping as `standard` does or as the slowest
-        like: sum(n * speed.get(a, speed[like])[0] / 1000 + evals(n) * speed.get(a, speed[like])[1] for a, n in cells)
-        for like in ("standard", slowest)
+    cell_s = lambda ms, eval_s, start_s, n: n * ms / 1000 + evals(n) * eval_s + start_s
+    total = {  # seconds of one process, the new scheme stepping (and compiling) as `standard` does or as the slowest
+        like: sum(cell_s(*speed.get(a, speed[like]), n) for a, n in cells) for like in ("standard", slowest)
     }
     return (
         (f"{len(tuned)} tuning cells of {tuning['max_iters']} steps, then " if tuned else "")
         + f"{len(paired)} cells of {cfg['max_iters']} steps: about {duration(total['standard'] / workers)} with "
         f"{workers} worker(s) ({duration(total['standard'])} of one process) if `{scheme}` steps as fast as "
         f"`standard` ({speed['standard'][0]:.0f} ms/step), {duration(total[slowest] / workers)} if as slow as the "
-        f"slowest stored arm, `{slowest}` ({speed[slowest][0]:.0f} ms/step); at the stored cells' speeds, on "
+        f"slowest stored arm, `{slowest}` ({speed[slowest][0]:.0f} ms/step, {speed[slowest][2]:.0f} s a cell to start: "
+        f"compiling, in a compiled grid); at the stored cells' speeds, on "
         f"{names(machines_of(grid, BASELINES))}"
     )
+
+
+def start_s(log, ms, eval_s):
+    """What a cell spent before it stepped at its pace (compiling, chiefly, when compiled): its first logged
+    interval's time over its mean step's, and its first evaluation's over a later one's (eval_s)."""
+    steps, evals = [r for r in log if "ms_per_step" in r], [r["eval_s"] for r in log if "eval_s" in r]
+    first = (steps[0]["ms_per_step"] - ms) * steps[0]["step"] / 1000 if steps else 0.0
+    return max(0.0, first + (evals[0] - eval_s if evals else 0.0))
 
 
 def train_worker(argv, threads):
