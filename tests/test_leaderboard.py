@@ -380,6 +380,19 @@ def test_add_trains_the_baselines_afresh_where_their_cells_record_another_pairin
     assert "--arms=standard,scaled_residual,gated" in out
 
 
+def test_the_estimate_counts_what_a_cell_spends_before_it_steps_at_its_pace():
+    """A compiled cell's first interval and first evaluation carry its compile (the leaderboard's compiled grid: about
+    30 s a cell for `standard`, 50 s for Frac); step_time leaves them out, so the estimate adds them per cell."""
+    log = [
+        {"step": 0, "val_loss": 5.7, "eval_s": 13.7},
+        {"step": 10, "ms_per_step": 1690.0},
+        {"step": 20, "ms_per_step": 90.0},
+        {"step": 60, "val_loss": 2.8, "eval_s": 1.2},
+    ]
+    assert leaderboard.start_s(log, 90.0, 1.2) == pytest.approx((1690 - 90) * 10 / 1000 + 12.5)
+    assert leaderboard.start_s(log[2:], 90.0, 1.2) == 0.0, "an eager cell at its pace from the start costs nothing"
+
+
 def test_add_refuses_a_scheme_not_registered_in_one_line(stored):
     with pytest.raises(SystemExit, match=r"--add=nope: no such scheme in model.RESIDUALS \(standard, attnres, "):
         leaderboard.cli(["--add=nope", stored])
