@@ -480,6 +480,11 @@ def tuning_arm(arm, rate):
     return f"{arm}-lr{rate_name(rate)}"
 
 
+def tuning_iters(tune_iters, max_iters):
+    """The tuning cells' steps: tune_iters, or by default (0) a quarter of max_iters, rounded up."""
+    return tune_iters or -(-max_iters // 4)
+
+
 def scaled_arm(arm, scale):
     """The tuning arm's stem for an arm at a routing scale: <arm>-rs<scale> (its cells: <arm>-rs<scale>-lr<rate>)."""
     return f"{arm}-rs{rate_name(scale)}"
@@ -713,11 +718,12 @@ def tuning_problem(record, out_dir):
         return "routing_table, routing_choice and routing_reason are not dicts, or routing_scales not a list"
     if not set(routing[0]) == set(routing[1]) == set(routing[2]):
         return "routing_table, routing_choice and routing_reason name different arms"
+    seeds, budget = record["tune_seeds"], record["tune_iters"]
     for arm in sorted(routing[0]):
-        seeds, budget = record["tune_seeds"], record["tune_iters"]
         try:
             held = routing_rows(tune_dir, arm, record["choice"][arm], scales, seeds, budget)
-            for scale, rate in itertools.product(scales, record["learning_rates"]):  # every cell the cost line counts
+            others = [r for r in record["learning_rates"] if r != record["choice"][arm]]  # held read the chosen's
+            for scale, rate in itertools.product(scales, others):  # every cell the cost line counts, readable
                 tuning_row(tune_dir, scaled_arm(arm, scale), rate, seeds, budget)
         except (UserError, KeyError, TypeError) as e:
             return f"routing_table.{arm} cannot be checked against its tuning cells: {e}"

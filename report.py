@@ -21,7 +21,7 @@ import re
 import sys
 
 from common import DataError, Parser, remove_stale_temporaries, run, write_text
-from grid_files import grid_record, is_seed, load_downstream, load_grid
+from grid_files import grid_record, is_seed, load_downstream, load_grid, tuning_iters
 from reporting.cost import machine_lines, machine_of, machines, step_time, step_time_lines, wall_time_lines
 from reporting.downstream import downstream_comparison, downstream_lines
 from reporting.grid import BASELINES, beside, beside_lines, final_loss_lines, model_line, opening_lines, shared_model
@@ -118,11 +118,10 @@ def main(argv):
     side = args.beside and beside(args.out_dir, args.beside, comparisons)
     lines += (beside_lines(side) if side else []) + diverged_lines(diverged)
     warmup = config.get("warmup_iters") or 0
-    # tune.iters: tune_iters, 0 meaning a quarter of max_iters; an untuned grid (no rates) has no tuning budget
-    tuned = config.get("tune_learning_rates")
+    # an untuned grid (no rates) has no tuning budget; a damaged one's is not read
     steps = config.get("max_iters")
-    budget = (config.get("tune_iters") or -(-steps // 4)) if is_seed(steps) else None
-    tuned_steps = budget if tuned and is_seed(budget) else None
+    budget = tuning_iters(config.get("tune_iters"), steps) if is_seed(steps) else None
+    tuned_steps = budget if config.get("tune_learning_rates") and is_seed(budget) else None
     spiked = spikes(arms, seeds, logs, warmup, tuned_steps)
     lines += spike_lines(spiked, warmup, tuned_steps)
     downstream, problems, downstream_notes = load_downstream(args.out_dir, results)

@@ -38,6 +38,7 @@ from grid_files import (
     scaled_arm,
     stable_choice,
     tuning_arm,
+    tuning_iters,
     tuning_row,
 )
 from model import RESIDUALS
@@ -60,7 +61,7 @@ def routed(cfg, settings):
 def iters(cfg):
     """The tuning cells' steps: tune_iters, or by default a quarter of max_iters (rounded up). Each tuning cell
     runs the whole schedule in them (warmup, decay to min_lr at its end), as a run of that length would."""
-    return cfg["tune_iters"] or -(-cfg["max_iters"] // 4)
+    return tuning_iters(cfg["tune_iters"], cfg["max_iters"])
 
 
 def min_lr_at(cfg, rate):

@@ -463,10 +463,11 @@ def estimate(grid, cfg, workers, scheme):
     for arm in read(os.path.join(grid, "config.json"))["arms"]:
         logs = [read_log(os.path.join(grid, arm, f"seed{s}", "log.jsonl"))[0] for s in results(grid, arm)]
         timed = [(log, t) for log in logs if (t := step_time(log))]
-        evals = [r["eval_s"] for log, _ in timed for r in [r for r in log if "eval_s" in r][1:]]
-        if timed and evals:
-            startup = [start_s(log, t, float(np.median(evals))) for log, t in timed]
-            speed[arm] = (float(np.mean([t for _, t in timed])), float(np.mean(evals)), float(np.median(startup)))
+        later_evals = [r["eval_s"] for log, _ in timed for r in [r for r in log if "eval_s" in r][1:]]
+        if timed and later_evals:
+            eval_s = float(np.median(later_evals))
+            startup = float(np.median([start_s(log, t, eval_s) for log, t in timed]))
+            speed[arm] = (float(np.mean([t for _, t in timed])), float(np.mean(later_evals)), startup)
     if "standard" not in speed:
         return f"no time estimate: {grid}'s `standard` cells logged no step time"
     paired = [(a, cfg["max_iters"]) for a in cfg["arms"] for _ in cfg["seeds"]]
@@ -474,7 +475,7 @@ def estimate(grid, cfg, workers, scheme):
     tuned = [(s["residual"], tuning["max_iters"]) for s in tuning["arms"].values() for _ in tuning["seeds"]]
     evals = lambda steps: steps // cfg["eval_interval"] + 1 + (steps % cfg["eval_interval"] > 0)
     slowest, cells = max(speed, key=lambda a: speed[a][0]), paired + tuned
-    cell_s = lambda ms, eval_s, start_s, n: n * ms / 1000 + evals(n) * eval_s + start_s
+    cell_s = lambda ms, eval_s, startup, n: n * ms / 1000 + evals(n) * eval_s + startup
     total = {  # seconds of one process, the new scheme stepping (and compiling) as `standard` does or as the slowest
         like: sum(cell_s(*speed.get(a, speed[like]), n) for a, n in cells) for like in ("standard", slowest)
     }

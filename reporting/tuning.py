@@ -75,16 +75,20 @@ def tuning_section(out_dir, arms, results, config):
     bold = lambda text, chosen: f"**{text}**" if chosen else text
     mean_sd = lambda row: "not finished" if row["problem"] else f"{fmt(row['mean'], '.4f')} ({fmt(row['sd'], '.4f')})"
     table_rows, notes, unfinished = [], [], []
+
+    def edge_note(arm, what, chosen, tried, option):
+        if len(tried) > 1 and chosen in (min(tried), max(tried)):
+            side = "smallest" if chosen == min(tried) else "largest"
+            notes.append(
+                f"{arm}: the chosen {what} {chosen:g} is the {side} tried; the best may lie beyond it ({option})"
+            )
+
     for arm, rows in record["table"].items():
         by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
         shown = [mean_sd(by_rate[r]) if r in by_rate else "-" for r in rates]
-        table_rows.append([arm, *(f"**{text}**" if r == chosen else text for r, text in zip(rates, shown))])
+        table_rows.append([arm, *(bold(text, r == chosen) for r, text in zip(rates, shown))])
         unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in by_rate.items() if row["problem"]]
-        if len(by_rate) > 1 and chosen in (min(by_rate), max(by_rate)):
-            notes.append(
-                f"{arm}: the chosen rate {chosen:g} is the {'smallest' if chosen == min(by_rate) else 'largest'} "
-                f"tried; the best may lie beyond it (widen tune_learning_rates)"
-            )
+        edge_note(arm, "rate", chosen, list(by_rate), "widen tune_learning_rates")
     lines += block(
         "Mean (s.d.) final validation loss on the tuning seeds (the chosen rate in bold):",
         table(["arm", *(f"lr {r:g}" for r in rates)], table_rows),
@@ -121,12 +125,7 @@ def tuning_section(out_dir, arms, results, config):
             ],
         )
         for arm, scale in record["routing_choice"].items():
-            if len(scales) > 1 and scale in (scales[0], scales[-1]):
-                edge = "smallest" if scale == scales[0] else "largest"
-                notes.append(
-                    f"{arm}: the chosen routing scale {scale:g} is the {edge} tried; the best may lie beyond it "
-                    f"(widen tune_routing_lr_scales)"
-                )
+            edge_note(arm, "routing scale", scale, scales, "widen tune_routing_lr_scales")
         unfinished += [
             f"{a} at routing x{n}: {r['problem']}"
             for a, rows in routing.items()
