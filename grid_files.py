@@ -14,6 +14,7 @@ report and the tools that list cells (a problem is a note, never a crash). recor
 grid's files only through here.
 """
 
+import hashlib
 import itertools
 import json
 import math
@@ -32,6 +33,49 @@ RESULT_REMEDY = "delete it to finish the cell again from its last checkpoint, or
 
 def cell_dir(out_dir, arm, seed):
     return os.path.join(out_dir, arm, f"seed{seed}")
+
+
+# Definitions of the fingerprinted files (records.CODE_FILES) that decide where a run finds its data, when the grid's
+# report is written and how a tool opens a trained cell, never what a cell computes (the data is fingerprinted on its
+# own, data_hash): the code comparisons leave them out, so fixing or moving one locks no grid and unpairs no cell
+# (pairing_record). Name here only what cannot change a number.
+NOT_COMPUTING = frozenset(
+    {
+        "resolve_data_dir",
+        "find_data",
+        "prepare_bundled_or_wait",
+        "write_report",
+        "REPORT_WAIT_S",
+        "load_cell",
+        "TrainedCell",
+        "open_trained",
+        # a config default: its value is in every record that could use it (the grid's config.json), which the
+        # rerun check and the pairing compare; its assignment computes nothing
+        "tune_routing_lr_scales",
+    }
+)
+
+
+def code_fingerprints(code, scheme):
+    """(shared, own): sha256 of the definitions every scheme computes with, and of those only the
+    scheme's (its classes, as code_record lists them). The arms of a seed pair on the first."""
+    own = set(code["schemes"].get(scheme, ()))
+    registered = {c for used in code["schemes"].values() for c in used}
+    digest = lambda names: hashlib.sha256(
+        json.dumps({n: code["definitions"].get(n) for n in sorted(names)}).encode()
+    ).hexdigest()
+    return digest(set(code["definitions"]) - registered - NOT_COMPUTING), digest(own)
+
+
+def pairing_record(result):
+    """A cell's pairing record as the report compares it: the shared-code fingerprint recomputed from the code the
+    cell records, under this version's NOT_COMPUTING, so that a definition declared since to compute nothing (or
+    moved out of the fingerprinted files) unpairs no stored cell. A record of an earlier version (one fingerprint per
+    file) keeps the fingerprint it recorded."""
+    pairing, code = result["pairing"], result.get("code")
+    if "code" not in pairing or not all(isinstance((code or {}).get(k), dict) for k in ("definitions", "schemes")):
+        return pairing
+    return pairing | {"code": code_fingerprints(code, None)[0]}
 
 
 # settings recorded as lists whose order changes nothing: the rates a tuning tries train the same cells and give the

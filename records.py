@@ -27,7 +27,8 @@ from data.prepare import held_out_names_in
 from data.shards import TOKENIZERS
 
 # a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py call some as records.<name>
-from grid_files import RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result, field, read_record
+from grid_files import NOT_COMPUTING, RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result, code_fingerprints
+from grid_files import field, read_record
 from grid_files import describe_done  # noqa: F401  (cells.py's records.describe_done)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
@@ -72,24 +73,6 @@ NOT_RESULT_KEYS = (
 # and messages: code_record). The report, the config checks here, downloads, the log (progress.py) and these
 # records are not in it.
 CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py")
-# Definitions of CODE_FILES that decide where a run finds its data, when the grid's report is written and how a
-# tool opens a trained cell, never what a cell computes (the data is fingerprinted on its own, data_hash): the code
-# comparisons leave them out, so fixing or moving one locks no grid. Name here only what cannot change a number.
-NOT_COMPUTING = frozenset(
-    {
-        "resolve_data_dir",
-        "find_data",
-        "prepare_bundled_or_wait",
-        "write_report",
-        "REPORT_WAIT_S",
-        "load_cell",
-        "TrainedCell",
-        "open_trained",
-        # a config default: its value is in every record that could use it (the grid's config.json), which the
-        # rerun check and the pairing compare; its assignment computes nothing
-        "tune_routing_lr_scales",
-    }
-)
 
 
 # -----------------------------------------------------------------------------
@@ -570,17 +553,6 @@ def code_changes(old, new, schemes):
         for name in sorted((set(before) | set(now)) - NOT_COMPUTING)
         if before.get(name) != now.get(name) and (name not in registered or name in used)
     ] + [f"RESIDUALS[{s!r}]" for s in sorted(schemes) if old["schemes"].get(s) != new["schemes"].get(s)]
-
-
-def code_fingerprints(code, scheme):
-    """(shared, own): sha256 of the definitions every scheme computes with, and of those only the
-    scheme's (its classes, as code_record lists them). The arms of a seed pair on the first."""
-    own = set(code["schemes"].get(scheme, ()))
-    registered = {c for used in code["schemes"].values() for c in used}
-    digest = lambda names: hashlib.sha256(
-        json.dumps({n: code["definitions"].get(n) for n in sorted(names)}).encode()
-    ).hexdigest()
-    return digest(set(code["definitions"]) - registered - NOT_COMPUTING), digest(own)
 
 
 def run_schemes(*records):

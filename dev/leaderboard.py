@@ -64,7 +64,7 @@ sys.path.insert(0, ROOT)
 
 from common import Parser, UserError, run  # noqa: E402
 from configurator import parse_literal  # noqa: E402
-from grid_files import duration, read_log  # noqa: E402
+from grid_files import code_fingerprints, duration, pairing_record, read_log  # noqa: E402
 from paired_stats import paired_statistics, verdict  # noqa: E402
 from report import machine_of, step_time  # noqa: E402
 from reporting.cost import machine_name  # noqa: E402
@@ -417,13 +417,15 @@ def plan(scheme, grid, passed):
     code = records.code_record()
     if changes := records.described_changes(recorded.get("code"), code, {*BASELINES, scheme}):
         why.append(f"this code computes otherwise than {grid}'s ({changes})")
-    # what the report pairs on: a cell's shared-code fingerprint as recorded, which also moves with NOT_COMPUTING
+    # what the report pairs on: each cell's shared-code fingerprint, from the code that cell records
     elif (
-        recorded_code := {(r.get("pairing") or {}).get("code") for a in BASELINES for r in results(grid, a).values()}
-    ) and recorded_code != {records.code_fingerprints(code, scheme)[0]}:
-        why.append(
-            "its baselines' cells record another shared-code fingerprint than this code's (what report.py pairs on)"
-        )
+        recorded_code := {
+            pairing_record(r).get("code") if isinstance(r.get("pairing"), dict) else None
+            for a in BASELINES
+            for r in results(grid, a).values()
+        }
+    ) and recorded_code != {code_fingerprints(code, scheme)[0]}:
+        why.append("its baselines' cells record code that computes otherwise than this code (what report.py pairs on)")
     here, there = this_machine(recorded["device"]), machines_of(grid, BASELINES)
     if there != [here]:
         why.append(f"this machine ({names([here])}) is not the one its baselines recorded ({names(there)})")

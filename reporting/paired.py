@@ -4,10 +4,10 @@ deltas (paired_stats.py), over seeds and over seeds and validation text, the pow
 the verdicts; and report.md's section per reference.
 
 A seed counts for an arm when its cell and the reference's both finished and their `pairing` records agree: init
-and data hashes, evaluated tokens, the fingerprint of the code every scheme computes with (an arm's own scheme code
-is its own), init checkpoint, and every setting both cells record (one that only one of them records is that arm's
-own). Diverged cells are listed apart; seeds trained under other code or settings (--allow_changes) pair, and are
-named as mixed versions.
+and data hashes, evaluated tokens, the fingerprint of the code every scheme computes with (recomputed from the code
+the cell records: grid_files.pairing_record; an arm's own scheme code is its own), init checkpoint, and every setting
+both cells record (one that only one of them records is that arm's own). Diverged cells are listed apart; seeds
+trained under other code or settings (--allow_changes) pair, and are named as mixed versions.
 """
 
 import itertools
@@ -18,7 +18,7 @@ import os
 import numpy as np
 from scipy import stats
 
-from grid_files import ABSENT_MEANS, as_compared, close, is_finite
+from grid_files import ABSENT_MEANS, as_compared, close, is_finite, pairing_record
 from paired_stats import ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, verdict
 from paired_stats import interval_detects, paired_statistics, perplexity_change, power_analysis, text_uncertainty
 from reporting.text import block, fmt, interval, md, per_seed, seed_groups, statistics_table, table, undefined
@@ -75,7 +75,7 @@ def mixed_versions(results, arms, seeds):
             v |= {f"{group}.{k}": as_compared(k, x) for k, x in (pairing.get(group) or {}).items()}
         return {f"settings.{k}": old for k, old in ABSENT_MEANS.items()} | v  # recorded before the key: as then
 
-    per_seed = {s: {arm: values(results[arm, s]["pairing"]) for arm in arms} for s in seeds}
+    per_seed = {s: {arm: values(pairing_record(results[arm, s])) for arm in arms} for s in seeds}
     brief = lambda v: " / ".join(dict.fromkeys(json.dumps(x)[:18] for x in json.loads(v)))  # reference / arm
     notes = []
     for key in sorted({k for s in seeds for arm in arms for k in per_seed[s][arm]}):
@@ -123,7 +123,7 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
             return "no pairing record"
         return None
 
-    pairing = lambda a, s: results[a, s]["pairing"]
+    pairing = lambda a, s: pairing_record(results[a, s])
     paired, paired_seeds, curves = {}, {}, {}
     for arm in others:
         left_out = {s: r for s in seeds if (r := unpaired_reason(reference, arm, s, problem, pairing))}

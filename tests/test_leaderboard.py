@@ -368,15 +368,26 @@ def test_add_passes_a_stop_signal_on_to_its_workers_and_says_how_to_go_on(tmp_pa
     assert signal.getsignal(signal.SIGTERM) == before, "this process's own handler restored"
 
 
-def test_add_trains_the_baselines_afresh_where_their_cells_record_another_pairing_fingerprint(stored, tmp_path, capsys):
-    """The definitions unchanged but the fingerprint the report pairs on not this code's (NOT_COMPUTING moved, say):
-    reusing the stored baselines would give a scheme the report refuses to pair with them."""
+def test_add_pairs_on_the_code_each_stored_cell_records_not_its_recorded_digest(stored, tmp_path, capsys):
+    """A baseline's cell recorded under an earlier NOT_COMPUTING (a definition since declared to compute nothing had
+    another digest, and its stored fingerprint counted it) still pairs: the report and --add recompute the fingerprint
+    from the cell's code. A cell whose code differs in a definition that computes is retrained with the baselines."""
     grid = str(tmp_path / "board")
     shutil.copytree(stored, grid)
-    edit_json(os.path.join(grid, "standard", "seed1", "result.json"), lambda r: r["pairing"].update(code="0" * 64))
+    cell = os.path.join(grid, "standard", "seed1", "result.json")
+
+    def earlier(r):  # write_report had another digest, and the fingerprint recorded then counted it
+        r["code"]["definitions"]["write_report"] = "0" * 16
+        r["pairing"]["code"] = "0" * 64
+
+    edit_json(cell, earlier)
     leaderboard.cli(["--add=gated", "--dry_run", grid])
     out = capsys.readouterr().out
-    assert out.startswith("its baselines' cells record another shared-code fingerprint than this code's"), out
+    assert "--arms=gated" in out and "record code that computes otherwise" not in out, out
+    edit_json(cell, lambda r: r["code"]["definitions"].update(learning_rate_at="0" * 16))
+    leaderboard.cli(["--add=gated", "--dry_run", grid])
+    out = capsys.readouterr().out
+    assert out.startswith("its baselines' cells record code that computes otherwise than this code"), out
     assert "--arms=standard,scaled_residual,gated" in out
 
 

@@ -2054,3 +2054,19 @@ def test_a_loss_spike_after_warmup_is_flagged_with_arm_seed_and_step(tmp_path, n
         ("rd", 0, (10, 20)),
         ("rd", 1, (10, 20)),
     }
+
+
+def test_the_code_a_seed_pairs_on_is_recomputed_from_the_code_each_cell_records(tmp_path, no_matplotlib):
+    """A cell recorded under an earlier NOT_COMPUTING (its stored fingerprint counted a definition since declared to
+    compute nothing) pairs; a cell whose code differs in a definition that computes does not, whatever it stored."""
+    out = make_grid(tmp_path, {(a, s): 3.0 - 0.1 * (a == "rd") + 0.01 * s for a in ("parent", "rd") for s in range(3)})
+    code = dict(definitions={"learning_rate_at": "1" * 16, "write_report": "2" * 16, "Block": "3" * 16}, schemes={})
+    for arm in ("parent", "rd"):
+        for s in range(3):
+            edit(out, arm, s, lambda r: r.update(code=json.loads(json.dumps(code))))
+    edit(out, "parent", 1, lambda r: r["code"]["definitions"].update(write_report="0" * 16))  # as an earlier
+    edit(out, "parent", 1, lambda r: r["pairing"].update(code="0"))  # NOT_COMPUTING would have recorded it
+    edit(out, "parent", 2, lambda r: r["code"]["definitions"].update(learning_rate_at="0" * 16))
+    paired, text = run(out)
+    assert paired["arms"]["rd"]["seeds"] == [0, 1], "the earlier record pairs: only what computes counts"
+    assert [d["reason"].split(" (")[0] for d in paired["arms"]["rd"]["left_out"]] == ["parent and rd differ in code"]
