@@ -5,7 +5,7 @@ it, evaluate_downstream scores the CORE tasks when due, finish_cell writes resul
 lets one process at a time train it). A stop signal (SIGTERM, SIGUSR1: stop_on_signals) ends it at a
 step boundary, checkpointed (stop_requested, Preempted; exit status PREEMPTED). seed_for is the
 pairing: a seed's init, data order and dropout seeds, the same for every arm. Among a grid's workers,
-grid_cells and unfinished say which cells are left, and write_report writes the paired report once.
+write_report writes the paired report once (grid_files.grid_cells and unfinished say which cells are left).
 """
 
 import dataclasses
@@ -24,9 +24,9 @@ import checkpoint
 import downstream
 import records
 from checkpoint import CellState
-from common import DataError, LockHeld, pid_lock, read_lock, write_json
+from common import DataError, LockHeld, pid_lock, write_json
 from data.shards import get_tokenizer
-from grid_files import report_is_current
+from grid_files import grid_cells, report_is_current, unfinished
 from machine import apply_fsdp, machine_record
 from model import GPT, GPTConfig
 from progress import CellLog
@@ -282,19 +282,7 @@ def finish_cell(cell, data, val_loss, sequence_losses, diverged, routing, grid, 
 
 
 # -----------------------------------------------------------------------------
-# the grid's cells among its workers: which have no result yet, and the report the last one writes
-
-
-def grid_cells(cfg):
-    return [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
-
-
-def unfinished(cfg, cells):
-    return [
-        (arm, seed)
-        for arm, seed in cells
-        if not os.path.exists(os.path.join(records.cell_dir(cfg["out_dir"], arm, seed), "result.json"))
-    ]
+# the report the last of a grid's workers writes
 
 
 # how long the last worker waits for a report.lock that this host cannot check (another host's, or one naming no
@@ -341,36 +329,3 @@ def write_report(cfg):
                     f"if no run is writing it: rm {lock}; python report.py {' '.join(command)}"
                 ) from None
             time.sleep(2)
-
-
-# a cell waited on (the tuned protocol) whose log and checkpoint have not changed this long is taken for one whose
-# worker died on another host (where its lock cannot be checked): the wait ends, saying how to free the cell
-WAIT_GIVE_UP_S = 3600
-
-
-def stalled(cfg, cells, seen):
-    """The line for the first of the others' cells whose log and checkpoint have not changed in WAIT_GIVE_UP_S;
-    None while each changes or is free. seen: cell -> (its files' mtimes, when this process saw them change),
-    kept between calls: this machine's clock alone, as another host's may differ."""
-    now = time.monotonic()
-    for arm, seed in cells:
-        folder = records.cell_dir(cfg["out_dir"], arm, seed)
-        mtimes = tuple(modified(os.path.join(folder, name)) for name in ("log.jsonl", "ckpt.pt"))
-        if seen.get((arm, seed), (None,))[0] != mtimes:
-            seen[(arm, seed)] = (mtimes, now)
-            continue
-        lock = os.path.join(folder, "lock")
-        pid, host = read_lock(lock)
-        if pid is not None and now - seen[(arm, seed)][1] >= WAIT_GIVE_UP_S:
-            return (
-                f"[{arm} seed{seed}] is held by pid {pid} on {host}, and its log and checkpoint have not changed "
-                f"in {WAIT_GIVE_UP_S // 60} minutes; if that worker is gone: rm {lock}, and run the same command again"
-            )
-    return None
-
-
-def modified(path):
-    try:
-        return os.path.getmtime(path)
-    except OSError:  # not written yet, or being replaced
-        return None

@@ -23,6 +23,7 @@ import re
 import socket
 import statistics
 import sys
+import time
 
 from common import ConfigError, DataError, UserError, process_exists, read_json, read_lock
 
@@ -46,6 +47,12 @@ NOT_COMPUTING = frozenset(
         "prepare_bundled_or_wait",
         "write_report",
         "REPORT_WAIT_S",
+        # which cells a worker trains or waits on (cells.py's once): never what a cell computes
+        "grid_cells",
+        "unfinished",
+        "stalled",
+        "modified",
+        "WAIT_GIVE_UP_S",
         "load_cell",
         "TrainedCell",
         "open_trained",
@@ -120,6 +127,55 @@ def report_is_current(out_dir, cells):
     worker writes the report again only when not."""
     path = os.path.join(out_dir, "report.md")
     return os.path.exists(path) and os.path.getmtime(path) > max(map(os.path.getmtime, report_inputs(out_dir, cells)))
+
+
+# -----------------------------------------------------------------------------
+# the grid's cells among its workers (train.py): which have no result yet, and whose worker seems gone
+
+
+def grid_cells(cfg):
+    return [(arm, seed) for seed in cfg["seeds"] for arm in cfg["arms"]]
+
+
+def unfinished(cfg, cells):
+    return [
+        (arm, seed)
+        for arm, seed in cells
+        if not os.path.exists(os.path.join(cell_dir(cfg["out_dir"], arm, seed), "result.json"))
+    ]
+
+
+# a cell waited on (the tuned protocol) whose log and checkpoint have not changed this long is taken for one whose
+# worker died on another host (where its lock cannot be checked): the wait ends, saying how to free the cell
+WAIT_GIVE_UP_S = 3600
+
+
+def stalled(cfg, cells, seen):
+    """The line for the first of the others' cells whose log and checkpoint have not changed in WAIT_GIVE_UP_S;
+    None while each changes or is free. seen: cell -> (its files' mtimes, when this process saw them change),
+    kept between calls: this machine's clock alone, as another host's may differ."""
+    now = time.monotonic()
+    for arm, seed in cells:
+        folder = cell_dir(cfg["out_dir"], arm, seed)
+        mtimes = tuple(modified(os.path.join(folder, name)) for name in ("log.jsonl", "ckpt.pt"))
+        if seen.get((arm, seed), (None,))[0] != mtimes:
+            seen[(arm, seed)] = (mtimes, now)
+            continue
+        lock = os.path.join(folder, "lock")
+        pid, host = read_lock(lock)
+        if pid is not None and now - seen[(arm, seed)][1] >= WAIT_GIVE_UP_S:
+            return (
+                f"[{arm} seed{seed}] is held by pid {pid} on {host}, and its log and checkpoint have not changed "
+                f"in {WAIT_GIVE_UP_S // 60} minutes; if that worker is gone: rm {lock}, and run the same command again"
+            )
+    return None
+
+
+def modified(path):
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # not written yet, or being replaced
+        return None
 
 
 # -----------------------------------------------------------------------------

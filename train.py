@@ -34,8 +34,9 @@ import checkpoint
 import downstream
 import records
 import tune
-from cells import DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, grid_cells, open_cell
-from cells import rank0s, save_cell, seed_for, stalled, stop_on_signals, stop_requested, unfinished, write_report
+from cells import DATA_ORDER, PREEMPTED, Grid, Preempted, evaluate_downstream, finish_cell, open_cell, rank0s
+from cells import save_cell, seed_for, stop_on_signals, stop_requested, write_report
+from grid_files import grid_cells, stalled, unfinished
 from common import DataError, UserError, cell_lock, check_writable
 from configurator import configure
 from data.prepare import find_or_prepare_data as find_data  # main's name for it (fingerprinted)

@@ -26,7 +26,6 @@ import torch
 
 import grid_files
 import launch
-import cells
 import train
 from cells import PREEMPTED, Preempted, stop_on_signals
 from common import ConfigError, DataError
@@ -380,17 +379,17 @@ def test_a_worker_waiting_on_a_tuning_cell_of_a_silent_worker_on_another_host_gi
             os.utime(held / "log.jsonl", (len(logged_at), len(logged_at)))  # a coarse clock's mtime changes too
 
     monkeypatch.setattr(train, "time", SimpleNamespace(sleep=wait, monotonic=clock))
-    monkeypatch.setattr(cells, "time", SimpleNamespace(sleep=wait, monotonic=clock))  # stalled's clock
+    monkeypatch.setattr(grid_files, "time", SimpleNamespace(sleep=wait, monotonic=clock))  # stalled's clock
     with pytest.raises(DataError) as err:
         train.main(args)
     gave_up = clock()
     assert str(err.value) == (
         f"[{tune.tuning_arm('attnres', 1e-2)} seed1000] is held by pid 12 on another-host, and its "
-        f"log and checkpoint have not changed in {cells.WAIT_GIVE_UP_S // 60} minutes; if that "
+        f"log and checkpoint have not changed in {grid_files.WAIT_GIVE_UP_S // 60} minutes; if that "
         f"worker is gone: rm {held / 'lock'}, and run the same command again"
     )
     assert (
-        cells.WAIT_GIVE_UP_S <= gave_up - logged_at[-1] < cells.WAIT_GIVE_UP_S + 2 * 600
+        grid_files.WAIT_GIVE_UP_S <= gave_up - logged_at[-1] < grid_files.WAIT_GIVE_UP_S + 2 * 600
     )  # a change restarts the count
     assert not (tmp_path / "attnres").exists()  # the grid waits for the rates
 
