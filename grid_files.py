@@ -53,6 +53,9 @@ NOT_COMPUTING = frozenset(
         "stalled",
         "modified",
         "WAIT_GIVE_UP_S",
+        # how often a worker compiles, never what: machine.py's cache policy for the routed schemes' graphs
+        "cache_routed_graphs",
+        "ROUTED_GRAPHS_CACHED",
         "load_cell",
         "TrainedCell",
         "open_trained",

@@ -13,6 +13,8 @@ import traceback
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
@@ -125,6 +127,22 @@ def resolve_compile(requested, device):
     if choice not in ("auto", "true", "false"):
         raise ConfigError(f"compile={requested!r}: choose auto, True or False")
     return device.startswith("cuda") if choice == "auto" else choice == "true"
+
+
+# AOTAutograd's cache will not store a graph that switches autocast, as every routed scheme does (its routing in fp32),
+# nor one that applies a custom autograd Function (the AttnRes family's OnlineSoftmaxStep). So each compiled cell of
+# those schemes traced its graphs again after cells.open_cell's dynamo reset: 25-50 s a cell on a CPU at the
+# leaderboard's shape, where `standard`'s, which the cache keeps, took 3-5 s. Both are nodes of the graph the cache
+# keys on, with their arguments and the Function's traced forward and backward, so a hit is this same graph compiled:
+# allowing them changes no number (tests/test_train.py), only how often a worker compiles.
+def cache_routed_graphs():
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+    marked = {f"torch.amp.autocast_mode.{name}": torch.__version__ for name in ("_enter_autocast", "_exit_autocast")}
+    torch._inductor.config.unsafe_marked_cacheable_functions.update(marked)
+    return marked
+
+
+ROUTED_GRAPHS_CACHED = cache_routed_graphs()  # on import: every process that trains or benches imports this file
 
 
 def cpu_threads(runtime):

@@ -820,7 +820,10 @@ def test_ddp_default_batch_equals_single_process(shards, tmp_path):
 def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
     # on two threads, compiled CPU kernels differ from run to run unless train.py asks for the
     # deterministic ones; each run is a fresh process, as a rerun would be. eval_tokens leaves a
-    # short last evaluation batch, which must not recompile
+    # short last evaluation batch, which must not recompile. The second run's graphs come from the compile cache
+    # (attnres switches autocast off for its depth read and applies a custom autograd Function, which the cache
+    # refused until machine.py allowed them: every cell traced its graphs again), and train the same numbers as the
+    # first run's, traced
     args = [
         "--compile=True",
         "--max_iters=12",
@@ -830,11 +833,14 @@ def test_compiled_runs_repeat_exactly_and_evaluate_as_eager(shards, tmp_path):
         "--eval_tokens=600",
         "--eval_batch_size=8",
     ]
-    for run in ("a", "b"):
+    logs = "recompiles,torch._functorch._aot_autograd.autograd_cache"
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}  # cold: nothing of an earlier test
+    for run, compiled in (("a", "AOTAutograd cache miss"), ("b", "AOTAutograd cache hit")):
         proc = run_cli(
-            tiny(shards, tmp_path / run, *args), env={**ENV, "OMP_NUM_THREADS": "2", "TORCH_LOGS": "recompiles"}
+            tiny(shards, tmp_path / run, *args), env={**ENV, "OMP_NUM_THREADS": "2", "TORCH_LOGS": logs, **cache}
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stderr.count(compiled) == 2 and "Bypassing" not in proc.stderr, proc.stderr[-3000:]  # train, eval
         # training and evaluation graphs, compiled once each (the evaluation graph is the one recompile,
         # for grad mode): none for a batch shape (the short last evaluation batch is padded), none per
         # evaluation (dynamo stops recompiling after 8), none for model attributes set after the first
