@@ -129,7 +129,7 @@ def resolve_compile(requested, device):
     return device.startswith("cuda") if choice == "auto" else choice == "true"
 
 
-# AOTAutograd's cache will not store a graph that switches autocast, as every routed scheme does (its routing in fp32),
+# AOTAutograd's cache will not store a graph that switches autocast, as most routed schemes do (their routing in fp32),
 # nor one that applies a custom autograd Function (the AttnRes family's OnlineSoftmaxStep). So each compiled cell of
 # those schemes traced its graphs again after cells.open_cell's dynamo reset: 25-50 s a cell on a CPU at the
 # leaderboard's shape, where `standard`'s, which the cache keeps, took 3-5 s. Both are nodes of the graph the cache
