@@ -934,6 +934,28 @@ MUTANTS = [
         "tests/test_tune.py",
         "the report trusts an edited routing table in choice.json",
     ),
+    # pairing on the code each cell records, and the compile cache of the routed schemes (2026-12-07)
+    (
+        "reporting/paired.py",
+        "pairing = lambda a, s: pairing_record(results[a, s])",
+        'pairing = lambda a, s: results[a, s]["pairing"]',
+        "tests/test_report.py",
+        "the report pairs on each cell's stored digest: declaring a definition non-computing unpairs every stored cell",
+    ),
+    (
+        "grid_files.py",
+        'digest(set(code["definitions"]) - registered - NOT_COMPUTING)',
+        'digest(set(code["definitions"]) - registered)',
+        "tests/test_report.py",
+        "the fingerprint a cell pairs on counts the definitions that compute nothing",
+    ),
+    (
+        "machine.py",
+        "torch._inductor.config.unsafe_marked_cacheable_functions.update(marked)",
+        "pass",
+        "tests/test_train.py",
+        "every compiled cell of a routed scheme traces its graphs again: the compile cache refuses them",
+    ),
 ]
 
 
