@@ -81,9 +81,16 @@ def pairing_record(result):
     """A cell's pairing record as the report compares it: the shared-code fingerprint recomputed from the code the
     cell records, under this version's NOT_COMPUTING, so that a definition declared since to compute nothing (or
     moved out of the fingerprinted files) unpairs no stored cell. A record of an earlier version (one fingerprint per
-    file) keeps the fingerprint it recorded."""
-    pairing, code = result["pairing"], result.get("code")
-    if "code" not in pairing or not all(isinstance((code or {}).get(k), dict) for k in ("definitions", "schemes")):
+    file), or one not as code_record writes it, keeps the fingerprint it recorded."""
+    pairing, code = result["pairing"], result.get("code") or {}
+    names = lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)
+    definitions, schemes = code.get("definitions"), code.get("schemes")
+    if "code" not in pairing or not (
+        isinstance(definitions, dict)
+        and all(isinstance(d, str) for d in definitions.values())
+        and isinstance(schemes, dict)
+        and all(map(names, schemes.values()))
+    ):
         return pairing
     return pairing | {"code": code_fingerprints(code, None)[0]}
 
@@ -365,6 +372,7 @@ def result_problem(result):
             ("val_loss", is_number, "a number"),
             ("wall_time_s", is_finite, "a finite number"),
             ("pairing", lambda v: isinstance(v, dict), "a dict"),
+            ("code", lambda v: isinstance(v, dict), "a dict"),
         ),
     )
     for key in ("settings", "arm_settings"):

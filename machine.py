@@ -130,11 +130,12 @@ def resolve_compile(requested, device):
 
 
 # AOTAutograd's cache will not store a graph that switches autocast, as most routed schemes do (their routing in fp32),
-# nor one that applies a custom autograd Function (the AttnRes family's OnlineSoftmaxStep). So each compiled cell of
-# those schemes traced its graphs again after cells.open_cell's dynamo reset: 25-50 s a cell on a CPU at the
-# leaderboard's shape, where `standard`'s, which the cache keeps, took 3-5 s. Both are nodes of the graph the cache
-# keys on, with their arguments and the Function's traced forward and backward, so a hit is this same graph compiled:
-# allowing them changes no number (tests/test_train.py), only how often a worker compiles.
+# nor one that applies a custom autograd Function (AttnRes's and RD-AttnRes's OnlineSoftmaxStep). So each compiled
+# cell of those schemes traced and partitioned its graphs again after cells.open_cell's dynamo reset: 50-58 s a cell
+# in the compiled leaderboard grid, where `standard`'s, which the cache keeps, took 5 s. Both are nodes of the graph
+# the cache keys on, with their arguments and the Function's traced forward and backward, so a hit is this same graph
+# compiled: allowing them changes no number (tests/test_train.py, AttnRes on a CPU), only how often a worker compiles.
+# These two settings and nothing else (tests/test_machine.py): this definition is declared non-computing.
 def cache_routed_graphs():
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     marked = {f"torch.amp.autocast_mode.{name}": torch.__version__ for name in ("_enter_autocast", "_exit_autocast")}

@@ -109,6 +109,23 @@ def test_the_lenient_readers_say_why_and_never_raise(tmp_path):
     assert grid_files.result_problem(dict(RESULT, wall_time_s="12")) == 'wall_time_s is "12", not a finite number'
 
 
+def test_the_fingerprint_a_cell_pairs_on_is_recomputed_from_a_readable_code_record_only():
+    """The report pairs on the shared-code fingerprint recomputed from the code a cell records (a definition since
+    declared non-computing counts no more); a code record it cannot read keeps the stored fingerprint, never a crash."""
+    code = dict(definitions={"learning_rate_at": "1" * 16, "write_report": "2" * 16, "Gated": "3" * 16})
+    code["schemes"] = {"gated": ["Gated"]}
+    cell = dict(RESULT, pairing=dict(code="stored"), code=code)
+    shared = grid_files.pairing_record(cell)["code"]
+    assert shared == grid_files.code_fingerprints(code, "gated")[0] != "stored"
+    edited = dict(code, definitions=dict(code["definitions"], write_report="0" * 16, Gated="0" * 16))
+    assert grid_files.pairing_record(dict(cell, code=edited))["code"] == shared, "only shared computing code counts"
+    edited = dict(code, definitions=dict(code["definitions"], learning_rate_at="0" * 16))
+    assert grid_files.pairing_record(dict(cell, code=edited))["code"] != shared
+    for odd in (None, {"fingerprint": "f"}, dict(code, schemes={"x": 5}), dict(code, schemes={"x": [[1]]})):
+        assert grid_files.pairing_record(dict(cell, code=odd)) == {"code": "stored"}, odd
+    assert grid_files.result_problem(dict(RESULT, code="x")) == 'code is "x", not a dict'
+
+
 def test_a_cells_result_read_leniently_is_a_reason_never_a_traceback(tmp_path):
     cell = tmp_path / "std" / "seed0"
     cell.mkdir(parents=True)

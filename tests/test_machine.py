@@ -11,6 +11,7 @@ import torch
 
 import machine
 from common import ConfigError
+from helpers import ROOT
 
 ONE_PROCESS = machine.Runtime(
     world=1, rank=0, local_rank=0, device="cpu", dtype="float32", autocast=nullcontext(), peak_flops=None, fsdp=False
@@ -153,4 +154,23 @@ def test_torchrun_shows_each_ranks_own_error(tmp_path):
     assert (
         "--- rank 1 stderr ---\nrank 1 stops here\n" in tail
         and "Connection closed by peer" in tail.split("--- rank 0")[1]
+    )
+
+
+def test_importing_machine_changes_the_compile_caches_policy_and_nothing_else():
+    """cache_routed_graphs is declared non-computing (grid_files.NOT_COMPUTING), so no grid would notice an edit to
+    it: it may touch only the two cache settings that let the routed schemes' graphs be cached, nothing that compiles
+    otherwise (an inductor precision flag, say)."""
+    probe = (
+        "import json, torch._functorch.config as f, torch._inductor.config as i\n"
+        "copy = lambda: {**{'functorch.' + k: repr(v) for k, v in f.get_config_copy().items()},"
+        " **{'inductor.' + k: repr(v) for k, v in i.get_config_copy().items()}}\n"
+        "before = copy()\n"
+        "import machine\n"
+        "after = copy()\n"
+        "print(json.dumps(sorted(k for k in before | after if before.get(k) != after.get(k))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert proc.stdout.split("\n")[-2] == (
+        '["functorch.autograd_cache_allow_custom_autograd_functions", "inductor.unsafe_marked_cacheable_functions"]'
     )
