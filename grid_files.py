@@ -15,7 +15,6 @@ grid's files only through here.
 """
 
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -601,21 +600,25 @@ def scaled_arm(arm, scale):
     return f"{arm}-rs{rate_name(scale)}"
 
 
-def routing_rows(tune_dir, arm, rate, scales, seeds, budget):
-    """{scale name: tuning row} of an arm at its chosen rate and each routing scale (1 included: the rate's own
-    cells), each row's learning_rate the routing parameters' (rate x scale), which stable_choice orders by."""
-    return {
-        rate_name(scale): dict(
-            tuning_row(tune_dir, arm if scale == 1 else scaled_arm(arm, scale), rate, seeds, budget),
-            learning_rate=rate * scale,
-        )
-        for scale in sorted({*scales, 1.0})
-    }
+def routing_rows(tune_dir, arm, rates, scales, seeds, budget):
+    """({scale name: tuning row}, {scale name: rate}): at each routing scale (1 included: the arm's own cells), the
+    rate stable_choice takes over that scale's tuning cells and its row there, the row's learning_rate the routing
+    parameters' (rate x scale), which routing_pick orders by. Each scale at its own rate: an arm unstable at the
+    largest rate with its routing at 1x may be best there with its routing slower. A scale where no rate finished
+    has no row."""
+    rows, chosen = {}, {}
+    for scale in sorted({*scales, 1.0}):
+        tried = [tuning_row(tune_dir, arm if scale == 1 else scaled_arm(arm, scale), r, seeds, budget) for r in rates]
+        rate = stable_choice(tried)[0]
+        if rate is not None:
+            row = next(row for row in tried if row["learning_rate"] == rate)
+            rows[rate_name(scale)], chosen[rate_name(scale)] = dict(row, learning_rate=rate * scale), rate
+    return rows, chosen
 
 
 def routing_pick(rows):
     """(scale, reason): stable_choice over the routing rates, so a smaller scale is the safer choice, taken unless a
-    larger one beats it; never None, the scale-1 row being the chosen rate's."""
+    larger one beats it; never None, the scale-1 row being the arm's own choice."""
     routing_rate, why = stable_choice(list(rows.values()))
     scale = next(float(s) for s, row in rows.items() if row["learning_rate"] == routing_rate)
     return scale, f"routing rate {rate_name(routing_rate)}: {why}"
@@ -817,10 +820,10 @@ def tuning_problem(record, out_dir):
         rate, reason = stable_choice(list(rows.values()))
         if rate is None:
             return f"table.{arm}: {reason}, so nothing was chosen"
-        if record["choice"].get(arm) != rate:
-            return f"choice.{arm} is {described(record['choice'].get(arm))}, not the tuning rule's {rate:g} ({reason})"
         if record["reason"].get(arm) != reason:
             return f"reason.{arm} is {described(record['reason'].get(arm))}, not the tuning rule's: {reason}"
+        if arm not in record.get("routing_table", {}) and record["choice"].get(arm) != rate:
+            return f"choice.{arm} is {described(record['choice'].get(arm))}, not the tuning rule's {rate:g} ({reason})"
     if extra := sorted(set(record["choice"]) - set(record["table"])):
         return f"choice.{extra[0]} has no row in table"
     routing = [record.get(k, {}) for k in ("routing_table", "routing_choice", "routing_reason")]
@@ -831,17 +834,19 @@ def tuning_problem(record, out_dir):
         return "routing_table, routing_choice and routing_reason name different arms"
     seeds, budget = record["tune_seeds"], record["tune_iters"]
     for arm in sorted(routing[0]):
-        try:
-            held = routing_rows(tune_dir, arm, record["choice"][arm], scales, seeds, budget)
-            others = [r for r in record["learning_rates"] if r != record["choice"][arm]]  # held read the chosen's
-            for scale, rate in itertools.product(scales, others):  # every cell the cost line counts, readable
-                tuning_row(tune_dir, scaled_arm(arm, scale), rate, seeds, budget)
+        try:  # reads every cell the cost line counts: each scale at every rate
+            held, rates = routing_rows(tune_dir, arm, record["learning_rates"], scales, seeds, budget)
         except (UserError, KeyError, TypeError) as e:
             return f"routing_table.{arm} cannot be checked against its tuning cells: {e}"
         if routing[0].get(arm) != held:
             return f"routing_table.{arm} is not what its tuning cells in {TUNE_DIR}/ give (an edited or copied file)"
         if [routing[1].get(arm), routing[2].get(arm)] != list(pick := routing_pick(held)):
             return f"routing_choice.{arm} or its reason is not the tuning rule's: {pick[0]:g} ({pick[1]})"
+        if record["choice"].get(arm) != (rate := rates[rate_name(pick[0])]):
+            return (
+                f"choice.{arm} is {described(record['choice'].get(arm))}, not the tuning rule's {rate:g} (its rate "
+                f"at routing x{pick[0]:g})"
+            )
     return None
 
 

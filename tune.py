@@ -18,9 +18,11 @@ empty tune_learning_rates is the frozen protocol (one setting for every arm), th
 tune_routing_lr_scales (e.g. [0.1, 1]) also chooses each routed arm's routing rate: its routing parameters train at
 routing_lr_scale x its rate (model.py's optimizer groups), and a scheme's routing may want a rate of its own
 (MUDDFormer's depth weights blow up at the shared 1e-2; its authors route at 3e-4). The tuning grid then has, for
-each arm with routing parameters, a cell <arm>-rs<scale>-lr<rate> per scale other than 1 and rate; the rate is
-chosen as without it, from the scale-1 cells, then the scale at that rate by the same rule over the routing rates
-(rate x scale): the smallest that no larger one beats. choice.json records both.
+each arm with routing parameters, a cell <arm>-rs<scale>-lr<rate> per scale other than 1 and rate. At each scale the
+rate is chosen as without it, from that scale's cells; then the scale, each at its own rate, by the same rule over the
+routing rates (rate x scale): the smallest that no larger one beats. The arm trains at that scale and its rate (on the
+Python docs MUDDFormer was unstable at 1e-2 with its routing at 1x, and best of all its tunings at 1e-2 with it at
+0.1x: choosing the rate at 1x first would have missed that). choice.json records both.
 """
 
 import json
@@ -209,7 +211,8 @@ def choose(cfg, tune_dir, master=True):
         choice[arm], reason[arm] = stable_choice(list(rows.values()))
         if choice[arm] is None:
             raise ConfigError(f"arm {arm!r}: {reason[arm]}; add smaller rates to tune_learning_rates")
-    routing = routing_choice(cfg, tune_dir, choice)
+    routing = routing_choice(cfg, tune_dir)
+    choice |= routing.pop("rate")  # a routed arm trains at its chosen routing scale's own rate
     if master:
         n = cfg["eval_tokens"]
         record = dict(
@@ -240,18 +243,20 @@ def choose(cfg, tune_dir, master=True):
     return choice
 
 
-def routing_choice(cfg, tune_dir, choice):
-    """With tune_routing_lr_scales: {routing_table: {arm: {scale: row}}, routing_choice: {arm: scale}, routing_reason}
-    for each routed arm at its chosen rate, the rows of scale 1 being the rate's own; stable_choice over the routing
-    rates (rate x scale), so a smaller scale is the safer choice, taken unless a larger one beats it."""
-    found = dict(routing_table={}, routing_choice={}, routing_reason={})
-    seeds, budget = cfg["tune_seeds"], iters(cfg)
+def routing_choice(cfg, tune_dir):
+    """With tune_routing_lr_scales: {routing_table: {arm: {scale: row}}, routing_choice: {arm: scale}, routing_reason,
+    rate: {arm: its rate at that scale}} for each routed arm: at each scale the rate stable_choice takes there (the
+    rows of scale 1 being the arm's own), then stable_choice over those routing rates (rate x scale), so a smaller
+    scale is the safer choice, taken unless a larger one beats it."""
+    found = dict(routing_table={}, routing_choice={}, routing_reason={}, rate={})
+    rates, seeds, budget = sorted(float(r) for r in cfg["tune_learning_rates"]), cfg["tune_seeds"], iters(cfg)
     for arm, settings in cfg["arms"].items():
         if not scales(cfg) or not routed(cfg, settings):
             continue
-        rows = routing_rows(tune_dir, arm, choice[arm], scales(cfg), seeds, budget)
+        rows, chosen = routing_rows(tune_dir, arm, rates, scales(cfg), seeds, budget)
         found["routing_table"][arm] = rows
         found["routing_choice"][arm], found["routing_reason"][arm] = routing_pick(rows)
+        found["rate"][arm] = chosen[rate_name(found["routing_choice"][arm])]
     return found
 
 
@@ -320,7 +325,7 @@ def check_recorded(path, recorded, record):
 def tuned_arms(cfg, choice):
     """The arms of the paired grid: each arm's settings at its chosen learning_rate (and min_lr at the run's ratio),
     and at its chosen routing_lr_scale where tune_routing_lr_scales chose one other than 1."""
-    routing = routing_choice(cfg, os.path.join(cfg["out_dir"], TUNE_DIR), choice)["routing_choice"]
+    routing = routing_choice(cfg, os.path.join(cfg["out_dir"], TUNE_DIR))["routing_choice"]
     return {
         arm: dict(settings, learning_rate=choice[arm], min_lr=min_lr_at(cfg, choice[arm]))
         | ({"routing_lr_scale": routing[arm]} if routing.get(arm, 1) != 1 else {})

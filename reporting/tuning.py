@@ -83,10 +83,12 @@ def tuning_section(out_dir, arms, results, config):
                 f"{arm}: the chosen {what} {chosen:g} is the {side} tried; the best may lie beyond it ({option})"
             )
 
+    routing = record.get("routing_table") or {}
+    own = {arm: rows["1"]["learning_rate"] for arm, rows in routing.items() if "1" in rows}  # at routing x1
     for arm, rows in record["table"].items():
         by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
         shown = [mean_sd(by_rate[r]) if r in by_rate else "-" for r in rates]
-        table_rows.append([arm, *(bold(text, r == chosen) for r, text in zip(rates, shown))])
+        table_rows.append([arm, *(bold(text, r == own.get(arm, chosen)) for r, text in zip(rates, shown))])
         unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in by_rate.items() if row["problem"]]
         edge_note(arm, "rate", chosen, list(by_rate), "widen tune_learning_rates")
     lines += block(
@@ -94,23 +96,34 @@ def tuning_section(out_dir, arms, results, config):
         table(["arm", *(f"lr {r:g}" for r in rates)], table_rows),
     )
     lines += block(
-        "Choices:", [f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}" for arm, rate in record["choice"].items()]
+        "Choices:",
+        [
+            f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}"
+            if own.get(arm, rate) == rate
+            else f"- {md(arm)}: {rate:g}, its rate at routing x{record['routing_choice'][arm]:g} (below); with its "
+            f"routing at x1 the rule takes {own[arm]:g}: {md(record['reason'][arm])}"
+            for arm, rate in record["choice"].items()
+        ],
     )
-    if routing := record.get("routing_table"):
+    if routing:
         scales = sorted({float(name) for rows in routing.values() for name in rows})
+        at_rate = lambda row, scale: f"{mean_sd(row)} at {row['learning_rate'] / scale:g}"
         lines += block(
             "Routing rate (tune_routing_lr_scales): each routed arm also trained with its routing parameters at each "
-            "scale below x the learning rate, at every rate, on the same tuning seeds and budget; at its chosen rate "
-            "the scale is chosen by the same rule over the routing rates (so the smaller scale unless a larger one "
-            "beats it). Mean (s.d.) at the chosen rate, the chosen scale in bold:",
+            "scale below x the learning rate, at every rate, on the same tuning seeds and budget; at each scale the "
+            "rate is chosen by the rule above, then the scale, each at its own rate, by the same rule over the "
+            "routing rates (so the smaller scale unless a larger one beats it); the arm trains at that scale and its "
+            "rate. Mean (s.d.) at each scale's chosen rate, the chosen scale in bold:",
             table(
                 ["arm", *(f"routing x{s:g}" for s in scales)],
                 [
                     [
                         arm,
                         *(
-                            bold(mean_sd(rows[n]), float(n) == record["routing_choice"][arm])
-                            for n in map(rate_name, scales)
+                            bold(at_rate(rows[rate_name(s)], s), s == record["routing_choice"][arm])
+                            if rate_name(s) in rows
+                            else "no rate finished"
+                            for s in scales
                         ),
                     ]
                     for arm, rows in routing.items()

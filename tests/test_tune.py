@@ -462,10 +462,10 @@ def test_tuned_arms_are_the_arms_at_their_chosen_rates(tmp_path):
 # at each arm's chosen rate (LOSSES: attnres 1e-3, dar 3e-3), per routing scale. attnres: 0.1 beats 1 on every seed by
 # far more than the noise: 0.1. dar (non-monotone): 0.3 is the worst, 1 beats 0.3 but not 0.1 (worse on seed 1001):
 # 0.1, the safer (smaller) routing rate, which 1 (the lowest mean) does not beat
-SCALED = {
-    ("attnres-rs0.1", 1e-3): (2.10, 2.11, 2.12),
-    ("dar-rs0.1", 3e-3): (2.45, 2.35, 2.45),
-    ("dar-rs0.3", 3e-3): (2.60, 2.61, 2.62),
+SCALED = {  # each routed arm's cells at every rate, as the tuning grid trains them
+    **{("attnres-rs0.1", r): ends for r, ends in zip(RATES, [(2.10, 2.11, 2.12), (2.3,) * 3, (2.4,) * 3])},
+    **{("dar-rs0.1", r): ends for r, ends in zip(RATES, [(2.7,) * 3, (2.45, 2.35, 2.45), (2.6,) * 3])},
+    **{("dar-rs0.3", r): ends for r, ends in zip(RATES, [(2.8,) * 3, (2.60, 2.61, 2.62), (2.9,) * 3])},
 }
 
 
@@ -486,12 +486,13 @@ def test_routing_scales_add_cells_for_routed_arms_only_and_refuse_what_cannot_ru
         tune.tuning_config(config(**own, tune_routing_lr_scales=[0.1]))
 
 
-def test_the_routing_scale_is_chosen_at_the_chosen_rate_by_the_same_rule_non_monotone(tmp_path, capsys):
+def test_the_routing_scale_is_chosen_each_at_its_own_rate_by_the_same_rule_non_monotone(tmp_path, capsys):
     cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 0.3, 1])
     tune_dir = tuned(tmp_path, LOSSES | SCALED)
     with pytest.raises(ConfigError, match="tuning cell attnres-rs0.3-lr0.001/seed1000 has no result"):
-        tune.choose(cfg, tune_dir)  # every scale's cells at the chosen rate are needed
-    tune_dir = tuned(tmp_path, LOSSES | SCALED | {("attnres-rs0.3", 1e-3): (2.5, 2.5, 2.5)})
+        tune.choose(cfg, tune_dir)  # every scale's cells at every rate are needed
+    attnres_03 = {("attnres-rs0.3", r): ends for r, ends in zip(RATES, [(2.5,) * 3, (2.6,) * 3, (2.7,) * 3])}
+    tune_dir = tuned(tmp_path, LOSSES | SCALED | attnres_03)
     assert tune.choose(cfg, tune_dir) == {"standard": 0.003, "attnres": 0.001, "dar": 0.003}  # the rates as before
     record = read_json(os.path.join(tune_dir, "choice.json"))
     assert record["routing_scales"] == [0.1, 0.3] and record["routing_choice"] == {"attnres": 0.1, "dar": 0.1}
@@ -508,6 +509,29 @@ def test_the_routing_scale_is_chosen_at_the_chosen_rate_by_the_same_rule_non_mon
     records.check_config(dict(cfg, arms=arms), 1)
 
 
+def test_an_arm_unstable_at_a_rate_with_its_routing_at_1x_takes_that_rate_where_a_slower_routing_is_best(tmp_path):
+    """MUDDFormer on the Python docs: at 1e-2 with its routing at 1x one tuning seed blew up, so the rule took 3e-3
+    there; at 1e-2 with its routing at 0.1x it had the lowest loss of all. Each scale at its own rate finds it; the
+    rate chosen at 1x first, then the scale at that rate, did not."""
+    losses = LOSSES | {
+        ("dar", 1e-2): (2.20, 2.90, 2.21),  # unstable: 3e-3 at x1
+        **{("dar-rs0.1", r): ends for r, ends in zip(RATES, [(2.7,) * 3, (2.45, 2.44, 2.46), (2.10, 2.11, 2.12)])},
+        **{("attnres-rs0.1", r): (2.9, 2.9, 2.9) for r in RATES},
+    }
+    cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 1])
+    assert tune.choose(cfg, tuned(tmp_path, losses))["dar"] == 0.01
+    record = read_json(str(tmp_path / "out" / "tune" / "choice.json"))
+    assert record["routing_choice"]["dar"] == 0.1 and record["choice"]["dar"] == 0.01
+    assert record["table"]["dar"]["0.01"]["mean"] > record["table"]["dar"]["0.003"]["mean"] - 0.1  # x1's own rows kept
+    assert grid_files.tuning_problem(record, str(tmp_path / "out")) is None, "the report's check agrees"
+    arms = tune.tuned_arms(cfg, record["choice"])
+    assert arms["dar"] | {"min_lr": 0} == dict(residual="dar", learning_rate=0.01, min_lr=0, routing_lr_scale=0.1)
+    edited = dict(record, choice=dict(record["choice"], dar=0.003))  # the rate chosen at x1, the scale at that rate
+    assert "choice.dar is 0.003, not the tuning rule's 0.01 (its rate at routing x0.1)" in grid_files.tuning_problem(
+        edited, str(tmp_path / "out")
+    )
+
+
 def test_a_listed_scale_of_1_is_the_same_tuning_as_none():
     assert grid_files.as_compared("tune_routing_lr_scales", [1.0, 0.1]) == grid_files.as_compared(
         "tune_routing_lr_scales", [0.1]
@@ -519,7 +543,7 @@ def test_a_listed_scale_of_1_is_the_same_tuning_as_none():
 
 
 def test_a_scale_of_1_chosen_leaves_the_arm_as_without_routing_tuning(tmp_path):
-    losses = LOSSES | {("attnres-rs0.1", 1e-3): (2.9, 2.9, 2.9), ("dar-rs0.1", 3e-3): (2.9, 2.9, 2.9)}
+    losses = LOSSES | {(f"{arm}-rs0.1", r): (2.9, 2.9, 2.9) for arm in ("attnres", "dar") for r in RATES}
     cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 1])
     arms = tune.tuned_arms(cfg, tune.choose(cfg, tuned(tmp_path, losses)))
     assert arms == tune.tuned_arms(config(tmp_path, **ARMS3), tune.choose(config(tmp_path, **ARMS3), tuned(tmp_path)))
@@ -644,7 +668,10 @@ def test_one_command_tunes_the_routing_rate_too_and_trains_each_arm_at_its_scale
     write_report([out])
     with open(os.path.join(out, "report.md")) as f:
         text = f.read()
-    means = {n: f"{row['mean']:.4f} ({row['sd']:.4f})" for n, row in record["routing_table"]["attnres"].items()}
+    means = {
+        n: f"{row['mean']:.4f} ({row['sd']:.4f}) at {row['learning_rate'] / float(n):g}"  # each scale at its own rate
+        for n, row in record["routing_table"]["attnres"].items()
+    }
     cells = [f"**{m}**" if float(n) == scale else m for n, m in sorted(means.items(), key=lambda i: float(i[0]))]
     assert f"| attnres | {cells[0]} | {cells[1]} |" in text, text
     assert f"- attnres: x{scale:g}, {record['routing_reason']['attnres']}" in text
