@@ -211,6 +211,7 @@ def choose(cfg, tune_dir, master=True):
         choice[arm], reason[arm] = stable_choice(list(rows.values()))
         if choice[arm] is None:
             raise ConfigError(f"arm {arm!r}: {reason[arm]}; add smaller rates to tune_learning_rates")
+    own = dict(choice)  # each arm's rate with its routing at 1x, which its reason is about
     routing = routing_choice(cfg, tune_dir)
     choice |= routing.pop("rate")  # a routed arm trains at its chosen routing scale's own rate
     if master:
@@ -239,7 +240,8 @@ def choose(cfg, tune_dir, master=True):
         for arm in choice:
             scale = routing["routing_choice"].get(arm)
             also = f", routing_lr_scale {rate_name(scale)} ({routing['routing_reason'][arm]})" if scale else ""
-            print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({reason[arm]}){also}")
+            why = reason[arm] if own[arm] == choice[arm] else f"at routing x1 {rate_name(own[arm])}: {reason[arm]}"
+            print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({why}){also}")
     return choice
 
 

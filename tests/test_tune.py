@@ -509,7 +509,9 @@ def test_the_routing_scale_is_chosen_each_at_its_own_rate_by_the_same_rule_non_m
     records.check_config(dict(cfg, arms=arms), 1)
 
 
-def test_an_arm_unstable_at_a_rate_with_its_routing_at_1x_takes_that_rate_where_a_slower_routing_is_best(tmp_path):
+def test_an_arm_unstable_at_a_rate_with_its_routing_at_1x_takes_that_rate_where_a_slower_routing_is_best(
+    tmp_path, capsys
+):
     """MUDDFormer on the Python docs: at 1e-2 with its routing at 1x one tuning seed blew up, so the rule took 3e-3
     there; at 1e-2 with its routing at 0.1x it had the lowest loss of all. Each scale at its own rate finds it; the
     rate chosen at 1x first, then the scale at that rate, did not."""
@@ -520,6 +522,7 @@ def test_an_arm_unstable_at_a_rate_with_its_routing_at_1x_takes_that_rate_where_
     }
     cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 1])
     assert tune.choose(cfg, tuned(tmp_path, losses))["dar"] == 0.01
+    assert "tuned: dar at learning_rate 0.01 (at routing x1 0.003: the lowest mean" in capsys.readouterr().out
     record = read_json(str(tmp_path / "out" / "tune" / "choice.json"))
     assert record["routing_choice"]["dar"] == 0.1 and record["choice"]["dar"] == 0.01
     assert record["table"]["dar"]["0.01"]["mean"] > record["table"]["dar"]["0.003"]["mean"] - 0.1  # x1's own rows kept
