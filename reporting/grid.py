@@ -174,7 +174,13 @@ def data_lines(results, config):
         + (f" (train shards sha256 {shards}...)" if shards else "")
         + f", tokenizer {said('tokenizer')}; tokens trained per cell: {tokens}; validation text: {validation}.",
         "",
-        f"Code: {code}" + (" (cells of several versions: see Mixed versions)" if len(commits) > 1 else "") + ".",
+        f"Code: {code}"
+        + (
+            " (cells of several commits; Mixed versions names any whose computing code differs)"
+            if len(commits) > 1
+            else ""
+        )
+        + ".",
         "",
     ]
 
