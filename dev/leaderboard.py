@@ -307,14 +307,22 @@ def holds(verdicts):
 
 # what may differ between the corpora's grids: where they lie, the text itself, and the code (the report of each
 # grid checks its own cells' code); and, in a tuned grid, the rates its tuning chose (setting)
-PER_CORPUS = {"out_dir", "data_dir", "train_data_sha256", "code", "changes"}
+PER_CORPUS = {
+    "out_dir",
+    "data_dir",
+    "train_data_sha256",
+    "code",
+    "changes",
+    "allow_changes",
+}  # allow_changes: a run flag
 
 
 def setting(config):
-    """A grid's config.json less what its tuning chose: each corpus's tuning picks its own rates for the same arms."""
+    """A grid's config.json less what its tuning chose: each corpus's tuning picks its own rates (and routing scales)
+    for the same arms."""
     if not config.get("tune_learning_rates"):
         return config
-    chosen = {"learning_rate", "min_lr"}
+    chosen = {"learning_rate", "min_lr", "routing_lr_scale"}
     return config | {
         "arms": {arm: {k: v for k, v in a.items() if k not in chosen} for arm, a in config["arms"].items()}
     }

@@ -409,3 +409,13 @@ def test_add_refuses_a_scheme_not_registered_in_one_line(stored):
         leaderboard.cli(["--add=nope", stored])
     with pytest.raises(SystemExit, match="has an arm attnres already"):
         leaderboard.cli(["--add=attnres", stored])
+
+
+def test_a_table_across_corpora_leaves_out_what_each_corpus_tuning_chose_and_the_run_flags():
+    """Each corpus's tuning picks its own rates and routing scales for the same arms (MUDDFormer: 1e-2 at 0.1x on
+    both, but not by rule), and --allow_changes is a run flag: none of them makes two grids' settings differ."""
+    arm = dict(residual="muddformer", learning_rate=0.01, min_lr=0.001, routing_lr_scale=0.1)
+    assert leaderboard.setting(dict(tune_learning_rates=[0.01], arms={"m": arm}))["arms"] == {
+        "m": {"residual": "muddformer"}
+    }
+    assert "allow_changes" in leaderboard.PER_CORPUS
