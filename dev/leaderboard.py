@@ -305,16 +305,9 @@ def holds(verdicts):
     return "no (" + " / ".join("n.d." if v.startswith("not") else v for v in verdicts) + ")"
 
 
-# what may differ between the corpora's grids: where they lie, the text itself, and the code (the report of each
-# grid checks its own cells' code); and, in a tuned grid, the rates its tuning chose (setting)
-PER_CORPUS = {
-    "out_dir",
-    "data_dir",
-    "train_data_sha256",
-    "code",
-    "changes",
-    "allow_changes",
-}  # allow_changes: a run flag
+# what may differ between the corpora's grids: where they lie, the text itself, the code (the report of each grid
+# checks its own cells' code) and the run flag --allow_changes; and, in a tuned grid, what its tuning chose (setting)
+PER_CORPUS = {"out_dir", "data_dir", "train_data_sha256", "code", "changes", "allow_changes"}
 
 
 def setting(config):
