@@ -137,14 +137,8 @@ def tuning_section(out_dir, arms, results, config):
                 for arm, scale in record["routing_choice"].items()
             ],
         )
-        for arm, scale in record["routing_choice"].items():
+        for arm, scale in record["routing_choice"].items():  # (each row is a chosen rate's: it finished)
             edge_note(arm, "routing scale", scale, scales, "widen tune_routing_lr_scales")
-        unfinished += [
-            f"{a} at routing x{n}: {r['problem']}"
-            for a, rows in routing.items()
-            for n, r in rows.items()
-            if r["problem"]
-        ]
     lines += block(
         "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
         [f"- {md(line)}" for line in unfinished],
