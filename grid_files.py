@@ -600,28 +600,27 @@ def scaled_arm(arm, scale):
     return f"{arm}-rs{rate_name(scale)}"
 
 
-def routing_rows(tune_dir, arm, rates, scales, seeds, budget):
-    """({scale name: tuning row}, {scale name: rate}): at each routing scale (1 included: the arm's own cells), the
-    rate stable_choice takes over that scale's tuning cells and its row there, the row's learning_rate the routing
-    parameters' (rate x scale), which routing_pick orders by. Each scale at its own rate: an arm unstable at the
-    largest rate with its routing at 1x may be best there with its routing slower. A scale where no rate finished
-    has no row."""
-    rows, chosen = {}, {}
+def routing_choice(tune_dir, arm, rows, scales, seeds, budget):
+    """(routing rows, scale, reason, rate) of a routed arm, from its rows at routing x1 (the table's: {rate name:
+    tuning row}) and its tuning cells at the other scales. At each scale the rate stable_choice takes there, its row
+    a routing row ({scale name: row}) whose learning_rate is the routing parameters' (rate x scale); then the scale
+    by stable_choice over those routing rates, so a smaller scale is the safer choice, taken unless a larger one beats
+    it (never none: the x1 row is the arm's own choice), and the rate at it. Each scale at its own rate: an arm
+    unstable at the largest rate with its routing at 1x may be best there with its routing slower. A scale where no
+    rate finished has no row."""
+    routing_rows, rates = {}, {}
     for scale in sorted({*scales, 1.0}):
-        tried = [tuning_row(tune_dir, arm if scale == 1 else scaled_arm(arm, scale), r, seeds, budget) for r in rates]
+        tried = [
+            row if scale == 1 else tuning_row(tune_dir, scaled_arm(arm, scale), row["learning_rate"], seeds, budget)
+            for row in rows.values()
+        ]
         rate = stable_choice(tried)[0]
         if rate is not None:
             row = next(row for row in tried if row["learning_rate"] == rate)
-            rows[rate_name(scale)], chosen[rate_name(scale)] = dict(row, learning_rate=rate * scale), rate
-    return rows, chosen
-
-
-def routing_pick(rows):
-    """(scale, reason): stable_choice over the routing rates, so a smaller scale is the safer choice, taken unless a
-    larger one beats it; never None, the scale-1 row being the arm's own choice."""
-    routing_rate, why = stable_choice(list(rows.values()))
-    scale = next(float(s) for s, row in rows.items() if row["learning_rate"] == routing_rate)
-    return scale, f"routing rate {rate_name(routing_rate)}: {why}"
+            routing_rows[rate_name(scale)], rates[rate_name(scale)] = dict(row, learning_rate=rate * scale), rate
+    routing_rate, why = stable_choice(list(routing_rows.values()))
+    scale = next(float(s) for s, row in routing_rows.items() if row["learning_rate"] == routing_rate)
+    return routing_rows, scale, f"routing rate {rate_name(routing_rate)}: {why}", rates[rate_name(scale)]
 
 
 def initial_loss(cell_dir):
@@ -832,20 +831,22 @@ def tuning_problem(record, out_dir):
         return "routing_table, routing_choice and routing_reason are not dicts, or routing_scales not a list"
     if not set(routing[0]) == set(routing[1]) == set(routing[2]):
         return "routing_table, routing_choice and routing_reason name different arms"
+    if extra := sorted(set(routing[0]) - set(record["table"])):  # its rows at routing x1 are the table's
+        return f"routing_table.{extra[0]} has no row in table"
     seeds, budget = record["tune_seeds"], record["tune_iters"]
     for arm in sorted(routing[0]):
-        try:  # reads every cell the cost line counts: each scale at every rate
-            held, rates = routing_rows(tune_dir, arm, record["learning_rates"], scales, seeds, budget)
+        try:  # reads every cell the cost line counts: each scale at every rate (x1's: the table's, checked above)
+            held, scale, why, rate = routing_choice(tune_dir, arm, record["table"][arm], scales, seeds, budget)
         except (UserError, KeyError, TypeError) as e:
             return f"routing_table.{arm} cannot be checked against its tuning cells: {e}"
         if routing[0].get(arm) != held:
             return f"routing_table.{arm} is not what its tuning cells in {TUNE_DIR}/ give (an edited or copied file)"
-        if [routing[1].get(arm), routing[2].get(arm)] != list(pick := routing_pick(held)):
-            return f"routing_choice.{arm} or its reason is not the tuning rule's: {pick[0]:g} ({pick[1]})"
-        if record["choice"].get(arm) != (rate := rates[rate_name(pick[0])]):
+        if [routing[1].get(arm), routing[2].get(arm)] != [scale, why]:
+            return f"routing_choice.{arm} or its reason is not the tuning rule's: {scale:g} ({why})"
+        if record["choice"].get(arm) != rate:
             return (
                 f"choice.{arm} is {described(record['choice'].get(arm))}, not the tuning rule's {rate:g} (its rate "
-                f"at routing x{pick[0]:g})"
+                f"at routing x{scale:g})"
             )
     return None
 

@@ -35,8 +35,7 @@ from grid_files import (
     TUNE_DIR,
     rate_name,
     recorded_choice,
-    routing_pick,
-    routing_rows,
+    routing_choice,
     scaled_arm,
     stable_choice,
     tuning_arm,
@@ -197,10 +196,12 @@ def tuning_record(cfg):
 
 
 def choose(cfg, tune_dir, master=True):
-    """{arm: learning rate}: per arm, stable_choice over the tuning seeds' final validation losses (on tuning_text).
-    The master process prints each arm's choice and reason and writes tune_dir/choice.json: every arm's
-    per-seed losses, mean and s.d. per rate, the choice and its reason, and the text it was made on; with
-    tune_routing_lr_scales, each routed arm's routing scale the same way (routing_choice)."""
+    """{arm: the settings the tuning chose for it}: its learning_rate by stable_choice over the tuning seeds' final
+    validation losses (on tuning_text); with tune_routing_lr_scales, a routed arm's routing scale the same way
+    (grid_files.routing_choice) and the rate at it, and its routing_lr_scale where that is not 1. The master process
+    prints each arm's choice and reason and writes tune_dir/choice.json: every arm's per-seed losses, mean and s.d.
+    per rate, the choice and its reason, and the text it was made on (routing_table, routing_choice and
+    routing_reason with scales)."""
     check(cfg)
     rates, seeds, budget = sorted(float(r) for r in cfg["tune_learning_rates"]), cfg["tune_seeds"], iters(cfg)
     table = {
@@ -212,8 +213,11 @@ def choose(cfg, tune_dir, master=True):
         if choice[arm] is None:
             raise ConfigError(f"arm {arm!r}: {reason[arm]}; add smaller rates to tune_learning_rates")
     own = dict(choice)  # each arm's rate with its routing at 1x, which its reason is about
-    routing = routing_choice(cfg, tune_dir)
-    choice |= routing.pop("rate")  # a routed arm trains at its chosen routing scale's own rate
+    routing_table, routing_scale, routing_reason = {}, {}, {}
+    for arm, settings in cfg["arms"].items():
+        if scales(cfg) and routed(cfg, settings):  # a routed arm trains at its chosen routing scale's own rate
+            found = routing_choice(tune_dir, arm, table[arm], scales(cfg), seeds, budget)
+            routing_table[arm], routing_scale[arm], routing_reason[arm], choice[arm] = found
     if master:
         n = cfg["eval_tokens"]
         record = dict(
@@ -230,7 +234,12 @@ def choose(cfg, tune_dir, master=True):
             reason=reason,
         )
         if scales(cfg):
-            record |= dict(routing_scales=scales(cfg), **routing)
+            record |= dict(
+                routing_scales=scales(cfg),
+                routing_table=routing_table,
+                routing_choice=routing_scale,
+                routing_reason=routing_reason,
+            )
         recorded = recorded_choice(tune_dir)
         record = with_recorded_arms(recorded, record)
         check_recorded(os.path.join(tune_dir, "choice.json"), recorded, record)
@@ -238,28 +247,15 @@ def choose(cfg, tune_dir, master=True):
         if recorded != json.loads(json.dumps(record)):
             write_json(os.path.join(tune_dir, "choice.json"), record)
         for arm in choice:
-            scale = routing["routing_choice"].get(arm)
-            also = f", routing_lr_scale {rate_name(scale)} ({routing['routing_reason'][arm]})" if scale else ""
+            scale = routing_scale.get(arm)
+            also = f", routing_lr_scale {rate_name(scale)} ({routing_reason[arm]})" if scale else ""
             why = reason[arm] if own[arm] == choice[arm] else f"at routing x1 {rate_name(own[arm])}: {reason[arm]}"
             print(f"tuned: {arm} at learning_rate {rate_name(choice[arm])} ({why}){also}")
-    return choice
-
-
-def routing_choice(cfg, tune_dir):
-    """With tune_routing_lr_scales: {routing_table: {arm: {scale: row}}, routing_choice: {arm: scale}, routing_reason,
-    rate: {arm: its rate at that scale}} for each routed arm: at each scale the rate stable_choice takes there (the
-    rows of scale 1 being the arm's own), then stable_choice over those routing rates (rate x scale), so a smaller
-    scale is the safer choice, taken unless a larger one beats it."""
-    found = dict(routing_table={}, routing_choice={}, routing_reason={}, rate={})
-    rates, seeds, budget = sorted(float(r) for r in cfg["tune_learning_rates"]), cfg["tune_seeds"], iters(cfg)
-    for arm, settings in cfg["arms"].items():
-        if not scales(cfg) or not routed(cfg, settings):
-            continue
-        rows, chosen = routing_rows(tune_dir, arm, rates, scales(cfg), seeds, budget)
-        found["routing_table"][arm] = rows
-        found["routing_choice"][arm], found["routing_reason"][arm] = routing_pick(rows)
-        found["rate"][arm] = chosen[rate_name(found["routing_choice"][arm])]
-    return found
+    return {
+        arm: dict(learning_rate=rate)
+        | ({"routing_lr_scale": routing_scale[arm]} if routing_scale.get(arm, 1) != 1 else {})
+        for arm, rate in choice.items()
+    }
 
 
 CHOICE_SETTINGS = (
@@ -324,12 +320,11 @@ def check_recorded(path, recorded, record):
     )
 
 
-def tuned_arms(cfg, choice):
-    """The arms of the paired grid: each arm's settings at its chosen learning_rate (and min_lr at the run's ratio),
-    and at its chosen routing_lr_scale where tune_routing_lr_scales chose one other than 1."""
-    routing = routing_choice(cfg, os.path.join(cfg["out_dir"], TUNE_DIR))["routing_choice"]
-    return {
-        arm: dict(settings, learning_rate=choice[arm], min_lr=min_lr_at(cfg, choice[arm]))
-        | ({"routing_lr_scale": routing[arm]} if routing.get(arm, 1) != 1 else {})
-        for arm, settings in cfg["arms"].items()
-    }
+def tuned_arms(cfg, chosen):
+    """The arms of the paired grid: each arm's settings with what choose chose for it over them (its learning_rate,
+    and its routing_lr_scale where one other than 1 was chosen), and min_lr at the run's ratio to that rate."""
+    arms = {}
+    for arm, settings in cfg["arms"].items():
+        rate = chosen[arm]["learning_rate"]
+        arms[arm] = dict(settings, learning_rate=rate, min_lr=min_lr_at(cfg, rate)) | chosen[arm]
+    return arms

@@ -171,7 +171,7 @@ MUTANTS = [
     ("model.py", "/ math.sqrt(self.RANK * d)", "/ math.sqrt(d)", "tests/test_zoo.py", "laurel_lr_paper: A at 1/sqrt(d), r times the paper's init"),
     ("grid_files.py", "learning_rate=rate * scale", "learning_rate=scale", "tests/test_tune.py", "routing scales ordered and recorded by scale, not by the routing rate"),
     ("tune.py", 'seeds=recorded["seeds"] + [s for s in record["seeds"] if s not in recorded["seeds"]],', 'seeds=record["seeds"],', "tests/test_tune.py", "a rerun of fewer compared seeds shrinks choice.json's seeds"),
-    ("tune.py", "| ({\"routing_lr_scale\": routing[arm]} if routing.get(arm, 1) != 1 else {})", "", "tests/test_tune.py", "the chosen routing scale never reaches the paired grid's arm"),
+    ("tune.py", "| ({\"routing_lr_scale\": routing_scale[arm]} if routing_scale.get(arm, 1) != 1 else {})", "", "tests/test_tune.py", "the chosen routing scale never reaches the paired grid's arm"),
     # bad input round seven (issue #66)
     ("records.py", 'typed = typed if "residual" in typed else {"residual": arm} | typed', "typed = typed", "tests/test_records.py", "an arm named after a scheme in a config's arm dict trains the run's residual (standard)"),
     ("launch.py", "own[key] = [*own[key], text]", 'own[key] = [*own[key], *text.split(",")]', "tests/test_cluster.py", "a --setup line (or --sbatch value) split at its commas"),

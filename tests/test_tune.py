@@ -31,6 +31,11 @@ RATES = [1e-3, 3e-3, 1e-2]
 TUNE = dict(tune_learning_rates=RATES, tune_seeds=[1000, 1001, 1002], tune_iters=125)
 
 
+def rates(chosen):
+    """{arm: learning rate} of what tune.choose chose."""
+    return {arm: settings["learning_rate"] for arm, settings in chosen.items()}
+
+
 def config(tmp_path=None, **changes):
     """A checked run of the default shape with two arms and the tuned protocol's keys."""
     cfg = dict(
@@ -150,17 +155,17 @@ def tuned(tmp_path, losses=LOSSES):
 def test_an_arm_added_to_a_tuned_grid_extends_its_choice_and_a_rerun_of_some_arms_keeps_the_others(tmp_path, capsys):
     two = dict(arms={k: v for k, v in ARMS3["arms"].items() if k != "dar"})
     tune_dir = tuned(tmp_path)
-    assert tune.choose(config(tmp_path, **two), tune_dir) == {"standard": 0.003, "attnres": 0.001}
+    assert rates(tune.choose(config(tmp_path, **two), tune_dir)) == {"standard": 0.003, "attnres": 0.001}
     path = os.path.join(tune_dir, "choice.json")
     first = read_json(path)
-    assert tune.choose(config(tmp_path, **ARMS3), tune_dir)["dar"] == 0.003  # dar added: not an edited file
+    assert rates(tune.choose(config(tmp_path, **ARMS3), tune_dir))["dar"] == 0.003  # dar added: not an edited file
     assert "arms dar added, the recorded arms' choices as they were" in capsys.readouterr().out
     grown = read_json(path)
     assert {k: grown[k] for k in first if k not in ("table", "choice", "reason")} == {
         k: v for k, v in first.items() if k not in ("table", "choice", "reason")
     }
     assert all(grown[k][arm] == first[k][arm] for k in ("table", "choice", "reason") for arm in first["choice"])
-    assert tune.choose(config(tmp_path, arms={"dar": ARMS3["arms"]["dar"]}), tune_dir) == {"dar": 0.003}
+    assert rates(tune.choose(config(tmp_path, arms={"dar": ARMS3["arms"]["dar"]}), tune_dir)) == {"dar": 0.003}
     assert read_json(path) == grown  # a rerun of one arm keeps the other arms' choices
     grown["choice"]["standard"] = 0.01  # but a recorded arm's choice that its cells do not give: refused
     write_json(path, grown)
@@ -170,7 +175,7 @@ def test_an_arm_added_to_a_tuned_grid_extends_its_choice_and_a_rerun_of_some_arm
 
 def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller(tmp_path, capsys):
     cfg, tune_dir = config(tmp_path, **ARMS3), tuned(tmp_path)
-    choice = tune.choose(cfg, tune_dir)
+    choice = rates(tune.choose(cfg, tune_dir))
     assert choice == {"standard": 0.003, "attnres": 0.001, "dar": 0.003}
     record = read_json(os.path.join(tune_dir, "choice.json"))
     assert record["choice"] == choice and record["tune_seeds"] == [1000, 1001, 1002] and record["tune_iters"] == 125
@@ -200,7 +205,7 @@ def test_choose_beyond_the_seeds_noise_never_a_diverged_rate_ties_to_the_smaller
     assert grid_files.tuning_problem(record, os.path.dirname(tune_dir)) is None  # what tune writes, the report reads
     before = open(os.path.join(tune_dir, "choice.json"), "rb").read()
     written = os.stat(os.path.join(tune_dir, "choice.json")).st_mtime_ns
-    assert tune.choose(cfg, tune_dir) == choice  # rerun: the same choice, the same file
+    assert rates(tune.choose(cfg, tune_dir)) == choice  # rerun: the same choice, the same file
     assert open(os.path.join(tune_dir, "choice.json"), "rb").read() == before
     assert os.stat(os.path.join(tune_dir, "choice.json")).st_mtime_ns == written, (
         "an unchanged choice rewritten: its newer choice.json makes every rerun write the report again"
@@ -377,7 +382,7 @@ def test_a_tuning_cell_without_its_step0_loss_is_one_line(tmp_path):
 
 def test_the_tie_goes_to_the_smaller_rate_whatever_the_order(tmp_path):
     cfg, tune_dir = config(tmp_path, **ARMS3, tune_learning_rates=[3e-3, 1e-3, 1e-2]), tuned(tmp_path)
-    assert tune.choose(cfg, tune_dir)["attnres"] == 0.001
+    assert rates(tune.choose(cfg, tune_dir))["attnres"] == 0.001
 
 
 def test_a_missing_or_foreign_tuning_cell_is_one_line(tmp_path):
@@ -420,7 +425,7 @@ def test_a_tuning_result_with_a_damaged_pairing_is_one_line(tmp_path, pairing):
 
 def test_only_the_master_process_writes_the_choice(tmp_path, capsys):
     cfg, tune_dir = config(tmp_path), tuned(tmp_path)
-    assert tune.choose(cfg, tune_dir, master=False) == {"standard": 0.003, "attnres": 0.001}
+    assert rates(tune.choose(cfg, tune_dir, master=False)) == {"standard": 0.003, "attnres": 0.001}
     assert not os.path.exists(os.path.join(tune_dir, "choice.json")) and capsys.readouterr().out == ""
 
 
@@ -493,7 +498,8 @@ def test_the_routing_scale_is_chosen_each_at_its_own_rate_by_the_same_rule_non_m
         tune.choose(cfg, tune_dir)  # every scale's cells at every rate are needed
     attnres_03 = {("attnres-rs0.3", r): ends for r, ends in zip(RATES, [(2.5,) * 3, (2.6,) * 3, (2.7,) * 3])}
     tune_dir = tuned(tmp_path, LOSSES | SCALED | attnres_03)
-    assert tune.choose(cfg, tune_dir) == {"standard": 0.003, "attnres": 0.001, "dar": 0.003}  # the rates as before
+    chosen = tune.choose(cfg, tune_dir)
+    assert rates(chosen) == {"standard": 0.003, "attnres": 0.001, "dar": 0.003}  # the rates as before
     record = read_json(os.path.join(tune_dir, "choice.json"))
     assert record["routing_scales"] == [0.1, 0.3] and record["routing_choice"] == {"attnres": 0.1, "dar": 0.1}
     assert set(record["routing_table"]["dar"]) == {"0.1", "0.3", "1"}
@@ -503,7 +509,10 @@ def test_the_routing_scale_is_chosen_each_at_its_own_rate_by_the_same_rule_non_m
     assert "tuned: attnres at learning_rate 0.001 (the lowest mean), routing_lr_scale 0.1 (routing rate" in (
         capsys.readouterr().out
     )
-    arms = tune.tuned_arms(cfg, tune.choose(cfg, tune_dir))
+    assert chosen["dar"] == dict(learning_rate=0.003, routing_lr_scale=0.1) and chosen["standard"] == dict(
+        learning_rate=0.003
+    )
+    arms = tune.tuned_arms(cfg, chosen)
     assert arms["attnres"]["routing_lr_scale"] == 0.1 and arms["dar"]["routing_lr_scale"] == 0.1
     assert "routing_lr_scale" not in arms["standard"]  # no routing parameters: never a scale
     records.check_config(dict(cfg, arms=arms), 1)
@@ -521,17 +530,22 @@ def test_an_arm_unstable_at_a_rate_with_its_routing_at_1x_takes_that_rate_where_
         **{("attnres-rs0.1", r): (2.9, 2.9, 2.9) for r in RATES},
     }
     cfg = config(tmp_path, **ARMS3, tune_routing_lr_scales=[0.1, 1])
-    assert tune.choose(cfg, tuned(tmp_path, losses))["dar"] == 0.01
+    chosen = tune.choose(cfg, tuned(tmp_path, losses))
+    assert rates(chosen)["dar"] == 0.01
     assert "tuned: dar at learning_rate 0.01 (at routing x1 0.003: the lowest mean" in capsys.readouterr().out
     record = read_json(str(tmp_path / "out" / "tune" / "choice.json"))
     assert record["routing_choice"]["dar"] == 0.1 and record["choice"]["dar"] == 0.01
     assert record["table"]["dar"]["0.01"]["mean"] > record["table"]["dar"]["0.003"]["mean"] - 0.1  # x1's own rows kept
     assert grid_files.tuning_problem(record, str(tmp_path / "out")) is None, "the report's check agrees"
-    arms = tune.tuned_arms(cfg, record["choice"])
+    arms = tune.tuned_arms(cfg, chosen)
     assert arms["dar"] | {"min_lr": 0} == dict(residual="dar", learning_rate=0.01, min_lr=0, routing_lr_scale=0.1)
     edited = dict(record, choice=dict(record["choice"], dar=0.003))  # the rate chosen at x1, the scale at that rate
     assert "choice.dar is 0.003, not the tuning rule's 0.01 (its rate at routing x0.1)" in grid_files.tuning_problem(
         edited, str(tmp_path / "out")
+    )
+    without = {k: {a: v for a, v in record[k].items() if a != "dar"} for k in ("table", "choice")}
+    assert grid_files.tuning_problem(dict(record, **without), str(tmp_path / "out")) == (
+        "routing_table.dar has no row in table"
     )
 
 
