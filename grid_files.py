@@ -897,6 +897,7 @@ def read_paired(out_dir):
 # a cell's state for launch.py --status: lenient, a problem is the row's DataError, never a traceback
 
 KINDS = ("finished", "diverged", "training", "resumable", "pending", "unreadable")
+DONE = KINDS[:2]  # a cell with a result
 
 
 def cell_state(cell_dir, max_iters):

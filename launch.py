@@ -37,7 +37,7 @@ from types import SimpleNamespace
 # no torch at the top: submitit's job process imports this file to run a Worker, which starts train.py
 from common import ConfigError, DataError, read_json, run, write_json
 from configurator import coerce, configure, parse_literal, read_config_file
-from grid_files import KINDS, cell_state
+from grid_files import DONE, KINDS, cell_dir, cell_state, grid_cells, read_record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -559,10 +559,7 @@ def read_arrays(folder):
 def dry_run_text(own, cfg, argv):
     """What a launch would submit: the sbatch script (SLURM) and the cells each task would take first, in the
     order train.py takes them (each worker the next free cell: with cells of equal length, round robin)."""
-    import tune
-
-    grids = ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]
-    cells = [f"{arm} seed{seed}" for g in grids for seed in g["seeds"] for arm in g["arms"]]
+    cells = [f"{arm} seed{seed}" for g in grids(cfg) for arm, seed in grid_cells(g)]
     lines = [
         sbatch_script(own, cfg["out_dir"])
         if own["cluster"] == "slurm"
@@ -586,36 +583,45 @@ def dry_run_text(own, cfg, argv):
     )
 
 
+def grids(cfg):
+    """The grids a run trains: under the tuned protocol its tuning grid (tune.tuning_config) first, then its own."""
+    import tune
+
+    return ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]
+
+
 def grid_status(cfg):
     """Where cfg's grid stands: each cell (its tuning grid's first, under the tuned protocol) as
     (arm, seed, what it is doing), the device-seconds (wall time x processes) spent, and those left at
-    the rate measured on the cells with a result: their arm's seconds per step, else every arm's."""
-    import records
-    import tune
-
-    grids = ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]
+    the rate measured on the cells with a result: their arm's seconds per step, else every arm's; done: whether
+    every cell has a result."""
     cells, kinds, spent, measured, left = [], [], 0.0, {}, []  # measured: arm -> [device-seconds, steps]
-    for g in grids:
-        for seed in g["seeds"]:
-            for arm in g["arms"]:
-                try:
-                    kind, text, used, step = cell_state(records.cell_dir(g["out_dir"], arm, seed), g["max_iters"])
-                except DataError as e:  # the grid's other cells are still worth seeing
-                    kind, text, used, step = "unreadable", f"unreadable: {e}", 0.0, 0
-                cells.append((arm, seed, text))
-                kinds.append(kind)
-                spent += used
-                if kind in ("finished", "diverged"):
-                    seconds_steps = measured.setdefault(arm, [0.0, 0])
-                    seconds_steps[0] += used
-                    seconds_steps[1] += step
-                else:
-                    left.append((arm, g["max_iters"] - step))
+    for g in grids(cfg):
+        for arm, seed in grid_cells(g):
+            try:
+                kind, text, used, step = cell_state(cell_dir(g["out_dir"], arm, seed), g["max_iters"])
+            except DataError as e:  # the grid's other cells are still worth seeing
+                kind, text, used, step = "unreadable", f"unreadable: {e}", 0.0, 0
+            cells.append((arm, seed, text))
+            kinds.append(kind)
+            spent += used
+            if kind in DONE:
+                seconds_steps = measured.setdefault(arm, [0.0, 0])
+                seconds_steps[0] += used
+                seconds_steps[1] += step
+            else:
+                left.append((arm, g["max_iters"] - step))
     seconds, steps = sum(v[0] for v in measured.values()), sum(v[1] for v in measured.values())
     rate = {arm: v[0] / v[1] for arm, v in measured.items() if v[1]}
     left_s = sum(n * rate.get(arm, seconds / steps) for arm, n in left) if steps else None
     return dict(
-        out_dir=cfg["out_dir"], cells=cells, kinds=kinds, spent_s=spent, left_s=left_s, measured=len(kinds) - len(left)
+        out_dir=cfg["out_dir"],
+        cells=cells,
+        kinds=kinds,
+        spent_s=spent,
+        left_s=left_s,
+        measured=len(kinds) - len(left),
+        done=not left,
     )
 
 
@@ -623,14 +629,12 @@ def grid_device(cfg):
     """The device the grid trains on, as its record says (out_dir/config.json, or the tuning grid's: every cell
     of a grid shares it), not this machine's: --status may run on a login node without GPUs. Before any cell
     trained, the one cfg names (auto: this machine's)."""
-    import records
     import torch
-    import tune
 
-    for g in ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]:
+    for g in grids(cfg):
         path = os.path.join(g["out_dir"], "config.json")
         if os.path.exists(path):
-            return str(records.read_record(path, "restore it, or delete the folder to start the grid again")["device"])
+            return str(read_record(path, "restore it, or delete the folder to start the grid again")["device"])
     return "cuda" if cfg["device"] == "auto" and torch.cuda.is_available() else cfg["device"]
 
 
@@ -709,15 +713,19 @@ def outcome_text(cfg, own, tasks, folder, command):
     ]
     for (arm, seed, text), kind in zip(status["cells"], status["kinds"]):
         where = failed.get(f"{arm} seed{seed}")
-        if kind not in ("finished", "diverged") and where:
+        if kind not in DONE and where:
             text += f"; its worker {where[0]} {workers[where[0]][0].split(' (')[0]}: {where[1]}"
         lines.append(f"  {arm} seed{seed}: {text}")
     report = os.path.join(cfg["out_dir"], "report.md")
-    done = all(k in ("finished", "diverged") for k in status["kinds"])
+    done = status["done"]
     written = (
         done
         and os.path.exists(report)
-        and all(os.path.getmtime(report) >= os.path.getmtime(os.path.join(d, "result.json")) for d in cell_dirs(cfg))
+        and all(
+            os.path.getmtime(report) >= os.path.getmtime(os.path.join(cell_dir(g["out_dir"], arm, seed), "result.json"))
+            for g in grids(cfg)
+            for arm, seed in grid_cells(g)
+        )
     )
     counts = ", ".join(f"{status['kinds'].count(k)} {k}" for k in KINDS if status["kinds"].count(k))
     lines.insert(len(workers), f"{cfg['out_dir']}: {len(status['cells'])} cells: {counts}")
@@ -728,14 +736,6 @@ def outcome_text(cfg, own, tasks, folder, command):
     else:
         lines.append(f"the grid is not finished: what is resumable resumes, what is pending starts, with: {command}")
     return "\n".join(lines), written
-
-
-def cell_dirs(cfg):
-    import records
-    import tune
-
-    grids = ([tune.tuning_config(cfg)] if cfg["tune_learning_rates"] else []) + [cfg]
-    return [records.cell_dir(g["out_dir"], arm, seed) for g in grids for seed in g["seeds"] for arm in g["arms"]]
 
 
 QUEUE_POLL_S = 5  # --wait: how often one squeue call asks where the array stands
@@ -872,7 +872,7 @@ def cancel_jobs(cfg, own, arrays, folder, command):
         + "; "
         + (
             "every cell finished"
-            if all(k in ("finished", "diverged") for k in status["kinds"])
+            if status["done"]
             else (f"resumable: {', '.join(resumable)}" if resumable else "no cell resumable") + f"; to go on: {command}"
         )
     )

@@ -158,7 +158,7 @@ MUTANTS = [
     ("launch.py", "for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):", "for sig in (signal.SIGTERM, signal.SIGUSR1):", "tests/test_cluster.py", "SIGUSR2 (the time limit's warning, sent to every process of the job) kills train.py before its checkpoint"),
     ("launch.py", "ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=MAX_TIME_LIMITS)", "ex = submitit.SlurmExecutor(folder=folder)", "tests/test_cluster.py", "submitit's requeue limit back to its default 3: a worker ends on its 4th time limit"),
     ("grid_files.py", "if pid and (host != socket.gethostname() or not pid.isdigit() or process_exists(int(pid))):", "if pid and (not pid.isdigit() or process_exists(int(pid))):", "tests/test_cluster.py", "--status blind to another host's lock (shown pending)"),
-    ("launch.py", "    for g in grids:\n        for seed in g[\"seeds\"]:", "    for g in grids[-1:]:\n        for seed in g[\"seeds\"]:", "tests/test_cluster.py", "--status blind to the tuning cells and their hours"),
+    ("launch.py", "    for g in grids(cfg):\n        for arm, seed in grid_cells(g):", "    for g in grids(cfg)[-1:]:\n        for arm, seed in grid_cells(g):", "tests/test_cluster.py", "--status blind to the tuning cells and their hours"),
     ("launch.py", "left_s = sum(n * rate.get(arm, seconds / steps) for arm, n in left)", "left_s = sum(n * seconds / steps for arm, n in left)", "tests/test_cluster.py", "--status's time left at every arm's rate, blind to a slower arm's"),
     ("launch.py", "f\"--jobs={','.join(job_ids)}\"", "f\"--jobs={job_ids[0]}\"", "tests/test_cluster.py", "squeue asked about the first array only"),
     # issue #53: a definition that computes nothing (where the data is, when the report is written) locks no grid
