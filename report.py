@@ -27,7 +27,7 @@ from reporting.downstream import downstream_comparison, downstream_lines
 from reporting.grid import BASELINES, beside, beside_lines, final_loss_lines, model_line, opening_lines, shared_model
 from reporting.paired import compare, comparison_lines, diverged_cells, diverged_lines, spike_lines, spikes
 from reporting.plots import cell_note, jsd_name, plots, routing_name
-from reporting.text import block, md, strict
+from reporting.text import bullets, cell_name, md, strict
 from reporting.tuning import arm_learning_rates, tuning_section
 
 __all__ = ["main", "machine_of", "step_time"]  # dev/leaderboard.py reads a cell's machine and step time as here
@@ -79,7 +79,7 @@ def parse_cell(text, arms, seeds, results, logs):
     if cell not in results and cell not in logs:
         sys.exit(
             f"error: --cell={text}: no such cell; cells: "
-            + ", ".join(f"{a}/seed{s}" for a in arms for s in seeds if (a, s) in results or (a, s) in logs)
+            + ", ".join(cell_name(a, s) for a in arms for s in seeds if (a, s) in results or (a, s) in logs)
         )
     return cell
 
@@ -131,16 +131,16 @@ def main(argv):
         pair = lambda ref, arm, paired: downstream_comparison(ref, arm, paired, results, downstream, problems)
         compared = {ref: {a: pair(ref, a, c["paired_seeds"][a]) for a in c["others"]} for ref, c in comparisons.items()}
         lines += downstream_lines(arms, seeds, downstream, problems, compared)
-    wall = {f"{a}/seed{s}": results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
+    wall = {cell_name(a, s): results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
     lines += wall_time_lines(arms, seeds, wall) + step_time_lines(arms, seeds, logs, references[0], results)
-    lines += block("Skipped:", [f"- {md(n)}" for n in notes])
+    lines += bullets("Skipped:", map(md, notes))
     if args.cell:
         lines += cell_note(cell, arms, seeds, logs)
     summary = "\n".join(lines)
     for title, name in plots(args.out_dir, arms, comparisons, logs, cell):
         lines += [f"### {md(title)}", "", f"![{md(title)}]({name})", ""]
     write_text(os.path.join(args.out_dir, "report.md"), "\n".join(lines))
-    core = downstream and {f"{a}/seed{s}": r["core"] for (a, s), r in downstream.items()}
+    core = downstream and {cell_name(a, s): r["core"] for (a, s), r in downstream.items()}
     # reference and arms (and downstream's arms): the first reference's, as a report of one reference writes them
     paired = dict(
         reference=references[0],

@@ -6,7 +6,7 @@ step time over the reference's in the same grid.
 import numpy as np
 
 from grid_files import is_finite
-from reporting.text import block, cell_table, distinct, md
+from reporting.text import block, bullets, cell_name, cell_table, distinct, md, seed_list
 
 
 def machine_of(result):
@@ -37,14 +37,14 @@ def machine_lines(summary):
     ran_on, several = summary["machines"], summary["seeds_on_several"]  # several: none where one machine or none
     if len(ran_on) == 1:
         return [f"Every cell that records its machine ran on: {md(machine_name(ran_on[0]))}.", ""]
-    return block(
+    return bullets(
         "Machines (a result's last digits hold on its machine only: other instruction sets round differently):",
-        [f"- machine {i}: {md(machine_name(m))}" for i, m in enumerate(ran_on)],
-    ) + block(
+        [f"machine {i}: {md(machine_name(m))}" for i, m in enumerate(ran_on)],
+    ) + bullets(
         "**Seeds trained on different machines** (paired all the same: a machine changes rounding, not "
         "what is computed):",
         [
-            f"- seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in cells.items())
+            f"seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in cells.items())
             for s, cells in several.items()
         ],
     )
@@ -53,8 +53,8 @@ def machine_lines(summary):
 def wall_time_lines(arms, seeds, wall):
     if all(t is None for t in wall.values()):
         return []
-    cell = lambda arm, s: "-" if (t := wall.get(f"{arm}/seed{s}")) is None else f"{t:.0f}"
-    total = lambda arm: f"{sum(wall.get(f'{arm}/seed{s}') or 0 for s in seeds):.0f}"
+    cell = lambda arm, s: "-" if (t := wall.get(cell_name(arm, s))) is None else f"{t:.0f}"
+    total = lambda arm: f"{sum(wall.get(cell_name(arm, s)) or 0 for s in seeds):.0f}"
     return block(
         "Wall time per cell (s; training and evaluation, compile included):",
         cell_table(arms, seeds, cell, after=[("total", total)]),
@@ -90,7 +90,7 @@ def step_time_lines(arms, seeds, logs, reference, results):
         ratios[arm] = f"{np.mean(both):.2f}" if both else "-"
     ms = lambda a, s: "-" if times[a, s] is None else f"{times[a, s]:.1f}"
     notes = [
-        f"{md(arm)}: seed(s) {', '.join(map(str, left))} left out of its ratio: its cell and {md(reference)}'s "
+        f"{md(arm)}: seed(s) {seed_list(left)} left out of its ratio: its cell and {md(reference)}'s "
         "trained on different machines (their result.json's config.machine); rerun one of the two beside the "
         "other to price it."
         for arm, left in apart.items()

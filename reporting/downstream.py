@@ -7,7 +7,8 @@ byte of its right answers.
 from grid_files import described
 from paired_stats import paired_statistics
 from reporting.paired import unpaired_reason
-from reporting.text import block, cell_table, fmt, md, per_seed, seed_groups, statistics_table
+from reporting.text import arm_notes, block, cell_table, fmt, left_out_lines, md, per_seed, seed_groups
+from reporting.text import statistics_table
 
 
 def evaluation(record):
@@ -89,10 +90,7 @@ def downstream_lines(arms, seeds, downstream, problems, compared):
         if not against:
             continue
         lines += [f"**Against {md(reference)}**:", ""]
-        lines += block(
-            "**Downstream seeds left out** (of this section only):",
-            [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, c in against.items() for d in c["left_out"]],
-        )
+        lines += left_out_lines("**Downstream seeds left out** (of this section only):", against)
         lines += statistics_table("arm", "mean CORE delta", {arm: c["core"] for arm, c in against.items()})
         lines += [
             per_seed(f"Per-seed CORE deltas, {md(arm)}", c["seeds"], c["core"]["deltas"]) for arm, c in against.items()
@@ -100,10 +98,11 @@ def downstream_lines(arms, seeds, downstream, problems, compared):
         lines.append("")
         if bits := {arm: c["bits_per_byte"] for arm, c in against.items() if c["bits_per_byte"]["n"]}:
             lines += statistics_table("arm", "mean bits-per-byte delta", bits, lambda arm: f"{arm}, bits per byte")
-        lines += block(
+        lines += arm_notes(
             "**Mixed evaluations**: each seed is paired fairly, but an arm's seeds were evaluated on different "
             "task bundles, items, scoring code or precision, so its means mix them; read the seeds apart:",
-            [f"- {md(arm)}: {md(note)}" for arm, c in against.items() for note in c["mixed_evaluations"]],
+            against,
+            lambda c: map(md, c["mixed_evaluations"]),
         )
         for arm, c in against.items():
             if c["tasks"]:

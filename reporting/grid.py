@@ -10,7 +10,7 @@ from common import DataError
 from grid_files import described, grid_record, is_seed, read_paired
 from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS, POWER
 from reporting.paired import divergence, shorten, verdict_lines
-from reporting.text import block, cell_table, distinct, fmt, interval, md, table
+from reporting.text import block, bullets, cell_table, distinct, fmt, interval, md, plural, rate_list, table
 from reporting.tuning import arm_learning_rates
 
 BASELINES = ("standard", "scaled_residual")  # by default every arm named after a baseline scheme is a reference
@@ -19,6 +19,12 @@ GRID_ONLY_KEYS = ("out_dir", "code", "changes", "arms", "seeds", "reference_arm"
 DATA_KEYS = ("data_dir", "train_data_sha256", "tokenizer")  # what --beside sets apart: the same grid on two corpora
 RATE_KEYS = ("learning_rate", "min_lr", "muon_learning_rate")
 NAMED_DOCUMENTS = 20  # validation documents named in the report's words; more are counted
+
+
+def arm_config(config, arm):
+    """An arm's own settings in a grid's config.json (its arms table), or None where it records none."""
+    own = config["arms"].get(arm) if isinstance(config.get("arms"), dict) else None
+    return own if isinstance(own, dict) else None
 
 
 def differing(a, b, skip=GRID_ONLY_KEYS):
@@ -64,8 +70,7 @@ def cell_settings(result, config):
     if isinstance(record.get("model"), dict):
         return record["model"] | {k: record[k] for k in RATE_KEYS if k in record}
     pairing = result.get("pairing") or {}
-    own = (config.get("arms") or {}).get(result["arm"]) if isinstance(config.get("arms"), dict) else None
-    grid = {k: v for k, v in config.items() if k != "arms"} | (own if isinstance(own, dict) else {})
+    grid = {k: v for k, v in config.items() if k != "arms"} | (arm_config(config, result["arm"]) or {})
     return grid | (pairing.get("settings") or {}) | (pairing.get("arm_settings") or {})  # the cell's own last
 
 
@@ -118,7 +123,7 @@ def validation_words(described):
     if is_seed(described.get("bytes")):
         words += f", {described['bytes']:,} bytes of text"
     read = described.get("documents_read")
-    fmt_count = lambda n, unit: f"{n:,} {unit}{'s' if n != 1 else ''}" if is_seed(n) else f"{unit}s not recorded"
+    fmt_count = lambda n, unit: f"{n:,} {plural(unit, n)}" if is_seed(n) else f"{unit}s not recorded"
     if isinstance(read, list) and all(isinstance(d, dict) for d in read) and any(d.get("name") for d in read):
         named = [
             f"{md(d.get('name') or 'unnamed')} ({fmt_count(d.get('bytes'), 'byte')}, "
@@ -190,7 +195,7 @@ def opening_lines(out_dir, arms, references, results, comparisons, config):
     lines = [
         f"# Paired report: {md(out_dir)}",
         "",
-        f"Reference arm{'s' if len(references) > 1 else ''}: {', '.join(map(md, references))}. "
+        f"{plural('Reference arm', len(references))}: {', '.join(map(md, references))}. "
         f"delta = NLL(arm) - NLL(reference) on the fixed validation set (nats/token; negative = better). Each arm "
         f"is paired with each reference seed by seed: a seed counts for an arm when both cells finished and their "
         f"pairing records agree.",
@@ -208,7 +213,7 @@ def opening_lines(out_dir, arms, references, results, comparisons, config):
     rows = [[arm, differ(arm), *size_cells(recorded_cell(results, arm), config)] for arm in arms]
     lines += [*table([*head, "active FLOPs per token (training)"], rows), ""]
     lines += data_lines(results, config) if results else []
-    return lines + block(
+    return lines + bullets(
         f"Verdicts (ahead: the 95% interval of the mean delta below 0; behind: above; else not detectable "
         f"at this size). One interval is quoted: the t interval over seeds and text (the seeds' t interval "
         f"where the cells record no per-sequence losses); the two-way bootstrap only from "
@@ -225,7 +230,7 @@ def final_loss_lines(arms, seeds, results):
     loss = lambda a, s: (
         "-" if not (r := results.get((a, s))) else "diverged" if divergence(r) else fmt(r["val_loss"], ".4f")
     )
-    rates = lambda arm: ", ".join(f"{rate:g}" for rate in arm_learning_rates(results, arm)) or "-"
+    rates = lambda arm: rate_list(arm_learning_rates(results, arm)) or "-"
     return block("Final validation loss:", cell_table(arms, seeds, loss, after=[("learning rate", rates)]))
 
 
@@ -268,8 +273,8 @@ def arm_differences(configs, arms):
     own attnres_block_size or the grid's) compares nothing alike."""
     differ = {}
     for arm in arms:
-        own = [c["arms"].get(arm) if isinstance(c.get("arms"), dict) else None for c in configs]
-        if not all(isinstance(o, dict) for o in own):
+        own = [arm_config(c, arm) for c in configs]
+        if None in own:
             differ[arm] = ["not recorded in both grids' config.json"]
             continue
         values = [

@@ -21,7 +21,8 @@ from scipy import stats
 from grid_files import ABSENT_MEANS, as_compared, close, is_finite, pairing_record
 from paired_stats import ALPHA, BOOTSTRAP_CALIBRATED_SEEDS, BOOTSTRAP_RESAMPLES, FEW_SEQUENCES, POWER, verdict
 from paired_stats import interval_detects, paired_statistics, perplexity_change, power_analysis, text_uncertainty
-from reporting.text import block, fmt, interval, md, per_seed, seed_groups, statistics_table, table, undefined
+from reporting.text import arm_notes, block, bullets, cell_name, fmt, interval, left_out_lines, md, per_seed, plural
+from reporting.text import seed_groups, statistics_table, table, undefined
 
 MISSING = object()  # a pairing key one cell does not record
 
@@ -59,7 +60,7 @@ def pairing_difference(p, q):
 def unpaired_reason(reference, arm, seed, problem, record):
     """Why two cells of a seed cannot be paired: each one's problem(arm, seed), else the first key on which their
     record(arm, seed)s differ; None when they pair."""
-    if problems := [f"{a}/seed{seed} {p}" for a in (reference, arm) if (p := problem(a, seed))]:
+    if problems := [f"{cell_name(a, seed)} {p}" for a in (reference, arm) if (p := problem(a, seed))]:
         return "; ".join(problems)
     difference = pairing_difference(record(reference, seed), record(arm, seed))
     return f"{reference} and {arm} differ in {difference}" if difference else None
@@ -163,9 +164,9 @@ def text_comparison(results, reference, arm, seeds):
     """The arm's mean delta over seeds and validation text together (paired_stats.text_uncertainty), or why it is
     unavailable: it needs every paired seed's per-sequence losses (never a part of the seeds: that would mix)."""
     if len(seeds) < 2:
-        return dict(unavailable=f"{len(seeds)} paired seed{'s' * (len(seeds) != 1)}: it needs 2 or more")
+        return dict(unavailable=f"{len(seeds)} paired {plural('seed', len(seeds))}: it needs 2 or more")
     cells = [(a, s) for s in seeds for a in (arm, reference)]
-    if problems := [f"{a}/seed{s}: {why}" for a, s in cells if (why := sequence_losses_problem(results[a, s]))]:
+    if problems := [f"{cell_name(a, s)}: {why}" for a, s in cells if (why := sequence_losses_problem(results[a, s]))]:
         return dict(unavailable="; ".join(problems))
     losses = lambda a, s: results[a, s]["val_sequence_losses"]
     rows = [np.subtract(losses(arm, s), losses(reference, s)) for s in seeds]
@@ -210,10 +211,7 @@ def comparison_lines(reference, comparison, earlier, effect):
         lines += [f"({', '.join(map(md, earlier))}: paired with {md(reference)} above; each pair once.)", ""]
     if not paired:
         return lines + ["No other arm to pair with.", ""]
-    lines += block(
-        "**Seeds left out** (not counted in that arm's n):",
-        [f"- {md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, st in paired.items() for d in st["left_out"]],
-    )
+    lines += left_out_lines("**Seeds left out** (not counted in that arm's n):", paired)
     lines += [per_seed(f"Per-seed deltas, {md(arm)}", st["seeds"], st["deltas"]) for arm, st in paired.items()]
     percent = lambda x: "off scale" if math.isinf(x) else "undefined" if math.isnan(x) else fmt(100 * x, "+.2f") + "%"
     ppl = lambda st: percent(st["ppl_change"])
@@ -224,11 +222,12 @@ def comparison_lines(reference, comparison, earlier, effect):
             "",
         ]
     lines += power_lines(paired, effect) + text_lines(paired)
-    return lines + block(
+    return lines + arm_notes(
         "**Mixed versions**: each seed below is paired fairly, but these seeds were trained under other "
         "code or settings (--allow_changes), so an arm's mean mixes them; read the seeds apart, or rerun "
         "the grid in a new out_dir:",
-        [f"- {md(arm)}: {md(note)}" for arm, st in paired.items() for note in st["mixed_versions"]],
+        paired,
+        lambda st: map(md, st["mixed_versions"]),
     )
 
 
@@ -241,23 +240,21 @@ def power_lines(paired, effect):
         detects = "-" if p["detectable_effect"] is None else fmt(p["detectable_effect"], ".4f")
         needed = "-" if p["seeds_needed"] is None else str(p["seeds_needed"])
         rows.append([arm, str(st["n"]), fmt(p["std"], ".4f"), detects, needed, fmt(p["sign_test_min_p"], ".3g")])
-    notes = [f"- {md(arm)}: {note}" for arm, st in paired.items() for note in st["power"]["notes"]]
     return block(
         f"Power of the paired t-test (two-sided, alpha {ALPHA:g}, power {POWER:g}) at each arm's n, sized from "
         f"the s.d. of its per-seed deltas (itself an estimate from those seeds):",
         table([*head, "smallest sign-test p"], rows),
-    ) + block(None, notes)
+    ) + arm_notes(None, paired, lambda st: st["power"]["notes"])
 
 
 def text_lines(paired):
     """Each arm's mean delta over seeds and validation text together, and why where it is unavailable."""
     rows, notes = [], []
     for arm, st in paired.items():
-        text = st["text"]
-        seeds_only = "undefined" if st["identical"] else interval(st["ci95"])
+        text, seeds_only = st["text"], interval(st["ci95"])
         if "unavailable" in text:
             rows.append([arm, str(st["n"]), "-", fmt(st["mean"]), seeds_only, "unavailable", *["-"] * 4])
-            notes.append(f"- {md(arm)}: unavailable: {md(text['unavailable'])}")
+            notes.append(f"{md(arm)}: unavailable: {md(text['unavailable'])}")
             continue
         shares = ["-"] * 3
         if not text.get("identical"):
@@ -268,14 +265,14 @@ def text_lines(paired):
         )
         if text.get("identical"):
             notes.append(
-                f"- {md(arm)}: every seed and sequence has the same delta: no variance, so the intervals "
+                f"{md(arm)}: every seed and sequence has the same delta: no variance, so the intervals "
                 f"over seeds and text are undefined (not zero wide) and no source has a share"
             )
         if reason := disagreement(st, text):
-            notes.append(f"- {md(arm)}: {reason}")
+            notes.append(f"{md(arm)}: {reason}")
         if text["sequences"] < FEW_SEQUENCES:
             notes.append(
-                f"- {md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
+                f"{md(arm)}: the validation set holds only {text['sequences']} sequences (fewer than "
                 f"{FEW_SEQUENCES}): the text's share is estimated from little text; raise eval_tokens"
             )
     head = ["arm", "n", "sequences", "mean delta", "95% CI, seeds (t)", "95% CI, seeds and text (t)", "bootstrap"]
@@ -287,11 +284,11 @@ def text_lines(paired):
         f"resamples of seeds and sequences, a fixed generator seed), which draws only from the seeds seen: "
         f"at few seeds it is the narrower.",
         table([*head, "share: seeds", "share: text", "share: seed x text"], rows),
-    ) + block(None, notes)
+    ) + bullets(None, notes)
 
 
 def verdict_lines(comparisons, references):
-    """One line per pair: ahead, behind or not detectable at this size, on the one interval quoted."""
+    """One item per pair: ahead, behind or not detectable at this size, on the one interval quoted."""
     lines = []
     for reference in references:
         for arm, st in comparisons[reference]["paired"].items():
@@ -300,7 +297,7 @@ def verdict_lines(comparisons, references):
             said = f"{mean}, 95% CI {interval(ci)} ({what})" if ci else what if st["n"] == 0 else f"{mean} ({what})"
             detects = interval_detects(ci, st["n"])
             lines.append(
-                f"- {md(arm)} against {md(reference)}: **{word}**: {said}, {st['wins']}/{st['n']} seeds in favour"
+                f"{md(arm)} against {md(reference)}: **{word}**: {said}, {st['wins']}/{st['n']} seeds in favour"
                 + (f"; this interval detects {detects:.4f} nats (power {POWER:g})" if detects else "")
             )
     return lines
@@ -352,10 +349,10 @@ def spike_lines(found, warmup, tuned_steps):
             f" (well above the noise: in the stored leaderboard grids no other arm rose by more than 0.062); a spike "
             f"past the tuning's {tuned_steps} steps is one its choice of rate never saw"
         )
-    return block(
+    return bullets(
         head + ":",
         [
-            f"- {md(d['arm'])}, seed {d['seed']}: {d['loss']} loss {fmt(d['rise'], '+.3f')} nats between steps "
+            f"{md(d['arm'])}, seed {d['seed']}: {d['loss']} loss {fmt(d['rise'], '+.3f')} nats between steps "
             f"{d['steps'][0]} and {d['steps'][1]}" + (" (past the tuning's budget)" if d["past_tuning"] else "")
             for d in found
         ],

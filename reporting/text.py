@@ -73,6 +73,40 @@ def block(head, lines):
     return ([head, ""] if head else []) + lines + [""] if lines else []
 
 
+def bullets(head, items):
+    """block() of items as a markdown list."""
+    return block(head, [f"- {item}" for item in items])
+
+
+def arm_notes(head, by_arm, notes):
+    """bullets() of 'arm: note' for each note(c) of each arm's c in by_arm (notes already markdown)."""
+    return bullets(head, [f"{md(arm)}: {note}" for arm, c in by_arm.items() for note in notes(c)])
+
+
+def left_out_lines(head, by_arm):
+    """bullets() of the seeds each arm's comparison in by_arm left out (its left_out: seed and reason)."""
+    left_out = [(arm, d) for arm, c in by_arm.items() for d in c["left_out"]]
+    return bullets(head, [f"{md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, d in left_out])
+
+
+def plural(word, n):
+    """word, or words where n is not 1."""
+    return word + "s" * (n != 1)
+
+
+def seed_list(seeds):
+    return ", ".join(map(str, seeds))
+
+
+def rate_list(rates):
+    return ", ".join(f"{rate:g}" for rate in rates)
+
+
+def cell_name(arm, seed):
+    """A cell as the report names it, and paired.json keys it: arm/seedK (its folder under out_dir)."""
+    return f"{arm}/seed{seed}"
+
+
 def table(head, rows):
     """A markdown table: head's columns, then rows of cells, all markdown but each row's first (an arm, a task: text
     from files), escaped here."""
@@ -111,21 +145,21 @@ def why_undefined(st):
 def statistics_table(first, mean, rows, name=lambda row: row, before=(), after=()):
     """A table of paired_statistics ({row: st}), the mean's column named mean, between the (header, cell(st)) columns
     before and after; then why what is undefined is."""
-    t_test = lambda st: st["n"] > 1 and not st["identical"]
+    # the t-test's interval and p are NaN (undefined) where there is none: one seed, or every delta the same
     columns = [
         *before,
         ("n", lambda st: str(st["n"])),
         ("wins", lambda st: f"{st['wins']}/{st['n']}"),
         (mean, lambda st: fmt(st["mean"])),
         ("std", lambda st: fmt(st["std"], ".4f")),
-        ("95% CI", lambda st: interval(st["ci95"]) if t_test(st) else "undefined"),
-        ("p (t-test)", lambda st: fmt(st["p_ttest"], ".3g") if t_test(st) else "undefined"),
+        ("95% CI", lambda st: interval(st["ci95"])),
+        ("p (t-test)", lambda st: fmt(st["p_ttest"], ".3g")),
         ("p (sign)", lambda st: fmt(st["p_sign"], ".3g")),
         *after,
     ]
     cells = [[row, *(cell(st) for _, cell in columns)] for row, st in rows.items()]
-    why = [f"- {md(name(row))}: {reason}" for row, st in rows.items() if (reason := why_undefined(st))]
-    return table([first, *(h for h, _ in columns)], cells) + [""] + block(None, why)
+    why = [f"{md(name(row))}: {reason}" for row, st in rows.items() if (reason := why_undefined(st))]
+    return table([first, *(h for h, _ in columns)], cells) + [""] + bullets(None, why)
 
 
 def seed_groups(seeds, value, said=str):
@@ -134,9 +168,7 @@ def seed_groups(seeds, value, said=str):
     for s in seeds:
         groups.setdefault(value(s), []).append(s)
     if len(groups) > 1:
-        return "; ".join(
-            f"seed{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {said(v)}" for v, g in groups.items()
-        )
+        return "; ".join(f"{plural('seed', len(g))} {seed_list(g)}: {said(v)}" for v, g in groups.items())
     return None
 
 
