@@ -4,7 +4,7 @@ tune.py): out/tune/choice.json, checked against the tuning cells by grid_files.r
 """
 
 from grid_files import TUNE_DIR, is_finite, is_seed, rate_name, read_tuning, tuning_results
-from reporting.text import block, fmt, md, table
+from reporting.text import block, bullets, fmt, md, plural, rate_list, seed_list, table
 
 
 def arm_learning_rates(results, arm):
@@ -22,6 +22,14 @@ def grid_cost(results):
         steps=sum(r["steps"] for r in results.values() if is_seed(r.get("steps"))),
         wall_time_s=round(sum(r["wall_time_s"] for r in results.values() if is_finite(r.get("wall_time_s"))), 1),
     )
+
+
+def choice_table(column, options, shown, chosen, missing):
+    """A table of each arm's tuning result at each option tried (shown: {arm: {option: text}}), an option per column
+    (named column(option)) and the arm's chosen one in bold; missing where an arm has none at an option."""
+    cell = lambda arm, option: f"**{shown[arm][option]}**" if option == chosen[arm] else shown[arm][option]
+    rows = [[arm, *(cell(arm, o) if o in shown[arm] else missing for o in options)] for arm in shown]
+    return table(["arm", *map(column, options)], rows)
 
 
 # what paired.json's tuning holds of choice.json
@@ -62,7 +70,7 @@ def tuning_section(out_dir, arms, results, config):
     )
     lines = [
         f"Each arm's learning rate was chosen before the compared seeds trained, on text they are not judged on: "
-        f"every arm ran at each rate below on tuning seeds {', '.join(map(str, seeds))} (never a compared seed) "
+        f"every arm ran at each rate below on tuning seeds {seed_list(seeds)} (never a compared seed) "
         f"for {record['tune_iters']} of the {record['max_iters']} steps (the whole schedule in them, min_lr "
         f"{record['min_lr_ratio']:g} x the rate), evaluated on {where}. "
         f"A rate counts only where every tuning seed finished below its step-0 loss; a larger rate beats a "
@@ -72,9 +80,8 @@ def tuning_section(out_dir, arms, results, config):
         f"chosen rate.",
         "",
     ]
-    bold = lambda text, chosen: f"**{text}**" if chosen else text
     mean_sd = lambda row: "not finished" if row["problem"] else f"{fmt(row['mean'], '.4f')} ({fmt(row['sd'], '.4f')})"
-    table_rows, notes, unfinished = [], [], []
+    notes, unfinished = [], []
 
     def edge_note(arm, what, chosen, tried, option):
         if len(tried) > 1 and chosen in (min(tried), max(tried)):
@@ -85,22 +92,22 @@ def tuning_section(out_dir, arms, results, config):
 
     routing = record.get("routing_table") or {}
     own = {arm: rows["1"]["learning_rate"] for arm, rows in routing.items() if "1" in rows}  # at routing x1
-    for arm, rows in record["table"].items():
-        by_rate, chosen = {row["learning_rate"]: row for row in rows.values()}, record["choice"][arm]
-        shown = [mean_sd(by_rate[r]) if r in by_rate else "-" for r in rates]
-        table_rows.append([arm, *(bold(text, r == own.get(arm, chosen)) for r, text in zip(rates, shown))])
-        unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in by_rate.items() if row["problem"]]
-        edge_note(arm, "rate", chosen, list(by_rate), "widen tune_learning_rates")
+    by_rate = {arm: {row["learning_rate"]: row for row in rows.values()} for arm, rows in record["table"].items()}
+    for arm, rows in by_rate.items():
+        unfinished += [f"{arm} at {r:g}: {row['problem']}" for r, row in rows.items() if row["problem"]]
+        edge_note(arm, "rate", record["choice"][arm], list(rows), "widen tune_learning_rates")
+    shown = {arm: {r: mean_sd(row) for r, row in rows.items()} for arm, rows in by_rate.items()}
+    bold = {arm: own.get(arm, record["choice"][arm]) for arm in by_rate}  # a routed arm's rate at routing x1
     lines += block(
         "Mean (s.d.) final validation loss on the tuning seeds (the chosen rate in bold):",
-        table(["arm", *(f"lr {r:g}" for r in rates)], table_rows),
+        choice_table(lambda r: f"lr {r:g}", rates, shown, bold, "-"),
     )
-    lines += block(
+    lines += bullets(
         "Choices:",
         [
-            f"- {md(arm)}: {rate:g}, {md(record['reason'][arm])}"
+            f"{md(arm)}: {rate:g}, {md(record['reason'][arm])}"
             if own.get(arm, rate) == rate
-            else f"- {md(arm)}: {rate:g}, its rate at routing x{record['routing_choice'][arm]:g} (below); with its "
+            else f"{md(arm)}: {rate:g}, its rate at routing x{record['routing_choice'][arm]:g} (below); with its "
             f"routing at x1 the rule takes {own[arm]:g}: {md(record['reason'][arm])}"
             for arm, rate in record["choice"].items()
         ],
@@ -108,43 +115,32 @@ def tuning_section(out_dir, arms, results, config):
     if routing:
         scales = sorted({float(name) for rows in routing.values() for name in rows})
         at_rate = lambda row, scale: f"{mean_sd(row)} at {row['learning_rate'] / scale:g}"
+        shown = {
+            arm: {s: at_rate(rows[rate_name(s)], s) for s in scales if rate_name(s) in rows}
+            for arm, rows in routing.items()
+        }
         lines += block(
             "Routing rate (tune_routing_lr_scales): each routed arm also trained with its routing parameters at each "
             "scale below x the learning rate, at every rate, on the same tuning seeds and budget; at each scale the "
             "rate is chosen by the rule above, then the scale, each at its own rate, by the same rule over the "
             "routing rates (so the smaller scale unless a larger one beats it); the arm trains at that scale and its "
             "rate. Mean (s.d.) at each scale's chosen rate, the chosen scale in bold:",
-            table(
-                ["arm", *(f"routing x{s:g}" for s in scales)],
-                [
-                    [
-                        arm,
-                        *(
-                            bold(at_rate(rows[rate_name(s)], s), s == record["routing_choice"][arm])
-                            if rate_name(s) in rows
-                            else "no rate finished"
-                            for s in scales
-                        ),
-                    ]
-                    for arm, rows in routing.items()
-                ],
-            ),
+            choice_table(lambda s: f"routing x{s:g}", scales, shown, record["routing_choice"], "no rate finished"),
         )
-        lines += block(
+        lines += bullets(
             "Routing choices:",
             [
-                f"- {md(arm)}: x{scale:g}, {md(record['routing_reason'][arm])}"
+                f"{md(arm)}: x{scale:g}, {md(record['routing_reason'][arm])}"
                 for arm, scale in record["routing_choice"].items()
             ],
         )
         for arm, scale in record["routing_choice"].items():  # (each row is a chosen rate's: it finished)
             edge_note(arm, "routing scale", scale, scales, "widen tune_routing_lr_scales")
-    lines += block(
-        "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):",
-        [f"- {md(line)}" for line in unfinished],
+    lines += bullets(
+        "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):", map(md, unfinished)
     )
     cost, grid = grid_cost(tuning_results(out_dir, record)), grid_cost(results)
-    cells = lambda n: f"{n} cell{'s' * (n != 1)}"
+    cells = lambda n: f"{n} {plural('cell', n)}"
     lines += [
         f"Cost: the tuning {cells(cost['cells'])}, {cost['steps']:,} steps, {cost['wall_time_s']:,.0f} s wall; "
         f"the paired grid {cells(grid['cells'])}, {grid['steps']:,} steps, {grid['wall_time_s']:,.0f} s wall"
@@ -152,17 +148,14 @@ def tuning_section(out_dir, arms, results, config):
         "",
     ]
     for arm in arms:
-        trained = set(arm_learning_rates(results, arm))
+        trained = arm_learning_rates(results, arm)
         if arm not in record["choice"]:
             notes.append(f"{arm}: not in tune/choice.json (not tuned)")
-        elif trained - {record["choice"][arm]}:
-            notes.append(
-                f"{arm}: trained at {', '.join(f'{r:g}' for r in sorted(trained))}, tune/choice.json chose "
-                f"{record['choice'][arm]:g}"
-            )
+        elif set(trained) - {record["choice"][arm]}:
+            notes.append(f"{arm}: trained at {rate_list(trained)}, tune/choice.json chose {record['choice'][arm]:g}")
     per_rate = lambda key: {
         arm: {f"{row['learning_rate']:g}": row[key] for row in rows.values()} for arm, rows in record["table"].items()
     }
     summary = {k: record[k] for k in SUMMARY_KEYS} | dict(notes=notes, mean=per_rate("mean"), sd=per_rate("sd"))
     summary |= {k: record[k] for k in ("routing_scales", "routing_choice", "routing_reason") if k in record}
-    return title + lines + block(None, [f"- {md(n)}" for n in notes]), summary | dict(cost=dict(tuning=cost, grid=grid))
+    return title + lines + bullets(None, map(md, notes)), summary | dict(cost=dict(tuning=cost, grid=grid))
