@@ -76,20 +76,26 @@ def code_fingerprints(code, scheme):
     return digest(set(code["definitions"]) - registered - NOT_COMPUTING), digest(own)
 
 
+def per_definition(code):
+    """Whether a recorded code is as code_record writes it: a fingerprint per definition and each scheme's classes
+    (an earlier version's record holds one fingerprint per file)."""
+    names = lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)
+    return (
+        isinstance(code, dict)
+        and isinstance(code.get("definitions"), dict)
+        and all(isinstance(d, str) for d in code["definitions"].values())
+        and isinstance(code.get("schemes"), dict)
+        and all(map(names, code["schemes"].values()))
+    )
+
+
 def pairing_record(result):
     """A cell's pairing record as the report compares it: the shared-code fingerprint recomputed from the code the
     cell records, under this version's NOT_COMPUTING, so that a definition declared since to compute nothing (or
     moved out of the fingerprinted files) unpairs no stored cell. A record of an earlier version (one fingerprint per
     file), or one not as code_record writes it, keeps the fingerprint it recorded."""
-    pairing, code = result["pairing"], result.get("code") or {}
-    names = lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)
-    definitions, schemes = code.get("definitions"), code.get("schemes")
-    if "code" not in pairing or not (
-        isinstance(definitions, dict)
-        and all(isinstance(d, str) for d in definitions.values())
-        and isinstance(schemes, dict)
-        and all(map(names, schemes.values()))
-    ):
+    pairing, code = result["pairing"], result.get("code")
+    if "code" not in pairing or not per_definition(code):
         return pairing
     return pairing | {"code": code_fingerprints(code, None)[0]}
 

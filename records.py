@@ -28,7 +28,7 @@ from data.shards import TOKENIZERS
 
 # a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py call some as records.<name>
 from grid_files import NOT_COMPUTING, RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result, code_fingerprints
-from grid_files import field, read_record
+from grid_files import field, per_definition, read_record
 from grid_files import describe_done  # noqa: F401  (cells.py's records.describe_done)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
@@ -536,10 +536,7 @@ def code_changes(old, new, schemes):
     """The definitions that differ between two code records (code_record) for a run of these schemes: every
     definition but the registry's classes that none of them computes with (a scheme the old record lacks computes
     with none). A record of an earlier version (one fingerprint per file) compares as a whole."""
-    if not all(
-        isinstance(r, dict) and isinstance(r.get("definitions"), dict) and isinstance(r.get("schemes"), dict)
-        for r in (old, new)
-    ):
+    if not (per_definition(old) and per_definition(new)):
         same = isinstance(old, dict) and isinstance(new, dict) and old.get("fingerprint") == new.get("fingerprint")
         return [] if same else ["all of it: recorded per file by an earlier version"]
     # a scheme the recorded code did not have trained none of its cells: new, it changed nothing they computed (so a
