@@ -6,7 +6,7 @@ byte of its right answers.
 
 from grid_files import described
 from paired_stats import paired_statistics
-from reporting.paired import unpaired_reason
+from reporting.paired import pair_seeds
 from reporting.text import arm_notes, block, cell_table, fmt, left_out_lines, md, per_seed, seed_groups
 from reporting.text import statistics_table
 
@@ -40,8 +40,7 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
         return None
 
     record = lambda a, s: evaluation(downstream[a, s])
-    left_out = {s: r for s in seeds if (r := unpaired_reason(reference, arm, s, problem, record))}
-    paired = [s for s in seeds if s not in left_out]
+    paired, left_out = pair_seeds(reference, arm, seeds, problem, record)
     # arm - reference of read(a cell's downstream.json) over seeds; bits per byte: lower is better
     delta = lambda seeds, read, higher_is_better=False: paired_statistics(
         [read(downstream[arm, s]) - read(downstream[reference, s]) for s in seeds], higher_is_better
@@ -63,7 +62,7 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
     mixed = seed_groups(paired, lambda s: evaluated(downstream[reference, s]))
     return dict(
         seeds=paired,
-        left_out=[dict(seed=s, reason=r) for s, r in left_out.items()],
+        left_out=left_out,
         mixed_evaluations=[mixed] if mixed else [],
         core=delta(paired, lambda d: d["core"], True),
         bits_per_byte=delta(with_bits, lambda d: d["bits_per_byte"]) | dict(seeds=with_bits),

@@ -57,13 +57,17 @@ def pairing_difference(p, q):
     return None
 
 
-def unpaired_reason(reference, arm, seed, problem, record):
-    """Why two cells of a seed cannot be paired: each one's problem(arm, seed), else the first key on which their
-    record(arm, seed)s differ; None when they pair."""
-    if problems := [f"{cell_name(a, seed)} {p}" for a in (reference, arm) if (p := problem(a, seed))]:
-        return "; ".join(problems)
-    difference = pairing_difference(record(reference, seed), record(arm, seed))
-    return f"{reference} and {arm} differ in {difference}" if difference else None
+def pair_seeds(reference, arm, seeds, problem, record):
+    """The seeds whose cells of reference and arm pair, and the others as paired.json's left_out, each with why: each
+    cell's problem(arm, seed), else the first key on which their record(arm, seed)s differ."""
+    left_out = []
+    for s in seeds:
+        if problems := [f"{cell_name(a, s)} {p}" for a in (reference, arm) if (p := problem(a, s))]:
+            left_out.append(dict(seed=s, reason="; ".join(problems)))
+        elif difference := pairing_difference(record(reference, s), record(arm, s)):
+            left_out.append(dict(seed=s, reason=f"{reference} and {arm} differ in {difference}"))
+    unpaired = [d["seed"] for d in left_out]
+    return [s for s in seeds if s not in unpaired], left_out
 
 
 def mixed_versions(results, arms, seeds):
@@ -127,15 +131,15 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
     pairing = lambda a, s: pairing_record(results[a, s])
     paired, paired_seeds, curves = {}, {}, {}
     for arm in others:
-        left_out = {s: r for s in seeds if (r := unpaired_reason(reference, arm, s, problem, pairing))}
-        seeds_of = paired_seeds[arm] = [s for s in seeds if s not in left_out]
+        seeds_of, left_out = pair_seeds(reference, arm, seeds, problem, pairing)
+        paired_seeds[arm] = seeds_of
         st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
         st["ppl_change"] = perplexity_change(st["mean"])
         curves[arm] = delta_curve(logs, arm, reference, seeds_of)
         paired[arm] = dict(
             st,
             seeds=seeds_of,
-            left_out=[dict(seed=s, reason=r) for s, r in left_out.items()],
+            left_out=left_out,
             mixed_versions=mixed_versions(results, [reference, arm], seeds_of),
             delta_curve={k: np.asarray(v).tolist() for k, v in curves[arm].items()},
             power=power_analysis(st, effect),
