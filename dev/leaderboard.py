@@ -169,6 +169,9 @@ def check_grid(grid):
         )
 
 
+RATES = ("learning_rate", "min_lr", "routing_lr_scale")  # what tuning chooses; none changes a step's time
+
+
 def bench_ratios(path, config):
     """{bench.py variant: its time ratio to `standard`} from a bench.py output measured at the grid's shape."""
     try:
@@ -189,12 +192,13 @@ def bench_ratios(path, config):
 
 def variant_of(settings):
     """The bench.py variant (bench.VARIANTS) whose model settings an arm's are, or None: an arm of other settings
-    was not benchmarked. Rates change no step time; a setting at GPTConfig's default is no setting."""
+    was not benchmarked. Rates (a routing rate's scale too) change no step time; a setting at GPTConfig's default
+    is no setting."""
     import bench  # torch and train.py: only for --cost
     from model import GPTConfig
 
     default = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    model = lambda s: {k: v for k, v in s.items() if k not in ("learning_rate", "min_lr") and v != default.get(k)}
+    model = lambda s: {k: v for k, v in s.items() if k not in RATES and v != default.get(k)}
     return next((name for name, v in bench.VARIANTS.items() if model(v) == model(settings)), None)
 
 
@@ -315,10 +319,7 @@ def setting(config):
     for the same arms."""
     if not config.get("tune_learning_rates"):
         return config
-    chosen = {"learning_rate", "min_lr", "routing_lr_scale"}
-    return config | {
-        "arms": {arm: {k: v for k, v in a.items() if k not in chosen} for arm, a in config["arms"].items()}
-    }
+    return config | {"arms": {arm: {k: v for k, v in a.items() if k not in RATES} for arm, a in config["arms"].items()}}
 
 
 HEADER = "| scheme | vs `standard`: mean [95% CI], seeds in favour, p, detectable | vs `scaled_residual` | "

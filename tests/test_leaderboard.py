@@ -153,6 +153,14 @@ def test_cost_takes_each_schemes_ratio_from_a_bench_at_the_grids_shape(grids, tm
         leaderboard.rows(grids[0], cost=str(tmp_path / "old.json"))
 
 
+def test_a_tuned_arm_is_priced_as_its_scheme_whatever_rates_tuning_chose():
+    """Tuning sets rates and a routing rate's scale (MUDDFormer: 1e-2 at 0.1x), none of which changes a step's time;
+    another model setting does."""
+    tuned = dict(residual="muddformer", learning_rate=0.01, min_lr=0.001, routing_lr_scale=0.1)
+    assert leaderboard.variant_of(tuned) == "muddformer"
+    assert leaderboard.variant_of(dict(tuned, hc_streams=2)) is None
+
+
 def test_the_plateau_table_reads_standards_curves_and_ranks_the_seeds(grids, tmp_path, capsys):
     leaderboard.main(grids[0])
     out = capsys.readouterr().out
