@@ -207,6 +207,10 @@ def rows(grid, longer=None, cost=None):
     vs `standard`)}; longer: the grids of `standard` at longer budgets (default: those beside grid); cost: a
     bench.py output whose ratios replace the grid's own step times (bench_ratios)."""
     config, paired = read(os.path.join(grid, "config.json")), read(os.path.join(grid, "paired.json"))
+    for arm in paired["arms"]:  # cells the report paired that no run recorded in config.json (copied in), by their own
+        if arm not in config["arms"]:
+            recorded = read(os.path.join(grid, arm, f"seed{config['seeds'][0]}", "config.json"))
+            config["arms"][arm] = recorded["arms"][arm]
     arms = list(config["arms"])
     machines = {arm: {} for arm in arms}
     loss = {arm: final_losses(grid, arm, machines[arm])[0] for arm in arms}
@@ -335,6 +339,9 @@ def main(*grids, cost=None):
     for g in grids:
         check_grid(g)
     configs = [setting(read(os.path.join(g, "config.json"))) for g in grids]
+    # an arm one grid lacks has no verdict there ("-"); an arm both have must be the same arm
+    arms = lambda c: {a: s for a, s in c["arms"].items() if all(a in other["arms"] for other in configs)}
+    configs = [dict(c, arms=arms(c)) for c in configs]
     if differ := sorted(
         {k for c in configs[1:] for k in (c.keys() | configs[0].keys()) - PER_CORPUS if c.get(k) != configs[0].get(k)}
     ):

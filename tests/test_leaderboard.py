@@ -153,6 +153,16 @@ def test_cost_takes_each_schemes_ratio_from_a_bench_at_the_grids_shape(grids, tm
         leaderboard.rows(grids[0], cost=str(tmp_path / "old.json"))
 
 
+def test_an_arm_the_report_paired_but_no_run_recorded_gets_its_row_from_its_cells(grids, tmp_path, capsys):
+    """Cells copied into a grid, found done by a run that trained none: config.json does not list their arm (a run
+    records its arms when it trains a cell), the report pairs them; the table takes the arm's settings from them."""
+    grid = str(tmp_path / "copied")
+    shutil.copytree(grids[0], grid)
+    edit_json(os.path.join(grid, "config.json"), lambda c: c["arms"].pop("attnres"))
+    longer = [grids[0] + "_standard16"]  # beside the stored grid, not the copy
+    assert leaderboard.rows(grid, longer=longer)["attnres"] == leaderboard.rows(grids[0])["attnres"]
+
+
 def test_a_tuned_arm_is_priced_as_its_scheme_whatever_rates_tuning_chose():
     """Tuning sets rates and a routing rate's scale (MUDDFormer: 1e-2 at 0.1x), none of which changes a step's time;
     another model setting does."""
@@ -201,6 +211,12 @@ def test_the_rates_each_corpus_tuned_may_differ_and_no_other_arm_setting(grids, 
     assert capsys.readouterr().out.count("| `attnres` |") == 2, "the tuned rates are the corpus's, not a setting"
     with pytest.raises(SystemExit, match="differ in arms"):
         leaderboard.main(one, copy(grids[1], "c", attnres_block_size=1))
+    fewer = copy(grids[1], "d")  # an arm one corpus did not run: its row there, "-" across
+    edit_json(os.path.join(fewer, "config.json"), lambda c: c["arms"].pop("attnres"))
+    shutil.rmtree(os.path.join(fewer, "attnres"))
+    edit_json(os.path.join(fewer, "paired.json"), lambda p: p["arms"].pop("attnres"))
+    leaderboard.main(one, fewer)
+    assert re.search(r"\| `attnres` \|.*\| - ?; - \|", capsys.readouterr().out), "no verdict where it did not run"
 
 
 def edit_json(path, change):
