@@ -202,15 +202,21 @@ def variant_of(settings):
     return next((name for name, v in bench.VARIANTS.items() if model(v) == model(settings)), None)
 
 
+def grid_config(grid):
+    """A grid's config.json with every arm its report paired: cells copied in, which a run found done and so never
+    recorded there, by their own record."""
+    config = read(os.path.join(grid, "config.json"))
+    for arm in read(os.path.join(grid, "paired.json"))["arms"]:
+        if arm not in config["arms"]:
+            config["arms"][arm] = read(os.path.join(grid, arm, f"seed{config['seeds'][0]}", "config.json"))["arms"][arm]
+    return config
+
+
 def rows(grid, longer=None, cost=None):
     """{arm: (cell vs each baseline, verdict vs each baseline, step-time ratio, gain at equal wall time, mean delta
     vs `standard`)}; longer: the grids of `standard` at longer budgets (default: those beside grid); cost: a
     bench.py output whose ratios replace the grid's own step times (bench_ratios)."""
-    config, paired = read(os.path.join(grid, "config.json")), read(os.path.join(grid, "paired.json"))
-    for arm in paired["arms"]:  # cells the report paired that no run recorded in config.json (copied in), by their own
-        if arm not in config["arms"]:
-            recorded = read(os.path.join(grid, arm, f"seed{config['seeds'][0]}", "config.json"))
-            config["arms"][arm] = recorded["arms"][arm]
+    config, paired = grid_config(grid), read(os.path.join(grid, "paired.json"))
     arms = list(config["arms"])
     machines = {arm: {} for arm in arms}
     loss = {arm: final_losses(grid, arm, machines[arm])[0] for arm in arms}
@@ -338,7 +344,7 @@ def row_line(name, row, across=""):
 def main(*grids, cost=None):
     for g in grids:
         check_grid(g)
-    configs = [setting(read(os.path.join(g, "config.json"))) for g in grids]
+    configs = [setting(grid_config(g)) for g in grids]
     # an arm one grid lacks has no verdict there ("-"); an arm both have must be the same arm
     arms = lambda c: {a: s for a, s in c["arms"].items() if all(a in other["arms"] for other in configs)}
     configs = [dict(c, arms=arms(c)) for c in configs]
