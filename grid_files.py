@@ -40,40 +40,25 @@ def cell_dir(out_dir, arm, seed):
 # own, data_hash): the code comparisons leave them out, so fixing or moving one locks no grid and unpairs no cell
 # (pairing_record). Name here only what cannot change a number.
 NOT_COMPUTING = frozenset(
-    {
-        "resolve_data_dir",
-        "find_data",
-        "prepare_bundled_or_wait",
-        "write_report",
-        "REPORT_WAIT_S",
-        # which cells a worker trains or waits on (cells.py's once): never what a cell computes
-        "grid_cells",
-        "unfinished",
-        "stalled",
-        "modified",
-        "WAIT_GIVE_UP_S",
-        # how often a worker compiles, never what: machine.py's cache policy for the routed schemes' graphs
-        "cache_routed_graphs",
-        "ROUTED_GRAPHS_CACHED",
-        "load_cell",
-        "TrainedCell",
-        "open_trained",
-        # a config default: its value is in every record that could use it (the grid's config.json), which the
-        # rerun check and the pairing compare; its assignment computes nothing
-        "tune_routing_lr_scales",
-    }
+    "resolve_data_dir find_data prepare_bundled_or_wait write_report REPORT_WAIT_S"
+    # which cells a worker trains or waits on (cells.py's once): never what a cell computes
+    " grid_cells unfinished stalled modified WAIT_GIVE_UP_S"
+    # how often a worker compiles, never what: machine.py's cache policy for the routed schemes' graphs
+    " cache_routed_graphs ROUTED_GRAPHS_CACHED load_cell TrainedCell open_trained"
+    # a config default: its value is in every record that could use it (the grid's config.json), which the
+    # rerun check and the pairing compare; its assignment computes nothing
+    " tune_routing_lr_scales".split()
 )
 
 
 def code_fingerprints(code, scheme):
     """(shared, own): sha256 of the definitions every scheme computes with, and of those only the
     scheme's (its classes, as code_record lists them). The arms of a seed pair on the first."""
-    own = set(code["schemes"].get(scheme, ()))
     registered = {c for used in code["schemes"].values() for c in used}
     digest = lambda names: hashlib.sha256(
         json.dumps({n: code["definitions"].get(n) for n in sorted(names)}).encode()
     ).hexdigest()
-    return digest(set(code["definitions"]) - registered - NOT_COMPUTING), digest(own)
+    return digest(set(code["definitions"]) - registered - NOT_COMPUTING), digest(code["schemes"].get(scheme, ()))
 
 
 def per_definition(code):
@@ -90,10 +75,9 @@ def per_definition(code):
 
 
 def pairing_record(result):
-    """A cell's pairing record as the report compares it: the shared-code fingerprint recomputed from the code the
-    cell records, under this version's NOT_COMPUTING, so that a definition declared since to compute nothing (or
-    moved out of the fingerprinted files) unpairs no stored cell. A record of an earlier version (one fingerprint per
-    file), or one not as code_record writes it, keeps the fingerprint it recorded."""
+    """A cell's pairing record as the report compares it: the shared-code fingerprint recomputed from its recorded
+    code under this version's NOT_COMPUTING (a definition declared since to compute nothing unpairs no stored cell);
+    a record not per definition (an earlier version's: one fingerprint per file) keeps the one it recorded."""
     pairing, code = result["pairing"], result.get("code")
     if "code" not in pairing or not per_definition(code):
         return pairing
@@ -130,9 +114,7 @@ def report_inputs(out_dir, cells):
     the grid's config.json and the tuning's choice.json. A report older than any of them is out of date (a tuning
     rerun with another rate list changes choice.json, a downstream.py run a downstream.json)."""
     paths = [
-        os.path.join(cell_dir(out_dir, arm, seed), name)
-        for arm, seed in cells
-        for name in ("result.json", "downstream.json")
+        os.path.join(cell_dir(out_dir, *cell), name) for cell in cells for name in ("result.json", "downstream.json")
     ]
     return [p for p in paths + [os.path.join(out_dir, "config.json"), choice_path(out_dir)] if os.path.exists(p)]
 
@@ -153,11 +135,7 @@ def grid_cells(cfg):
 
 
 def unfinished(cfg, cells):
-    return [
-        (arm, seed)
-        for arm, seed in cells
-        if not os.path.exists(os.path.join(cell_dir(cfg["out_dir"], arm, seed), "result.json"))
-    ]
+    return [cell for cell in cells if not os.path.exists(os.path.join(cell_dir(cfg["out_dir"], *cell), "result.json"))]
 
 
 # a cell waited on (the tuned protocol) whose log and checkpoint have not changed this long is taken for one whose
@@ -246,18 +224,15 @@ def is_number(x):
     return isinstance(x, float) or isinstance(x, int) and not isinstance(x, bool) and abs(x) <= sys.float_info.max
 
 
-def is_finite(x):
-    return is_number(x) and math.isfinite(x)
+is_finite = lambda x: is_number(x) and math.isfinite(x)
+is_seed = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
+is_dict = lambda x: isinstance(x, dict)
 
 
 def field(record, key, kind):
     """record[key] where it is of kind (dict, list), else an empty one: a damaged record reads as one without it."""
     value = record.get(key)
     return value if isinstance(value, kind) else kind()
-
-
-def is_seed(x):
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def is_folder_name(name):
@@ -273,9 +248,7 @@ def described(value):
 
 def file_problem(path):
     """Why path cannot be read as a file (a folder, a device, a dangling link), or None."""
-    if os.path.isdir(path):
-        return "a folder, not a file"
-    return None if os.path.isfile(path) else "not a regular file"
+    return "a folder, not a file" if os.path.isdir(path) else None if os.path.isfile(path) else "not a regular file"
 
 
 def json_object(path):
@@ -300,41 +273,36 @@ def checked_object(path, problem=lambda record: None):
     return (None, why) if why else (record, None)
 
 
-def wrong_type(record, checks, prefix="", optional=True):
-    """The first 'key is value, not kind' among checks = (key, test, kind) of a dict; an absent or null key is
-    allowed when optional."""
+def wrong_type(record, checks, prefix="", required=False):
+    """The first 'key is value, not kind' among checks = (key, test, kind) of a dict, or None; an absent or null key
+    is allowed unless required, when the first key missing is 'no key'."""
+    if required and (missing := [key for key, _, _ in checks if key not in record]):
+        return f"no {prefix}{missing[0]}"
     for key, ok, kind in checks:
-        if (record.get(key) is not None or not optional and key in record) and not ok(record[key]):
+        if (required or record.get(key) is not None) and not ok(record[key]):
             return f"{prefix}{key} is {described(record[key])}, not {kind}"
     return None
-
-
-def is_weights(w):
-    return isinstance(w, list) and len(w) > 0 and all(map(is_number, w))
 
 
 def log_problem(record):
     """Why a log.jsonl record cannot be used (a field report.py reads has the wrong type), or None."""
     if not isinstance(record, dict):
         return "not a JSON object"
-    problem = wrong_type(
-        record,
-        (
-            ("tokens", is_finite, "a finite number"),
-            ("val_loss", is_number, "a number"),
-            ("routing", lambda r: isinstance(r, dict), "a dict"),
-        ),
-    )
+    is_weights = lambda w: isinstance(w, list) and len(w) > 0 and all(map(is_number, w))
     routing = record.get("routing") or {}
-    problem = problem or wrong_type(
-        routing, [(k, lambda t: isinstance(t, dict), "a dict") for k in ("weights", "qk_v_jsd")], "routing."
+    fields = (
+        ("tokens", is_finite, "a finite number"),
+        ("val_loss", is_number, "a number"),
+        ("routing", is_dict, "a dict"),
     )
-    if problem:
+    if problem := wrong_type(record, fields) or wrong_type(
+        routing, [(k, is_dict, "a dict") for k in ("weights", "qk_v_jsd")], "routing."
+    ):
         return problem
     weights, jsd = routing.get("weights") or {}, routing.get("qk_v_jsd") or {}
     return wrong_type(
-        weights, [(k, is_weights, "a list of numbers") for k in weights], "routing.weights.", False
-    ) or wrong_type(jsd, [(k, is_number, "a number") for k in jsd], "routing.qk_v_jsd.", False)
+        weights, [(k, is_weights, "a list of numbers") for k in weights], "routing.weights.", required=True
+    ) or wrong_type(jsd, [(k, is_number, "a number") for k in jsd], "routing.qk_v_jsd.", required=True)
 
 
 def read_log(path):
@@ -366,24 +334,22 @@ def read_log(path):
 
 def result_problem(result):
     """Why a result.json's fields cannot be used (a wrong type, no arm or seed), or None."""
-    for key in ("arm", "seed"):
-        if result.get(key) is None:
-            return f"no {key} recorded"
-    problem = wrong_type(
+    if missing := [key for key in ("arm", "seed") if result.get(key) is None]:
+        return f"no {missing[0]} recorded"
+    pairing = result.get("pairing") or {}  # checked a dict first (or null)
+    return wrong_type(
         result,
         (
             ("arm", lambda a: isinstance(a, str), "a string"),
             ("seed", is_seed, "a seed"),
             ("val_loss", is_number, "a number"),
             ("wall_time_s", is_finite, "a finite number"),
-            ("pairing", lambda v: isinstance(v, dict), "a dict"),
-            ("code", lambda v: isinstance(v, dict), "a dict"),
+            ("pairing", is_dict, "a dict"),
+            ("code", is_dict, "a dict"),
         ),
+    ) or next(
+        (f"pairing.{k} is not a dict" for k in ("settings", "arm_settings") if not is_dict(pairing.get(k, {}))), None
     )
-    for key in ("settings", "arm_settings"):
-        if problem is None and not isinstance((result.get("pairing") or {}).get(key, {}), dict):
-            return f"pairing.{key} is not a dict"
-    return problem
 
 
 def cell_result(cell_dir):
@@ -404,13 +370,6 @@ def is_tuning_grid(out_dir, folder):
     """Whether a folder of out_dir is the tuned protocol's tuning grid (train.py's tune_learning_rates): tune/,
     holding arms rather than seed<k> cells. Its choice is the report's tuning section, not an arm."""
     return folder == TUNE_DIR and not any(CELL_NAME.fullmatch(c) for c in subfolders(os.path.join(out_dir, folder))[0])
-
-
-def training_of(result):
-    """(init_hash, data_hash) of a result: two cells of one arm that share both are one training, or None."""
-    pairing = result.get("pairing") or {}
-    hashes = pairing.get("init_hash"), pairing.get("data_hash")
-    return hashes if all(isinstance(h, str) and h for h in hashes) else None
 
 
 def load_grid(out_dir):
@@ -455,21 +414,19 @@ def load_grid(out_dir):
             if not CELL_NAME.fullmatch(cell):
                 arm_notes.append(f"folder {arm}/{cell}/: not a seed<k> cell")
                 continue
-            seed, where = int(cell[4:]), f"{arm}/{cell}"
-            result_path, log_path = (os.path.join(arm_dir, cell, name) for name in ("result.json", "log.jsonl"))
-            if not os.path.lexists(result_path) and not os.path.lexists(log_path):
+            seed, where, log_path = int(cell[4:]), f"{arm}/{cell}", os.path.join(arm_dir, cell, "log.jsonl")
+            result, why = cell_result(os.path.join(arm_dir, cell))  # (None, None): no result.json
+            if why:
+                unusable[arm, seed] = "unreadable result.json"
+                arm_notes.append(f"{where}/result.json: unreadable ({why})")
+            elif result and (result["arm"], result["seed"]) != (arm, seed):
+                copies.append((where, result["arm"], result["seed"]))
+                continue  # another cell's record: not a seed of this arm, its log not read
+            elif result:
+                results[arm, seed] = result
+            elif not os.path.lexists(log_path):
                 arm_notes.append(f"folder {where}/: no result.json or log.jsonl (not started)")
                 continue
-            if os.path.lexists(result_path):
-                result, why = cell_result(os.path.join(arm_dir, cell))
-                if why:
-                    unusable[arm, seed] = "unreadable result.json"
-                    arm_notes.append(f"{where}/result.json: unreadable ({why})")
-                elif (result["arm"], result["seed"]) != (arm, seed):
-                    copies.append((where, result["arm"], result["seed"]))
-                    continue  # another cell's record: not a seed of this arm, its log not read
-                else:
-                    results[arm, seed] = result
             own = True
             seeds.add(seed)
             if os.path.lexists(log_path):
@@ -486,27 +443,23 @@ def load_grid(out_dir):
         named = f"{arm}/seed{seed}"
         fix = f"a copy of {named}/: delete it" if (arm, seed) in results else f"rename it to {named}/ or delete it"
         notes.append(f"folder {where}/: its result.json is {named}'s, not counted; {fix}")
-    for arm in arms:  # a copy whose recorded seed was edited to match its folder: one training, never two seeds
-        by_training = {}
-        for (a, seed), result in results.items():
-            if a == arm and training_of(result):
-                by_training.setdefault(training_of(result), []).append(seed)
-        for same in (s for s in by_training.values() if len(s) > 1):
-            cells = [f"{arm}/seed{s}" for s in same]
-            for seed in same:
-                del results[arm, seed]
-                unusable[arm, seed] = "same training as " + ", ".join(c for c in cells if c != f"{arm}/seed{seed}")
-            notes.append(
-                f"{', '.join(cells)}: one training (the same init_hash and data_hash), none counted; "
-                f"delete the copies, keeping the cell trained with that seed"
-            )
+    trainings = {}  # a copy whose recorded seed was edited to match its folder: one training, never two seeds
+    for (arm, seed), result in results.items():
+        hashes = tuple((result.get("pairing") or {}).get(k) for k in ("init_hash", "data_hash"))
+        if all(isinstance(h, str) and h for h in hashes):
+            trainings.setdefault((arm, hashes), []).append(seed)
+    for (arm, _), same in trainings.items():
+        if len(same) < 2:
+            continue
+        cells = [f"{arm}/seed{s}" for s in same]
+        for seed in same:
+            del results[arm, seed]
+            unusable[arm, seed] = "same training as " + ", ".join(c for c in cells if c != f"{arm}/seed{seed}")
+        notes.append(
+            f"{', '.join(cells)}: one training (the same init_hash and data_hash), none counted; "
+            f"delete the copies, keeping the cell trained with that seed"
+        )
     return arms, sorted(seeds), results, unusable, logs, notes
-
-
-def missing_or_wrong(record, checks, prefix=""):
-    """The first key of checks = (key, test, kind) that a dict lacks or holds of the wrong kind, as a line, or None."""
-    missing = [key for key, _, _ in checks if key not in record]
-    return f"no {prefix}{missing[0]}" if missing else wrong_type(record, checks, prefix, optional=False)
 
 
 def close(x, y):  # two computations of one number in double precision
@@ -535,7 +488,7 @@ def task_problem(task, prefix):
     do not follow from each other), or None."""
     if not isinstance(task, dict):
         return f"{prefix[:-1]} is {described(task)}, not a dict"
-    if problem := missing_or_wrong(task, TASK_CHECKS, prefix):
+    if problem := wrong_type(task, TASK_CHECKS, prefix, required=True):
         return problem
     items, correct, accuracy, baseline = (task[k] for k in ("items", "correct", "accuracy", "random_baseline"))
     if correct > items:
@@ -552,10 +505,9 @@ def task_problem(task, prefix):
 def downstream_problem(record):
     """Why a downstream.json cannot be used (a field missing or of the wrong type, numbers that do not follow from
     each other), or None."""
-    problem = missing_or_wrong(record, DOWNSTREAM_CHECKS) or next(
+    if problem := wrong_type(record, DOWNSTREAM_CHECKS, required=True) or next(
         (p for label, task in record["tasks"].items() if (p := task_problem(task, f"tasks.{label}."))), None
-    )
-    if problem:
+    ):
         return problem
     centered = [task["centered"] for task in record["tasks"].values()]
     if not close(record["core"], math.fsum(centered) / len(centered)):
@@ -664,9 +616,7 @@ def tuning_loss(tune_dir, name, seed, rate, budget):
             f"{result.get('steps')!r} steps; this tuning: {rate:g}, {budget} steps); delete "
             f"{os.path.dirname(path)} to retrain it"
         )
-    if result["status"] != "finished":
-        return None, None
-    return result["val_loss"], initial_loss(os.path.dirname(path))
+    return (result["val_loss"], initial_loss(os.path.dirname(path))) if result["status"] == "finished" else (None, None)
 
 
 def tuning_row(tune_dir, arm, rate, seeds, budget):
@@ -686,9 +636,8 @@ def tuning_row(tune_dir, arm, rate, seeds, budget):
         ),
         None,
     )  # not end < start: a NaN loss too
-    mean = sd = None
-    if problem is None:
-        mean, sd = math.fsum(losses.values()) / len(losses), statistics.stdev(losses.values())
+    mean = None if problem else math.fsum(losses.values()) / len(losses)
+    sd = None if problem else statistics.stdev(losses.values())
     return dict(learning_rate=rate, val_loss=losses, initial_loss=starts, mean=mean, sd=sd, problem=problem)
 
 
@@ -771,8 +720,8 @@ TUNING_CHECKS = (
     ),
     ("test_tokens", lambda n: is_seed(n) and n > 0, "a positive integer"),
     ("table", lambda t: isinstance(t, dict) and len(t) > 0, "a dict of arms"),
-    ("choice", lambda c: isinstance(c, dict), "a dict of arms"),
-    ("reason", lambda c: isinstance(c, dict), "a dict of arms"),
+    ("choice", is_dict, "a dict of arms"),
+    ("reason", is_dict, "a dict of arms"),
 )
 
 
@@ -794,7 +743,7 @@ def tuning_problem(record, out_dir):
             "no tuning_text: a choice.json made before the tuning split, whose rates were chosen on the reported "
             "validation text itself; tune again in a new out_dir"
         )
-    if problem := missing_or_wrong(record, TUNING_CHECKS):
+    if problem := wrong_type(record, TUNING_CHECKS, required=True):
         return problem
     if record["tuning_text"].get("layout") != "spread" and record["tuning_text"]["first_token"] < record["test_tokens"]:
         return (
