@@ -110,9 +110,8 @@ def choice_path(out_dir):
 
 
 def report_inputs(out_dir, cells):
-    """The files report.py reads for these (arm, seed) cells that exist: each cell's result.json and downstream.json,
-    the grid's config.json and the tuning's choice.json. A report older than any of them is out of date (a tuning
-    rerun with another rate list changes choice.json, a downstream.py run a downstream.json)."""
+    """The files report.py reads for these (arm, seed) cells that exist: their result.json and downstream.json, the
+    grid's config.json and choice.json. A report older than any (a downstream.py run, a new tuning) is out of date."""
     paths = [
         os.path.join(cell_dir(out_dir, *cell), name) for cell in cells for name in ("result.json", "downstream.json")
     ]
@@ -144,9 +143,8 @@ WAIT_GIVE_UP_S = 3600
 
 
 def stalled(cfg, cells, seen):
-    """The line for the first of the others' cells whose log and checkpoint have not changed in WAIT_GIVE_UP_S;
-    None while each changes or is free. seen: cell -> (its files' mtimes, when this process saw them change),
-    kept between calls: this machine's clock alone, as another host's may differ."""
+    """The line for the first held one of the others' cells whose log and checkpoint have not changed in
+    WAIT_GIVE_UP_S, else None. seen, kept between calls: cell -> (its files' mtimes, when this host saw them change)."""
     now = time.monotonic()
     for arm, seed in cells:
         folder = cell_dir(cfg["out_dir"], arm, seed)
@@ -187,8 +185,7 @@ def read_record(path, remedy):
 
 
 def check_owner(path, record, arm, seed):
-    """A cell's record (config.json, result.json, a checkpoint's) must be that cell's: a copied file is not a
-    new seed."""
+    """A cell's record (config.json, result.json, a checkpoint's) must be that cell's: a copy is no new seed."""
     if (record.get("arm"), record.get("seed")) != (arm, seed):
         raise ConfigError(
             f"{path} is the record of arm {record.get('arm')!r} seed {record.get('seed')!r} (a copied "
@@ -227,6 +224,7 @@ def is_number(x):
 is_finite = lambda x: is_number(x) and math.isfinite(x)
 is_seed = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
 is_dict = lambda x: isinstance(x, dict)
+is_seeds = lambda x: isinstance(x, list) and all(map(is_seed, x))
 
 
 def field(record, key, kind):
@@ -367,18 +365,15 @@ def subfolders(path):
 
 
 def is_tuning_grid(out_dir, folder):
-    """Whether a folder of out_dir is the tuned protocol's tuning grid (train.py's tune_learning_rates): tune/,
-    holding arms rather than seed<k> cells. Its choice is the report's tuning section, not an arm."""
+    """Whether a folder of out_dir is the tuning grid (tune/ holding arms, not seed<k> cells): not an arm."""
     return folder == TUNE_DIR and not any(CELL_NAME.fullmatch(c) for c in subfolders(os.path.join(out_dir, folder))[0])
 
 
 def load_grid(out_dir):
     """(arms, seeds, {(arm, seed): usable result}, {(arm, seed): why a cell's result.json is not used},
-    {(arm, seed): log records}, notes on what was skipped).
-
-    A cell's arm and seed are what its result.json records: a folder holding another cell's record (a copy
-    or a link) is never counted, nor are two cells of one arm with the same init and data hashes. An arm is
-    a folder listed in config.json or holding a cell of its own; a seed is one of those cells' or listed."""
+    {(arm, seed): log records}, notes on what was skipped). A cell's arm and seed are what its result.json records
+    (another cell's copy or link never counts, nor two cells of one arm with the same init and data hashes); an arm
+    is a folder listed in config.json or holding a cell of its own, a seed one of those cells' or listed."""
     config, why = checked_object(os.path.join(out_dir, "config.json"))
     notes = [f"config.json: unreadable ({why}); arms and seeds taken from the folders"] if why else []
     config = config or {}
@@ -484,8 +479,7 @@ DOWNSTREAM_CHECKS = (
 
 
 def task_problem(task, prefix):
-    """Why one task's result in a downstream.json cannot be used (a field missing or of the wrong type, numbers that
-    do not follow from each other), or None."""
+    """Why one task's result in a downstream.json cannot be used, as downstream_problem's, or None."""
     if not isinstance(task, dict):
         return f"{prefix[:-1]} is {described(task)}, not a dict"
     if problem := wrong_type(task, TASK_CHECKS, prefix, required=True):
@@ -538,8 +532,7 @@ def load_downstream(out_dir, results):
 
 
 def rate_name(rate):
-    """A rate as it appears in a tuning arm's name and in choice.json: 6 significant digits, no '+' (not in
-    an arm name)."""
+    """A rate as in a tuning arm's name and in choice.json: 6 significant digits, no '+' (not in an arm name)."""
     return f"{rate:g}".replace("+", "")
 
 
@@ -559,13 +552,11 @@ def scaled_arm(arm, scale):
 
 
 def routing_choice(tune_dir, arm, rows, scales, seeds, budget):
-    """(routing rows, scale, reason, rate) of a routed arm, from its rows at routing x1 (the table's: {rate name:
-    tuning row}) and its tuning cells at the other scales. At each scale the rate stable_choice takes there, its row
-    a routing row ({scale name: row}) whose learning_rate is the routing parameters' (rate x scale); then the scale
-    by stable_choice over those routing rates, so a smaller scale is the safer choice, taken unless a larger one beats
-    it (never none: the x1 row is the arm's own choice), and the rate at it. Each scale at its own rate: an arm
-    unstable at the largest rate with its routing at 1x may be best there with its routing slower. A scale where no
-    rate finished has no row."""
+    """(routing rows {scale name: row}, scale, reason, rate) of a routed arm, from its rows at routing x1 (the table's)
+    and its tuning cells at the other scales. Each scale at the rate stable_choice takes there (an arm unstable at the
+    largest rate at 1x may be best there with its routing slower), its row's learning_rate the routing's (rate x
+    scale); no row where no rate finished. Then the scale by stable_choice over those rows: a smaller one is the
+    safer, taken unless a larger one beats it (never none: x1 is the arm's own choice)."""
     routing_rows, rates = {}, {}
     for scale in sorted({*scales, 1.0}):
         tried = [
@@ -620,9 +611,8 @@ def tuning_loss(tune_dir, name, seed, rate, budget):
 
 
 def tuning_row(tune_dir, arm, rate, seeds, budget):
-    """One arm at one rate over the tuning seeds: each seed's final and step-0 validation loss, their mean and
-    sample s.d., and the problem that keeps the rate from being chosen (a seed that diverged, or ended at or above
-    its step-0 loss: it exploded or learned nothing), else None."""
+    """One arm at one rate over the tuning seeds: each seed's final and step-0 validation loss, their mean and s.d.,
+    and why the rate cannot be chosen (a seed diverged, or ended at or above its step-0 loss), else None."""
     name = tuning_arm(arm, rate)
     ends = {str(s): tuning_loss(tune_dir, name, s, rate, budget) for s in seeds}
     losses, starts = {s: end for s, (end, _) in ends.items()}, {s: start for s, (_, start) in ends.items()}
@@ -642,10 +632,9 @@ def tuning_row(tune_dir, arm, rate, seeds, budget):
 
 
 def beats(row, safer):
-    """Why row's (larger) rate is better than safer's beyond the tuning seeds' noise, or None where it is not: it
-    must be better on every tuning seed (the seeds pair: same init, same batches), and its mean lower by more
-    than the s.d. of its own seeds' losses (a gain inside that spread is what another draw of seeds undoes; a
-    rate where one seed stalls has a wide spread)."""
+    """Why row's (larger) rate is better than safer's beyond the tuning seeds' noise, or None: better on every seed
+    (they pair: same init, same batches) and its mean lower by more than its seeds' s.d. (a gain inside that spread
+    is what another draw of seeds undoes; a rate where one seed stalls has a wide spread)."""
     if any(not row["val_loss"][s] < loss for s, loss in safer["val_loss"].items()):
         return None
     gain = safer["mean"] - row["mean"]
@@ -658,10 +647,9 @@ def beats(row, safer):
 
 def stable_choice(rows):
     """(rate, reason) for one arm from its tuning rows: among the rates where every seed finished below its step-0
-    loss, the smallest that no larger rate beats (every larger one, not only the next: rates need not be ordered like
-    their losses); (None, reason) where no rate did. The lowest mean is never beaten (a larger rate's gain over it
-    is not positive), so the choice is it or a smaller, safer rate. The reason says why: the lowest mean and which
-    rate beats the next smaller one, or why the lowest mean does not beat the safer rate."""
+    loss, the smallest that no larger rate beats (any larger one: rates need not be ordered like their losses), or
+    (None, reason). The lowest mean is never beaten, so the choice is it or a smaller, safer rate; the reason says
+    which rate beats the next smaller one, or why the lowest mean does not beat the safer rate."""
     usable = sorted((row for row in rows if row["problem"] is None), key=lambda row: row["learning_rate"])
     if not usable:
         return None, "no rate finished on every tuning seed (" + "; ".join(
@@ -676,31 +664,25 @@ def stable_choice(rows):
         safer = below[-1]  # the next smaller rate, beaten by the chosen one or by a rate above it
         winner = next(r for r in usable if r["learning_rate"] > safer["learning_rate"] and beats(r, safer))
         won = beats(winner, safer)
-        return best["learning_rate"], "the lowest mean, " + (
-            won
-            if winner is best
-            else f"and {rate_name(winner['learning_rate'])} beats {rate_name(safer['learning_rate'])} ({won})"
-        )
+        if winner is not best:
+            won = f"and {rate_name(winner['learning_rate'])} beats {rate_name(safer['learning_rate'])} ({won})"
+        return best["learning_rate"], "the lowest mean, " + won
     worse = [s for s, loss in chosen["val_loss"].items() if not best["val_loss"][s] < loss]
     how = (
         f"worse on seed {', '.join(worse)}"
         if worse
         else f"{chosen['mean'] - best['mean']:.4f} lower, within its seeds' s.d. {best['sd']:.4f}"
     )
-    return (
-        chosen["learning_rate"],
+    return chosen["learning_rate"], (
         f"the safer rate: {rate_name(best['learning_rate'])} has the lowest mean but is "
-        f"not better beyond the seeds' noise ({how})",
+        f"not better beyond the seeds' noise ({how})"
     )
 
 
 TUNING_CHECKS = (
-    (
-        "tune_seeds",
-        lambda s: isinstance(s, list) and len(s) > 1 and all(map(is_seed, s)) and len(set(s)) == len(s),
-        "a list of 2 or more distinct seeds",
-    ),  # fewer: no s.d.
-    ("seeds", lambda s: isinstance(s, list) and all(map(is_seed, s)), "a list of seeds"),
+    # 2 tuning seeds at least: fewer have no s.d.
+    ("tune_seeds", lambda s: is_seeds(s) and len(set(s)) == len(s) > 1, "a list of 2 or more distinct seeds"),
+    ("seeds", is_seeds, "a list of seeds"),
     ("tune_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
     ("max_iters", lambda n: is_seed(n) and n > 0, "a positive integer"),
     (
