@@ -80,8 +80,8 @@ CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py",
 
 
 def model_config(cfg, settings):
-    """The model of one arm: the run's model keys, overridden by the arm's. A scheme's own option
-    (hc_streams, dar_keys, ...) set for the run reaches only the arms of that scheme."""
+    """The model of one arm: the run's model keys, overridden by the arm's. A scheme's own option (hc_streams,
+    dar_keys, ...) set for the run reaches only the arms of that scheme."""
     settings = {k: v for k, v in settings.items() if k in MODEL_KEYS}  # not its learning rates
     residual = settings.get("residual", cfg["residual"])
     own = {k: cfg[k] for k in MODEL_KEYS if k not in settings and not foreign_option(k, residual)}
@@ -97,24 +97,20 @@ def foreign_option(key, residual):
 def cell_config(cfg, arm, seed):
     """A cell's effective config: the run's keys, the arm's settings (model keys, learning rates) over them."""
     settings = cfg["arms"][arm]
-    model = dataclasses.asdict(model_config(cfg, settings))
     rates = {k: v for k, v in settings.items() if k in ARM_LEARNING_RATES}
-    return dict(cfg, **model, **rates, arm=arm, seed=seed)
+    return dict(cfg, **dataclasses.asdict(model_config(cfg, settings)), **rates, arm=arm, seed=seed)
 
 
 def pairing_settings(cell, arm_settings):
     """What must be equal across the arms of a seed: the result-changing keys the arm does not set."""
-    return {
-        k: v
-        for k, v in cell.items()
-        if k not in NOT_RESULT_KEYS and k not in arm_settings and not foreign_option(k, cell["residual"])
-    }
+    skip = (*NOT_RESULT_KEYS, *arm_settings)
+    return {k: v for k, v in cell.items() if k not in skip and not foreign_option(k, cell["residual"])}
 
 
 def typed_arms(cfg):
-    """cfg's arms with each setting typed as --key=value types it (dropout=0 is 0.0), an arm named after a scheme
-    given its residual (as SCHEME_ARMS gives it to --arms=NAME), and one line for an arm name or settings that
-    cannot be: {arm: settings}."""
+    """{arm: settings} of cfg's arms, each setting typed as --key=value types it (dropout=0 is 0.0), an arm named after
+    a scheme given its residual (as SCHEME_ARMS gives it to --arms=NAME); one line for an arm name or settings that
+    cannot be."""
     arms = {}
     for arm, settings in cfg["arms"].items():
         if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm.endswith(OUT_DIR_SUFFIXES):
@@ -146,17 +142,14 @@ def typed_arms(cfg):
 
 
 def check_config(cfg, world, command_line=()):
-    """One line for each setting that cannot run, before anything is trained. command_line: the
-    keys set by --key=value, so that a key every arm overrides is not silently lost."""
+    """One line for each setting that cannot run, before anything is trained. command_line: the keys set by
+    --key=value, so that a key every arm overrides is not silently lost."""
     for key, value in cfg.items():
         check_number(key, value, "")
         if isinstance(value, str) and "\0" in value:  # os calls raise ValueError on it, mid-run
             raise ConfigError(f"{key}={value!r} holds a NUL byte; give it without one")
-    if not cfg["out_dir"] or not cfg["data_dir"]:
-        raise ConfigError(
-            f"{'out_dir' if not cfg['out_dir'] else 'data_dir'} is empty; give a folder, e.g. "
-            f"--out_dir=out or --data_dir=data/shakespeare_bytes"
-        )
+    if bad := [k for k in ("out_dir", "data_dir") if not cfg[k]]:
+        raise ConfigError(f"{bad[0]} is empty; give a folder, e.g. --out_dir=out or --data_dir=data/shakespeare_bytes")
     for keys, ok, rule in (
         (COUNTS, lambda v: v >= 1, "must be at least 1"),
         (("weight_decay", "grad_clip", "warmup_iters"), lambda v: v >= 0, "must not be negative"),
@@ -180,15 +173,15 @@ def check_config(cfg, world, command_line=()):
             "or arms = {'standard': {}}"
         )
     if cfg["residual"] not in RESIDUALS:
-        raise ConfigError(
-            f"residual={cfg['residual']!r} is not a residual scheme; choose one of {', '.join(RESIDUALS)}"
-        )
+        schemes = ", ".join(RESIDUALS)
+        raise ConfigError(f"residual={cfg['residual']!r} is not a residual scheme; choose one of {schemes}")
     arms = typed_arms(cfg)  # as train.build_config records them (cfg itself is not changed)
+    models = {}
     for arm, settings in arms.items():
         for key, value in settings.items():
             check_number(key, value, f"arm {arm!r}: ")
         try:
-            config = model_config(cfg, settings)
+            models[arm] = config = model_config(cfg, settings)
         except (ValueError, TypeError) as e:  # GPTConfig's own checks (sizes, dropout, scheme options)
             raise ConfigError(f"arm {arm!r}: {e}") from None
         check_learning_rates(cfg | settings, settings, f"arm {arm!r}: ", config)
@@ -210,33 +203,25 @@ def check_config(cfg, world, command_line=()):
                     f"arm {arm!r}: {key}={settings[key]!r} changes nothing: {unused[key]}; drop it from the arm"
                 )
     for key in command_line:
-        unused = [unused_settings(cfg, model_config(cfg, s)).get(key) for s in arms.values()]
+        unused = [unused_settings(cfg, config).get(key) for config in models.values()]
         if all(unused):
             every = f" (nor does any arm's: {', '.join(arms)})" if key in MODEL_KEYS and len(arms) > 1 else ""
             raise ConfigError(f"--{key}={cfg[key]!r} changes nothing: {unused[0]}{every}; drop --{key}")
-        if key not in MODEL_KEYS + ARM_LEARNING_RATES:
-            continue
         overriding = [arm for arm, settings in arms.items() if key in settings and settings[key] != cfg[key]]
         if overriding and len(overriding) == len(arms):
-            way = (
-                f"--arms={cfg[key]} (scheme names are arms)"
-                if key == "residual"
-                else f"--arms=\"{{'name': {{'{key}': {cfg[key]!r}}}}}\" to set it per arm"
-            )
+            per_arm = f"--arms=\"{{'name': {{'{key}': {cfg[key]!r}}}}}\" to set it per arm"
+            way = f"--arms={cfg[key]} (scheme names are arms)" if key == "residual" else per_arm
             raise ConfigError(
                 f"--{key}={cfg[key]!r} is overridden by every arm ({', '.join(overriding)} set {key}); use {way}"
             )
-        if foreign_option(key, cfg["residual"]) and not any(
-            not foreign_option(key, model_config(cfg, s).residual) for s in arms.values()
-        ):
+        if foreign_option(key, cfg["residual"]) and all(foreign_option(key, m.residual) for m in models.values()):
             raise ConfigError(
                 f"--{key}={cfg[key]!r} is an option of residual={' or '.join(option_owners(key))}, which no arm trains"
             )
-    if (cfg["batch_size"] * cfg["gradient_accumulation_steps"]) % world:
+    if (sequences := cfg["batch_size"] * cfg["gradient_accumulation_steps"]) % world:
         raise ConfigError(
-            f"a step's batch_size x gradient_accumulation_steps = "
-            f"{cfg['batch_size'] * cfg['gradient_accumulation_steps']} sequences do not split evenly "
-            f"over {world} processes; change either, or the number of processes"
+            f"a step's batch_size x gradient_accumulation_steps = {sequences} sequences do not split evenly over "
+            f"{world} processes; change either, or the number of processes"
         )
     for key, choices in (("lr_schedule", ("cosine", "wsd")), ("optimizer", ("adamw", "muon"))):
         if cfg[key] not in choices:
@@ -266,7 +251,7 @@ def check_config(cfg, world, command_line=()):
         )
     if len(set(references)) < len(references):
         raise ConfigError(f"reference_arm={cfg['reference_arm']!r} names an arm twice; name each reference once")
-    check_downstream(cfg, [model_config(cfg, s).vocab_size for s in arms.values()])
+    check_downstream(cfg, [config.vocab_size for config in models.values()])
 
 
 def unused_settings(cfg, config):
@@ -279,21 +264,18 @@ def unused_settings(cfg, config):
     if cfg["lr_schedule"] != "wsd":
         unused["cooldown_frac"] = f"it applies under lr_schedule='wsd' (this run's is {cfg['lr_schedule']!r})"
     if not cfg["tune_learning_rates"]:
-        unused |= dict.fromkeys(
-            ("tune_seeds", "tune_iters", "tune_routing_lr_scales"),
-            "it applies to the tuned protocol, and tune_learning_rates is empty",
-        )
+        tuned = "it applies to the tuned protocol, and tune_learning_rates is empty"
+        unused |= dict.fromkeys(("tune_seeds", "tune_iters", "tune_routing_lr_scales"), tuned)
     if not RESIDUALS[config.residual].extra_params(config):
         unused["routing_lr_scale"] = f"residual={config.residual!r} has no routing parameters for it to scale"
     return unused
 
 
 def notes(cfg, models):
-    """What a run says before it trains, of settings that run but not as one may expect: arms that can
-    never pair (another block_size: other batches; shared weights of other shapes, as an MoE arm beside
-    a dense one: another init), and a warmup longer than the run (allowed: a quick run of a paper config)."""
-    said = []
-    groups = {}
+    """What a run says before it trains, of settings that run but not as one may expect: arms that can never pair
+    (another block_size: other batches; shared weights of other shapes, as an MoE arm beside a dense one: another
+    init), and a warmup longer than the run (allowed: a quick run of a paper config)."""
+    said, groups = [], {}
     for arm, config in models.items():
         groups.setdefault((config.block_size, shared_shapes(config)), []).append(arm)
     if len(groups) > 1:
@@ -306,11 +288,7 @@ def notes(cfg, models):
             and not option_owners(k)
             and k != "residual"
         ]
-        effects = [
-            effect
-            for i, effect in enumerate(("other batches", "another init"))
-            if len({group[i] for group in groups}) > 1
-        ]
+        effects = [e for i, e in enumerate(("other batches", "another init")) if len({key[i] for key in groups}) > 1]
         said.append(
             f"note: arms {' | '.join(', '.join(arms) for arms in groups.values())} differ in "
             f"{', '.join(why) or 'the shapes of their shared weights'} ({' and '.join(effects)}): the report "
@@ -326,16 +304,16 @@ def notes(cfg, models):
 
 
 def shared_shapes(config):
-    """The names and shapes of a model's shared weights, built on the meta device (no memory, no numbers
-    drawn): shapes alike are drawn alike from a seed (shared_init_hash), others never are."""
+    """The names and shapes of a model's shared weights, built on the meta device (no memory, no numbers drawn):
+    shapes alike are drawn alike from a seed (shared_init_hash), others never are."""
     with torch.device("meta"):
         model = GPT(config)
     return tuple((name, tuple(t.shape)) for name, t in model.state_dict().items() if not is_routing(name))
 
 
 def check_number(key, value, where):
-    """A float setting: finite, and within float32, what the model and the optimizer compute it in
-    (a larger one becomes inf there: NaN weights, or a traceback inside the optimizer)."""
+    """A float setting: finite, and within float32, what the model and the optimizer compute it in (a larger one
+    becomes inf there: NaN weights, or a traceback inside the optimizer)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{where}{key}={value} must be a finite number")
     if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:
@@ -363,17 +341,15 @@ def check_downstream(cfg, vocab_sizes):
     needed = TOKENIZERS[cfg["tokenizer"]].vocab_size if bundle and cfg.get("tokenizer") else 0
     if min(vocab_sizes) < needed:
         raise ConfigError(
-            f"vocab_size={min(vocab_sizes)} is below the {needed} ids of the data's {cfg['tokenizer']} "
-            f"tokenizer: such a model cannot read the CORE tasks' text; leave vocab_size unset, or "
-            f"downstream_bundle empty"
+            f"vocab_size={min(vocab_sizes)} is below the {needed} ids of the data's {cfg['tokenizer']} tokenizer: such "
+            f"a model cannot read the CORE tasks' text; leave vocab_size unset, or downstream_bundle empty"
         )
 
 
 def check_learning_rates(rates, given, where, config=None):
-    """The learning rates of rates (the run's, or an arm's effective ones, config its model): positive,
-    min_lr not above learning_rate (the schedule decays from one to the other), and where they meet
-    float32 within it: each group's first step (AdamW's is lr / (1 - beta1); optimizer.step fails on one
-    beyond) and the decay's factor 1 - lr x weight_decay. given: the settings of where."""
+    """The learning rates of rates (the run's, or an arm's effective ones, config its model): positive, min_lr not
+    above learning_rate, and where they meet float32 within it: each group's first step (AdamW's is lr / (1 - beta1);
+    optimizer.step fails on one beyond) and the decay's factor 1 - lr x weight_decay. given: the settings of where."""
     for key in ("learning_rate", "muon_learning_rate"):
         if not rates[key] > 0:
             raise ConfigError(f"{where}{key}={rates[key]} must be positive")
@@ -403,8 +379,8 @@ def check_learning_rates(rates, given, where, config=None):
 
 
 def check_wandb():
-    """wandb_log=True runs only where wandb is installed and will log without asking: offline or
-    disabled (WANDB_MODE), an API key in WANDB_API_KEY, or one that `wandb login` left in ~/.netrc."""
+    """wandb_log=True runs only where wandb is installed and will log without asking: offline or disabled
+    (WANDB_MODE), an API key in WANDB_API_KEY, or one that `wandb login` left in ~/.netrc."""
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or set --wandb_log=False)")
     if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
