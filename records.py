@@ -1,9 +1,8 @@
 """
-What a result is and when a grid may go on. A cell's settings (the run's keys, its arm's over them)
-are checked before anything trains; what made a cell (settings, data, code) is recorded beside it;
-a rerun goes on only where those records agree with it (check_rerun), or --allow_changes=True,
-recorded; result.json is the pairing record report.py compares across arms. docs/protocol.md says
-what each record means.
+What a result is and when a grid may go on. A cell's settings (the run's keys, its arm's over them) are checked before
+anything trains; what made a cell (settings, data, code) is recorded beside it; a rerun goes on only where those
+records agree with it (check_rerun), or --allow_changes=True, recorded; result.json is the pairing record report.py
+compares across arms. docs/protocol.md says what each record means.
 """
 
 import ast
@@ -28,50 +27,32 @@ from data.shards import TOKENIZERS
 
 # a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py call some as records.<name>
 from grid_files import NOT_COMPUTING, RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result, code_fingerprints
-from grid_files import field, per_definition, read_record
-from grid_files import describe_done  # noqa: F401  (cells.py's records.describe_done)
+from grid_files import describe_done, field, per_definition, read_record  # noqa: F401  (describe_done: cells.py's)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
 MODEL_KEYS = tuple(MODEL_DEFAULTS)
-# what an arm may set besides model keys: its learning rates (a sweep of them is arms of one grid,
-# paired seed by seed); the schedule's shape (warmup_iters, lr_schedule, cooldown_frac) stays the grid's
+# what an arm may set besides model keys: its learning rates (a sweep of them is arms of one grid, paired seed by
+# seed); the schedule's shape (warmup_iters, lr_schedule, cooldown_frac) stays the grid's
 ARM_LEARNING_RATES = ("learning_rate", "min_lr", "muon_learning_rate")
-# an arm is a folder of out_dir: a plain name, none of the files the grid and its report write there,
-# and short (it names that folder and the report's files, such as routing_<arm>_seed<k>.png)
+# an arm is a folder of out_dir: a plain name, none of the files the grid and its report write there, and short (it
+# names that folder and the report's files, such as routing_<arm>_seed<k>.png)
 ARM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 ARM_NAME_MAX = 64
 OUT_DIR_SUFFIXES = (".json", ".md", ".png", ".tmp")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-# settings that count sequences or steps: each at least 1
 COUNTS = ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "log_interval", "eval_batch_size")
-# keys that do not change a cell's result: left out of its pairing settings and of the rerun check.
-# data_dir: where the shards lie is not what they hold (train_data_sha256, val_hash and data_hash are);
-# wandb_*: a copy of the log elsewhere; downstream_*: an evaluation in eval mode, which draws no random numbers
-NOT_RESULT_KEYS = (
-    "arm",
-    "seed",
-    "arms",
-    "seeds",
-    "reference_arm",
-    "out_dir",
-    "data_dir",
-    "log_interval",
-    "eval_batch_size",
-    "verify_shards",
-    "allow_changes",
-    "wandb_log",
-    "wandb_project",
-    "wandb_run_name",
-    "downstream_bundle",
-    "downstream_interval",
-    "downstream_max_per_task",
+# keys that do not change a cell's result: left out of its pairing settings and of the rerun check. data_dir: where
+# the shards lie is not what they hold (train_data_sha256, val_hash and data_hash are); wandb_*: a copy of the log
+# elsewhere; downstream_*: an evaluation in eval mode, which draws no random numbers
+NOT_RESULT_KEYS = tuple(
+    "arm seed arms seeds reference_arm out_dir data_dir log_interval eval_batch_size verify_shards allow_changes "
+    "wandb_log wandb_project wandb_run_name downstream_bundle downstream_interval downstream_max_per_task".split()
 )
-# the code that computes a result: the model, the runtime (TF32, deterministic kernels), the step, the data
-# order, a cell's init and what a resume restores (fingerprinted per definition, without comments, docstrings
-# and messages: code_record). The report, the config checks here, downloads, the log (progress.py) and these
-# records are not in it.
+# the code that computes a result: the model, the runtime (TF32, deterministic kernels), the step, the data order, a
+# cell's init and what a resume restores (fingerprinted per definition, without comments, docstrings and messages:
+# code_record). The report, the config checks here, downloads, the log (progress.py) and these records are not in it.
 CODE_FILES = ("model.py", "train.py", "machine.py", "cells.py", "checkpoint.py", "data/shards.py")
 
 
@@ -410,30 +391,21 @@ def code_fingerprint(source):
 
 
 def strip_messages(tree):
-    """A syntax tree without comments, layout, docstrings, and messages (the arguments of a raised
-    exception, an assert's message, the arguments of MESSAGE_CALLS, which must therefore compute
-    nothing but text). Rewording an error never locks a grid; an operator, a constant or a condition does."""
+    """A syntax tree without comments, layout, docstrings, and messages (the arguments of a raised exception, an
+    assert's message, the arguments of MESSAGE_CALLS, which must therefore compute nothing but text). Rewording an
+    error never locks a grid; an operator, a constant or a condition does."""
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
         if (
             isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            and body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
+            and ast.get_docstring(node, clean=False) is not None
         ):
-            node.body = body[1:] or [ast.Pass()]
+            node.body = node.body[1:] or [ast.Pass()]
         if isinstance(node, ast.Assert):
             node.msg = None
-        message = (
-            node.exc
-            if isinstance(node, ast.Raise)
-            else node
-            if isinstance(node, ast.Call) and call_name(node.func) in MESSAGE_CALLS
-            else None
-        )
-        if isinstance(message, ast.Call):  # the exception's class, or the function called, stays
-            message.args, message.keywords = [], []
+        raised = isinstance(node, ast.Raise)
+        message = node.exc if raised else node
+        if isinstance(message, ast.Call) and (raised or call_name(message.func) in MESSAGE_CALLS):
+            message.args, message.keywords = [], []  # the exception's class, or the function called, stays
     return tree
 
 
@@ -445,23 +417,18 @@ def bound_name(node):
     """The name a top-level statement defines (an assignment's targets, joined), or None."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return node.name
-    targets = (
-        node.targets
-        if isinstance(node, ast.Assign)
-        else [node.target]
-        if isinstance(node, (ast.AnnAssign, ast.AugAssign))
-        else []
-    )
+    single = isinstance(node, (ast.AnnAssign, ast.AugAssign))
+    targets = [node.target] if single else node.targets if isinstance(node, ast.Assign) else []
+
     return ", ".join(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)) or None
 
 
 def code_record():
-    """One fingerprint per top-level definition of CODE_FILES, keyed by the name it defines (a file's other
-    statements under the file's name; imports left out: they bind names to definitions fingerprinted here, or to
-    torch, whose version is recorded); 'schemes': the registry's classes each scheme computes with (its own, those
-    it names or derives from), so that code_changes compares only what a cell computes with: moving a definition to
-    another file, reordering definitions or adding a scheme no arm trains changes nothing. Also the git commit and
-    dirty flag where git can tell."""
+    """One fingerprint per top-level definition of CODE_FILES, keyed by the name it defines (a file's other statements
+    under the file's name; imports left out: they bind names to definitions fingerprinted here, or to torch, whose
+    version is recorded); 'schemes': the registry's classes each scheme computes with (classes), so that code_changes
+    compares only what a cell computes with: moving a definition to another file, reordering definitions or adding a
+    scheme no arm trains changes nothing. Also the git commit and dirty flag where git can tell."""
     statements, references = {}, {}
     for file in CODE_FILES:
         with open(os.path.join(HERE, file), "rb") as f:
@@ -499,13 +466,8 @@ def code_record():
             return None
 
     commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    return dict(
-        fingerprint=fingerprint,
-        definitions=definitions,
-        schemes=schemes,
-        git_commit=commit,
-        git_dirty=None if status is None else status != "",
-    )
+    dirty = None if status is None else status != ""
+    return dict(fingerprint=fingerprint, definitions=definitions, schemes=schemes, git_commit=commit, git_dirty=dirty)
 
 
 def code_changes(old, new, schemes):
@@ -529,31 +491,23 @@ def code_changes(old, new, schemes):
 
 
 def run_schemes(*records):
-    """The schemes the runs of these records train: a cell's own, or every arm's of a grid."""
-
-    def of(record):
-        if "arm" in record:
-            return [record.get("residual")]
-        arms = field(record, "arms", dict)
-        return [s.get("residual", record.get("residual")) for s in arms.values() if isinstance(s, dict)]
-
-    return {s for r in records for s in of(r) if isinstance(s, str)}
+    """The schemes the runs of these records train: a cell's, or each arm's of a grid (its settings over the grid's)."""
+    cells = lambda r: [r] if "arm" in r else [r | s for s in field(r, "arms", dict).values() if isinstance(s, dict)]
+    return {s for r in records for cell in cells(r) if isinstance(s := cell.get("residual"), str)}
 
 
 def differences(old, new):
-    """{key: [recorded, now]} over the keys that change a result, 'code' for the code fingerprint
-    (when code_changes finds a definition the run computes with changed)."""
+    """{key: [recorded, now]} over the keys that change a result, 'code' for the code fingerprint (when code_changes
+    finds a definition the run computes with changed)."""
     skip = NOT_RESULT_KEYS + ("model", "code", "changes", "machine")  # machine: provenance (cells.open_cell)
-    diff = {
-        k: [as_compared(k, old.get(k)), as_compared(k, new.get(k))]  # a setting added since: its old behaviour
-        for k in sorted(set(old) | set(new))
-        if k not in skip and as_compared(k, old.get(k)) != as_compared(k, new.get(k))
-    }
-    old_arms, new_arms = old.get("arms"), new.get("arms")
-    if isinstance(old_arms, dict) and isinstance(new_arms, dict):
-        for arm in set(old_arms) & set(new_arms):
-            if old_arms[arm] != new_arms[arm]:
-                diff[f"arms[{arm!r}]"] = [old_arms[arm], new_arms[arm]]
+    keys = [k for k in sorted(set(old) | set(new)) if k not in skip]
+    # a setting added since compares as its old behaviour (as_compared)
+    pairs = {k: [as_compared(k, old.get(k)), as_compared(k, new.get(k))] for k in keys}
+    diff = {k: [a, b] for k, (a, b) in pairs.items() if a != b}
+    old_arms, new_arms = field(old, "arms", dict), field(new, "arms", dict)
+    for arm in set(old_arms) & set(new_arms):
+        if old_arms[arm] != new_arms[arm]:
+            diff[f"arms[{arm!r}]"] = [old_arms[arm], new_arms[arm]]
     old_code, new_code = field(old, "code", dict), field(new, "code", dict)
     if code_changes(old_code, new_code, run_schemes(old, new)):
         diff["code"] = [old_code.get("fingerprint"), new_code.get("fingerprint")]
@@ -571,10 +525,9 @@ def described_changes(old, new, schemes):
 
 
 def check_rerun(path, old, new, allow):
-    """For each record a run goes on from: the grid's config.json (GridRecord), a cell's (check_cell) and a
-    checkpoint's (checkpoint.resume). old: the record read from path; new: the run's. A cell's record must be this
-    cell's (new names an arm); a difference over the keys that change a result is refused unless allow. Returns the
-    difference."""
+    """old: the record read from path (the grid's config.json: GridRecord, a cell's: check_cell, a checkpoint's:
+    checkpoint.resume); new: the run's. A cell's record must be this cell's (new names an arm); a difference over the
+    keys that change a result is refused unless allow. Returns the difference."""
     if "arm" in new:
         check_owner(path, old, new["arm"], new["seed"])
     diff = differences(old, new)
@@ -587,11 +540,9 @@ def check_rerun(path, old, new, allow):
             for k, (a, b) in diff.items()
         )
         recorded = field(old, "code", dict)
-        at = (
-            f" (the code of git commit {recorded['git_commit'][:12]}{', plus uncommitted edits' if recorded.get('git_dirty') else ''})"  # noqa: E501
-            if "code" in diff and recorded.get("git_commit")
-            else ""
-        )
+        commit = "code" in diff and recorded.get("git_commit")
+        edits = ", plus uncommitted edits" if recorded.get("git_dirty") else ""
+        at = f" (the code of git commit {commit[:12]}{edits})" if commit else ""
         hint = (
             f" (eval_layout: give --eval_layout={diff['eval_layout'][0]}, as recorded"
             + (", the layout of every grid made before that setting)" if diff["eval_layout"][0] == "first" else ")")
@@ -608,8 +559,8 @@ def check_rerun(path, old, new, allow):
 
 
 def check_cell(cfg, arm, seed, code, val):
-    """check_rerun for a cell with something to protect, a checkpoint or a result (which must be
-    readable and this cell's); returns how its config.json differs from this run ({} when it has none)."""
+    """check_rerun for a cell with something to protect, a checkpoint or a result (which must be readable and this
+    cell's); returns how its config.json differs from this run ({} when it has none)."""
     folder = cell_dir(cfg["out_dir"], arm, seed)
     result_path, config_path = os.path.join(folder, "result.json"), os.path.join(folder, "config.json")
     if not any(os.path.exists(os.path.join(folder, f)) for f in ("ckpt.pt", "result.json")):
@@ -625,11 +576,10 @@ def check_cell(cfg, arm, seed, code, val):
 
 
 class GridRecord:
-    """out_dir/config.json: the grid's settings, every arm and seed run so far, accepted changes.
-    Checked against the run when made (check_rerun); written once, when the run first trains a
-    cell, so a run that trains nothing changes nothing. Checked again when written, against the
-    record as it is then: of two runs started at once, the second to train is checked against (and
-    adds to) the first's record, a new grid's created exclusively."""
+    """out_dir/config.json: the grid's settings, every arm and seed run so far, accepted changes. Checked against the
+    run when made (check_rerun); written once, when the run first trains a cell, so a run that trains nothing changes
+    nothing. Checked again when written, against the record as it is then: of two runs started at once, the second to
+    train is checked against (and adds to) the first's record, a new grid's created exclusively."""
 
     def __init__(self, cfg, code):
         self.path, self.cfg, self.code = os.path.join(cfg["out_dir"], "config.json"), cfg, code
@@ -645,15 +595,10 @@ class GridRecord:
     def write_once(self):
         if self.written:
             return
-        if not os.path.exists(self.path):
-            try:
-                create_json(self.path, self.merged())
-                self.written = True
-                return
-            except FileExistsError:
-                pass  # another run made the grid since this one checked
-        self.recorded, self.change = self.check()  # as it is now: another run may have added to it meanwhile
-        write_json(self.path, self.merged())
+        # where another run made the grid since this one checked, or added to it: checked again, as it is now
+        if os.path.exists(self.path) or not create_json(self.path, self.merged()):
+            self.recorded, self.change = self.check()
+            write_json(self.path, self.merged())
         self.written = True
 
     def merged(self):
@@ -669,14 +614,15 @@ class GridRecord:
 
 
 def create_json(path, obj):
-    """write_json, where path does not exist yet: FileExistsError if another process made it first
-    (linked from a written temporary: a hard link is atomic and never replaces a file)."""
+    """write_json, where path does not exist yet; False, writing nothing, if another process made it first (linked
+    from a written temporary: a hard link is atomic and never replaces a file)."""
     tmp = temporary_name(path)  # one a kill leaves is removed by the next write of path
     write_json(tmp, obj)
     try:
         os.link(tmp, path)
+        return True
     except FileExistsError:
-        raise
+        return False
     except OSError as e:
         raise cannot_write(path, e) from None
     finally:

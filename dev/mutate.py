@@ -74,10 +74,10 @@ MUTANTS = [
     ("cells.py", "torch.manual_seed(seed_for(seed, DROPOUT, runtime.rank))", "torch.manual_seed(seed_for(seed, DROPOUT))", "tests/test_loop.py", "every rank seeds dropout as rank 0"),
     # records.py
     ("records.py", "        if not is_routing(name):\n            h.update(name.encode())", "        if True:\n            h.update(name.encode())", "tests/test_train.py", "the init hash includes routing parameters (arms never pair)"),
-    ("records.py", "\"eval_batch_size\", \"verify_shards\", \"allow_changes\",", "\"eval_batch_size\", \"verify_shards\", \"allow_changes\", \"warmup_iters\",", "tests/test_train.py", "a result key (warmup_iters) left out of the rerun check and the pairing"),
+    ("records.py", "eval_batch_size verify_shards allow_changes ", "eval_batch_size verify_shards allow_changes warmup_iters ", "tests/test_train.py", "a result key (warmup_iters) left out of the rerun check and the pairing"),
     ("grid_files.py", "if (record.get(\"arm\"), record.get(\"seed\")) != (arm, seed):", "if False:", "tests/test_records.py", "a copied cell folder counts as a new seed"),
-    ("records.py", "\"downstream_bundle\", \"downstream_interval\"", "\"downstream_interval\"", "tests/test_downstream.py", "adding downstream_bundle to a finished grid refused as a change"),
-    ("records.py", "node.body = body[1:] or [ast.Pass()]", "node.body = body", "tests/test_records.py", "a docstring edit is a code change (locks the grid)"),
+    ("records.py", "downstream_bundle downstream_interval", "downstream_interval", "tests/test_downstream.py", "adding downstream_bundle to a finished grid refused as a change"),
+    ("records.py", "node.body = node.body[1:] or [ast.Pass()]", "node.body = node.body", "tests/test_records.py", "a docstring edit is a code change (locks the grid)"),
     ("records.py", "message.args, message.keywords = [], []", "pass", "tests/test_records.py", "the fingerprint keeps messages (rewording an error locks the grid)"),
     ("records.py", "\"checkpoint.py\", \"data/shards.py\")", "\"data/shards.py\")", "tests/test_records.py", "checkpoint.py (what a resume restores) left out of the code fingerprint"),
     ("records.py", "if overriding and len(overriding) == len(arms):", "if False:", "tests/test_records.py", "a command-line model key every arm overrides is silently lost"),
