@@ -419,7 +419,6 @@ def bound_name(node):
         return node.name
     single = isinstance(node, (ast.AnnAssign, ast.AugAssign))
     targets = [node.target] if single else node.targets if isinstance(node, ast.Assign) else []
-
     return ", ".join(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)) or None
 
 
@@ -665,10 +664,9 @@ def write_result(
     wall_time_s,
 ):
     """result.json: how the cell ended, and the pairing record report.py compares across arms; returns it.
-    pairing.arm_settings: what the arm sets itself (its model keys and learning rates), which may
-    differ across the arms of a seed; pairing.settings: every other result-changing key, which may not.
-    pairing.code: the code every scheme computes with, which may not differ either; pairing.scheme_code:
-    the arm's own scheme's (code_fingerprints)."""
+    pairing.arm_settings: what the arm sets itself (model keys, learning rates), which may differ across the arms of
+    a seed; pairing.settings: every other result-changing key, which may not, nor pairing.code, the code every scheme
+    computes with; pairing.scheme_code: the arm's own scheme's (code_fingerprints)."""
     init_from = dict(path=cell["init_from"], sha256=cell["init_from_sha256"]) if cell["init_from"] else None
     arm_settings = cell["arms"][cell["arm"]]
     shared_code, scheme_code = code_fingerprints(code, cell["residual"])
@@ -809,7 +807,8 @@ class ValidationText:
         if tokenizer is None:  # a shard of no known tokenizer: documents and bytes cannot be told
             return counted
         begins = np.flatnonzero(np.asarray(self.shard) == tokenizer.eot)
-        names = self.held_out_names()
+        path = getattr(self.shard, "filename", None)  # a prepared folder's shard (an np.memmap knows its file)
+        names = held_out_names_in(os.path.dirname(path)) if path else None
         if not len(begins) or begins[0] != 0:  # a shard that starts mid-document: its first is no held-out one named
             begins, names = np.concatenate([[0], begins]), None
         if names is not None and len(names) != len(begins):
@@ -825,33 +824,20 @@ class ValidationText:
         doc = np.repeat(first - np.cumsum(touches) + touches, touches) + np.arange(touches.sum())
         ends = np.append(begins[1:], len(self.shard))
         cumulative = np.concatenate([np.zeros((len(rows), 1), np.int64), np.cumsum(row_bytes, axis=1)], axis=1)
-        inside = lambda at: np.clip(at - starts[seq], 0, T + 1)
-        doc_bytes = np.bincount(
-            doc, cumulative[seq, inside(ends[doc])] - cumulative[seq, inside(begins[doc])], minlength=len(begins)
-        )
+        before = lambda at: cumulative[seq, np.clip(at - starts[seq], 0, T + 1)]  # a sequence's bytes before at
+        doc_bytes = np.bincount(doc, before(ends[doc]) - before(begins[doc]), minlength=len(begins))
         sequences = np.bincount(doc, minlength=len(begins))
         touched = np.flatnonzero(sequences)
-        return dict(
-            counted,
-            documents=len(touched),
-            held_out_documents=len(begins),
-            bytes=int(row_bytes.sum()),
-            documents_read=[
-                dict(name=names[d] if names else None, bytes=int(doc_bytes[d]), sequences=int(sequences[d]))
-                for d in touched
-            ],
-        )
-
-    def held_out_names(self):
-        """The held-out documents' names where the shard is a prepared folder's (an np.memmap knows its file)."""
-        path = getattr(self.shard, "filename", None)
-        return held_out_names_in(os.path.dirname(path)) if path else None
+        name = lambda d: names[d] if names else None
+        read = [dict(name=name(d), bytes=int(doc_bytes[d]), sequences=int(sequences[d])) for d in touched]
+        counted |= dict(documents=len(touched), held_out_documents=len(begins), bytes=int(row_bytes.sum()))
+        return dict(counted, documents_read=read)
 
 
 def train_data_fingerprint(train_paths, manifest):
-    """sha256 over the train shards, cheap enough for every start: each shard's sha256 from the
-    (verified) manifest where data/prepare.py wrote one (verify_shards=True checks those), else its
-    name, size and first and last 64 KiB. The content itself is in data_hash, which only training computes."""
+    """sha256 over the train shards, cheap enough for every start: each shard's sha256 from the (verified) manifest
+    where data/prepare.py wrote one (verify_shards=True checks those), else its name, size and first and last 64 KiB.
+    The content itself is in data_hash, which only training computes."""
     listed = {s["name"]: s["sha256"] for s in manifest["shards"]} if manifest else {}
     h = hashlib.sha256()
     for path in train_paths:
