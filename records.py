@@ -90,8 +90,7 @@ def pairing_settings(cell, arm_settings):
 
 def typed_arms(cfg):
     """{arm: settings} of cfg's arms, each setting typed as --key=value types it (dropout=0 is 0.0), an arm named after
-    a scheme given its residual (as SCHEME_ARMS gives it to --arms=NAME); one line for an arm name or settings that
-    cannot be."""
+    a scheme given its residual (as --arms=NAME is); one line for an arm name or settings that cannot be."""
     arms = {}
     for arm, settings in cfg["arms"].items():
         if not isinstance(arm, str) or not ARM_NAME.fullmatch(arm) or arm.endswith(OUT_DIR_SUFFIXES):
@@ -277,9 +276,8 @@ def notes(cfg, models):
         )
     if cfg["warmup_iters"] > cfg["max_iters"]:
         said.append(
-            f"note: warmup_iters={cfg['warmup_iters']} is longer than max_iters={cfg['max_iters']}: the run "
-            f"ends in its warmup, at {cfg['max_iters'] / cfg['warmup_iters']:.0%} of learning_rate, and never "
-            f"decays to min_lr"
+            f"note: warmup_iters={cfg['warmup_iters']} is longer than max_iters={cfg['max_iters']}: the run ends in "
+            f"its warmup, at {cfg['max_iters'] / cfg['warmup_iters']:.0%} of learning_rate, and never decays to min_lr"
         )
     return said
 
@@ -470,9 +468,8 @@ def code_record():
 
 
 def code_changes(old, new, schemes):
-    """The definitions that differ between two code records (code_record) for a run of these schemes: every
-    definition but the registry's classes that none of them computes with (a scheme the old record lacks computes
-    with none). A record of an earlier version (one fingerprint per file) compares as a whole."""
+    """The definitions that differ between two code records for a run of these schemes: all but the registry's classes
+    none of them computes with. A record of an earlier version (one fingerprint per file) compares as a whole."""
     if not (per_definition(old) and per_definition(new)):
         same = isinstance(old, dict) and isinstance(new, dict) and old.get("fingerprint") == new.get("fingerprint")
         return [] if same else ["all of it: recorded per file by an earlier version"]
