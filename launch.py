@@ -37,7 +37,7 @@ from types import SimpleNamespace
 # no torch at the top: submitit's job process imports this file to run a Worker, which starts train.py
 from common import ConfigError, DataError, read_json, run, write_json
 from configurator import coerce, configure, parse_literal, read_config_file
-from grid_files import DONE, KINDS, cell_dir, cell_state, grid_cells, read_record
+from grid_files import DONE, KINDS, cell_dir, cell_state, grid_cells, read_record, report_is_current
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -716,17 +716,8 @@ def outcome_text(cfg, own, tasks, folder, command):
         if kind not in DONE and where:
             text += f"; its worker {where[0]} {workers[where[0]][0].split(' (')[0]}: {where[1]}"
         lines.append(f"  {arm} seed{seed}: {text}")
-    report = os.path.join(cfg["out_dir"], "report.md")
-    done = status["done"]
-    written = (
-        done
-        and os.path.exists(report)
-        and all(
-            os.path.getmtime(report) >= os.path.getmtime(os.path.join(cell_dir(g["out_dir"], arm, seed), "result.json"))
-            for g in grids(cfg)
-            for arm, seed in grid_cells(g)
-        )
-    )
+    report, done = os.path.join(cfg["out_dir"], "report.md"), status["done"]
+    written = done and report_is_current(cfg["out_dir"], grid_cells(cfg))  # as train.py's last worker decides it
     counts = ", ".join(f"{status['kinds'].count(k)} {k}" for k in KINDS if status["kinds"].count(k))
     lines.insert(len(workers), f"{cfg['out_dir']}: {len(status['cells'])} cells: {counts}")
     if written:
