@@ -7,14 +7,17 @@ import os
 import re
 import unicodedata
 
-
-def undefined(x):
-    return x is None or isinstance(x, float) and math.isnan(x)
+undefined = lambda x: x is None or isinstance(x, float) and math.isnan(x)
+plural = lambda word, n: word + "s" * (n != 1)
+seed_list = lambda seeds: ", ".join(map(str, seeds))
+rate_list = lambda rates: ", ".join(f"{rate:g}" for rate in rates)
+cell_name = lambda arm, seed: f"{arm}/seed{seed}"  # as the report names a cell and paired.json keys it: its folder
+# values, each once (once as JSON: a dict in any key order), in order of first appearance
+distinct = lambda values: list({json.dumps(v, sort_keys=True): v for v in values}.values())
 
 
 def fmt(x, spec="+.4f"):
-    """x by spec; a fixed-point spec turns exponent past 1e6 (a diverging arm's loss would print 300 digits); a
-    number that is not defined (None, NaN: no seed, one seed) is the word, never nan."""
+    """x by spec, a fixed-point one as exponent past 1e6 (a diverging loss: 300 digits); None, NaN: "undefined"."""
     if undefined(x):
         return "undefined"
     return format(x, spec[:-1] + "e" if spec.endswith("f") and abs(x) >= 1e6 else spec)
@@ -25,8 +28,7 @@ BLOCK_START = re.compile(r"^([0-9]{0,9})([-+=.)])")  # a list marker ("-", "1.")
 
 
 def visible(text):
-    """text with line breaks, other control characters and lone surrogates (a folder name that is not UTF-8)
-    written as escapes: one line that any file or font takes."""
+    """text with control characters and lone surrogates (a non-UTF-8 folder name) escaped: one line any font takes."""
     return "".join(
         c.encode("unicode_escape").decode() if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp") else c
         for c in str(text)
@@ -39,9 +41,8 @@ def md(text):
     return visible(BLOCK_START.sub(r"\1\\\2", MARKUP.sub(lambda m: "\\" + m[0], str(text))))
 
 
-def plot_text(text):
-    """Text from a file or a folder name for a plot: visible, and its $ literal (matplotlib reads $...$ as math)."""
-    return visible(text).replace("$", r"\$")
+# text from a file or a folder name for a plot: visible, and its $ literal (matplotlib reads $...$ as math)
+plot_text = lambda text: visible(text).replace("$", r"\$")
 
 
 def file_stem(name):
@@ -50,11 +51,6 @@ def file_stem(name):
     if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
         return name
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name[:40]) + "-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
-
-
-def distinct(values):
-    """values, each once (once as JSON: a dict in any key order), in order of first appearance."""
-    return list({json.dumps(v, sort_keys=True): v for v in values}.values())
 
 
 def strict(x):
@@ -68,14 +64,11 @@ def strict(x):
     return x
 
 
-def block(head, lines):
-    """A paragraph (head, unless None) and the lines under it, each followed by a blank line; [] without lines."""
-    return ([head, ""] if head else []) + lines + [""] if lines else []
-
-
-def bullets(head, items):
-    """block() of items as a markdown list."""
-    return block(head, [f"- {item}" for item in items])
+# head (unless None) and lines, each followed by a blank line; [] without lines; bullets: the items as a list
+block = lambda head, lines: ([head, ""] if head else []) + lines + [""] if lines else []
+bullets = lambda head, items: block(head, [f"- {item}" for item in items])
+# a 95% interval as a table cell: [low, high], or undefined where either end is (no seeds to draw it from)
+interval = lambda ci: "undefined" if any(map(undefined, ci)) else f"[{fmt(ci[0])}, {fmt(ci[1])}]"
 
 
 def arm_notes(head, by_arm, notes):
@@ -89,27 +82,8 @@ def left_out_lines(head, by_arm):
     return bullets(head, [f"{md(arm)}, seed {d['seed']}: {md(d['reason'])}" for arm, d in left_out])
 
 
-def plural(word, n):
-    """word, or words where n is not 1."""
-    return word + "s" * (n != 1)
-
-
-def seed_list(seeds):
-    return ", ".join(map(str, seeds))
-
-
-def rate_list(rates):
-    return ", ".join(f"{rate:g}" for rate in rates)
-
-
-def cell_name(arm, seed):
-    """A cell as the report names it, and paired.json keys it: arm/seedK (its folder under out_dir)."""
-    return f"{arm}/seed{seed}"
-
-
 def table(head, rows):
-    """A markdown table: head's columns, then rows of cells, all markdown but each row's first (an arm, a task: text
-    from files), escaped here."""
+    """A markdown table: head, then rows of markdown cells but each row's first (an arm, a task: file text), escaped."""
     line = lambda cells: "| " + " | ".join(cells) + " |"
     return [line(head), "|---" * len(head) + "|", *(line([md(name), *cells]) for name, *cells in rows)]
 
@@ -118,11 +92,6 @@ def cell_table(arms, seeds, value, after=()):
     """A table of one value per cell (value(arm, seed), already text), then the (header, cell(arm)) columns after."""
     head = ["arm", *(f"seed {s}" for s in seeds), *(h for h, _ in after)]
     return table(head, ([arm, *(value(arm, s) for s in seeds), *(cell(arm) for _, cell in after)] for arm in arms))
-
-
-def interval(ci):
-    """A 95% interval as a table cell: [low, high], or undefined where either end is (no seeds to draw it from)."""
-    return "undefined" if any(map(undefined, ci)) else f"[{fmt(ci[0])}, {fmt(ci[1])}]"
 
 
 def why_undefined(st):
@@ -139,13 +108,11 @@ def why_undefined(st):
             f"every seed has the same delta ({fmt(st['mean'])}): the t-test's p and interval are undefined "
             f"(s.d. 0), not p = 0; the sign test still counts"
         )
-    return None
 
 
 def statistics_table(first, mean, rows, name=lambda row: row, before=(), after=()):
     """A table of paired_statistics ({row: st}), the mean's column named mean, between the (header, cell(st)) columns
-    before and after; then why what is undefined is."""
-    # the t-test's interval and p are NaN (undefined) where there is none: one seed, or every delta the same
+    before and after; then why what is undefined is (the t-test's interval and p where there is none: NaN)."""
     columns = [
         *before,
         ("n", lambda st: str(st["n"])),
@@ -169,7 +136,6 @@ def seed_groups(seeds, value, said=str):
         groups.setdefault(value(s), []).append(s)
     if len(groups) > 1:
         return "; ".join(f"{plural('seed', len(g))} {seed_list(g)}: {said(v)}" for v, g in groups.items())
-    return None
 
 
 def per_seed(label, seeds, deltas):
