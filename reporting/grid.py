@@ -1,15 +1,14 @@
-"""
-What the report compared, first: each arm's settings that differ from its reference, its size and FLOPs, the model
+"""What the report compared, first: each arm's settings that differ from its reference, its size and FLOPs, the model
 every cell shares, the data and the code, one verdict per pair and each cell's final loss; and --beside, the same
-comparisons of another grid (the same grid on another corpus) set beside these.
-"""
+comparisons of another grid (the same grid on another corpus) set beside these."""
 
 import json
+import math
 
 from common import DataError
 from grid_files import described, grid_record, is_seed, read_paired
 from paired_stats import BOOTSTRAP_CALIBRATED_SEEDS, POWER
-from reporting.paired import divergence, shorten, verdict_lines
+from reporting.paired import difference, divergence, verdict_lines
 from reporting.text import block, bullets, cell_table, distinct, fmt, interval, md, plural, rate_list, table
 from reporting.tuning import arm_learning_rates
 
@@ -19,17 +18,16 @@ GRID_ONLY_KEYS = ("out_dir", "code", "changes", "arms", "seeds", "reference_arm"
 DATA_KEYS = ("data_dir", "train_data_sha256", "tokenizer")  # what --beside sets apart: the same grid on two corpora
 RATE_KEYS = ("learning_rate", "min_lr", "muon_learning_rate")
 NAMED_DOCUMENTS = 20  # validation documents named in the report's words; more are counted
+# the keys, in order of appearance, whose values two settings differ in, but skip's
+differing = lambda a, b, skip=GRID_ONLY_KEYS: [k for k in {**a, **b} if k not in skip and a.get(k) != b.get(k)]
+# an arm's first counted result, the one its opening describes (mixed_versions names where its seeds differ), or None
+recorded_cell = lambda results, arm: next((r for (a, _), r in sorted(results.items()) if a == arm), None)
 
 
 def arm_config(config, arm):
     """An arm's own settings in a grid's config.json (its arms table), or None where it records none."""
     own = config["arms"].get(arm) if isinstance(config.get("arms"), dict) else None
     return own if isinstance(own, dict) else None
-
-
-def differing(a, b, skip=GRID_ONLY_KEYS):
-    """The keys, in order of appearance, whose values two settings differ in, but skip's."""
-    return [k for k in dict.fromkeys([*a, *b]) if k not in skip and a.get(k) != b.get(k)]
 
 
 def shared_model(results):
@@ -57,12 +55,6 @@ def model_line(alike, differ):
     return "Model shared by every cell: " + "; ".join(parts) + "."
 
 
-def recorded_cell(results, arm):
-    """An arm's first counted result, the one its opening describes (its seeds share settings: mixed_versions says
-    where they do not), or None."""
-    return next((r for (a, _), r in sorted(results.items()) if a == arm), None)
-
-
 def cell_settings(result, config):
     """A cell's model and rates as recorded: its record's model (every GPTConfig key) and learning rates, else what
     its pairing record holds over its arm's settings and the grid's (config.json); {} when none is."""
@@ -86,9 +78,8 @@ def differing_settings(results, config, arm, reference):
 
 
 def size_cells(result, config):
-    """[parameters, non-embedding parameters, active FLOPs per token] of a cell, as recorded: training FLOPs per
-    token as model.flops_per_token counts them (6 x active parameters + 12 x n_layer x n_embd x block_size for
-    attention), computed here from the recorded counts and shape; 'not recorded' where they are not."""
+    """[parameters, non-embedding parameters, active FLOPs per token] of a cell as recorded, the FLOPs as
+    model.flops_per_token counts them: 6 x active parameters + 12 x n_layer x n_embd x block_size (attention)."""
     if result is None:
         return ["-"] * 3
     settings = cell_settings(result, config)
@@ -96,14 +87,12 @@ def size_cells(result, config):
     dense = settings.get("n_experts", 1) == 1
     active = counts[2] if is_seed(counts[2]) else counts[0] if dense and is_seed(counts[0]) else None
     shape = [settings.get(k) for k in ("n_layer", "n_embd", "block_size")]
-    flops = (
-        "not recorded (no active_params)"
-        if active is None
-        else "not recorded (no n_layer, n_embd, block_size)"
-        if not all(map(is_seed, shape))
-        else f"{6 * active + 12 * shape[0] * shape[1] * shape[2]:,}"
-    )
-    return [f"{c:,}" if is_seed(c) else "not recorded" for c in counts[:2]] + [flops]
+    sizes = [f"{c:,}" if is_seed(c) else "not recorded" for c in counts[:2]]
+    if active is None:
+        return sizes + ["not recorded (no active_params)"]
+    if not all(map(is_seed, shape)):
+        return sizes + ["not recorded (no n_layer, n_embd, block_size)"]
+    return sizes + [f"{6 * active + 12 * math.prod(shape):,}"]
 
 
 def validation_words(described):
@@ -112,11 +101,9 @@ def validation_words(described):
     now: the report is a function of the grid's files)."""
     if not isinstance(described, dict):
         return "validation text not described (a cell made before that record)"
-    where = (
-        "spread evenly over the validation shard"
-        if described.get("layout") == "spread"
-        else "the first of the validation shard (eval_layout 'first')"
-    )
+    where = "spread evenly over the validation shard"
+    if described.get("layout") != "spread":
+        where = "the first of the validation shard (eval_layout 'first')"
     words = f"{described.get('sequences')} sequences {where}"
     if is_seed(described.get("documents")) and is_seed(described.get("held_out_documents")):
         words += f", in {described['documents']} of its {described['held_out_documents']} documents"
@@ -153,6 +140,7 @@ def data_lines(results, config):
         for v in field(key)
     )
     shards = ", ".join(md(str(v)[:12]) for v in field("train_data_sha256") if v is not None)
+    shards = f" (train shards sha256 {shards}...)" if shards else ""
     trained = recorded(lambda r: r.get("tokens") if is_seed(r.get("tokens")) else None)
     tokens = ", ".join("not recorded" if v is None else f"{v:,}" for v in trained)
     pairing = lambda r: r.get("pairing") or {}
@@ -167,25 +155,19 @@ def data_lines(results, config):
     described = recorded(lambda r: r.get("validation"))
     if any(isinstance(d, dict) for d in described):  # what the text was, where the cells record it
         validation += "; " + "; ".join(validation_words(d) for d in newest(described))
-    commits = recorded(
-        lambda r: [((r.get("code") or record(r).get("code") or {}).get(k)) for k in ("git_commit", "git_dirty")]
-    )
+    code_of = lambda r: r.get("code") or record(r).get("code") or {}
+    commits = recorded(lambda r: [code_of(r).get("git_commit"), code_of(r).get("git_dirty")])
     code = "; ".join(
         "not recorded" if not c else f"git commit {c[:12]}" + (", plus uncommitted edits" if dirty else "")
         for c, dirty in commits
     )
+    if len(commits) > 1:
+        code += " (cells of several commits; Mixed versions names any whose computing code differs)"
     return [
-        f"Data: corpus {said('data_dir')}"
-        + (f" (train shards sha256 {shards}...)" if shards else "")
-        + f", tokenizer {said('tokenizer')}; tokens trained per cell: {tokens}; validation text: {validation}.",
+        f"Data: corpus {said('data_dir')}{shards}, tokenizer {said('tokenizer')}; tokens trained per cell: {tokens}; "
+        f"validation text: {validation}.",
         "",
-        f"Code: {code}"
-        + (
-            " (cells of several commits; Mixed versions names any whose computing code differs)"
-            if len(commits) > 1
-            else ""
-        )
-        + ".",
+        f"Code: {code}.",
         "",
     ]
 
@@ -227,17 +209,15 @@ def opening_lines(out_dir, arms, references, results, comparisons, config):
 
 def final_loss_lines(arms, seeds, results):
     """Each cell's final validation loss and each arm's learning rate."""
-    loss = lambda a, s: (
-        "-" if not (r := results.get((a, s))) else "diverged" if divergence(r) else fmt(r["val_loss"], ".4f")
-    )
+    loss = lambda r: "-" if not r else "diverged" if divergence(r) else fmt(r["val_loss"], ".4f")
     rates = lambda arm: rate_list(arm_learning_rates(results, arm)) or "-"
-    return block("Final validation loss:", cell_table(arms, seeds, loss, after=[("learning rate", rates)]))
+    cells = cell_table(arms, seeds, lambda a, s: loss(results.get((a, s))), after=[("learning rate", rates)])
+    return block("Final validation loss:", cells)
 
 
 def beside(out_dir, other, comparisons):
-    """Each comparison of this grid beside the same comparison in another grid (its paired.json, from its own
-    report), with the grid settings the two differ in (config.json): the same grid on two corpora differs in the
-    data alone (data_dir, train_data_sha256, tokenizer)."""
+    """Each comparison of this grid beside the same one in another grid (its report's paired.json), with the settings
+    the two grids' config.json differ in: the same grid on two corpora differs in DATA_KEYS alone."""
     theirs, why = read_paired(other)
     if why:
         raise DataError(f"--beside={other}: its paired.json cannot be read ({why}); run python report.py {other} first")
@@ -269,8 +249,7 @@ def beside(out_dir, other, comparisons):
 
 def arm_differences(configs, arms):
     """{arm: ["key (here vs there)", ...]} for the arms whose settings (its own over its grid's, but the data) differ
-    between two grids' config.json: one arm name for two methods (Block AttnRes here, Full AttnRes there, by the arm's
-    own attnres_block_size or the grid's) compares nothing alike."""
+    between two grids' config.json: one arm name for two methods (Block AttnRes here, Full there) compares nothing."""
     differ = {}
     for arm in arms:
         own = [arm_config(c, arm) for c in configs]
@@ -281,7 +260,7 @@ def arm_differences(configs, arms):
             {k: v for k, v in c.items() if k not in (*GRID_ONLY_KEYS, *DATA_KEYS)} | o for o, c in zip(own, configs)
         ]
         if keys := sorted(differing(*values, skip=())):
-            differ[arm] = ["{} ({} vs {})".format(k, *shorten(values[0].get(k), values[1].get(k))) for k in keys]
+            differ[arm] = [difference(k, values[0].get(k), values[1].get(k)) for k in keys]
     return differ
 
 
@@ -296,19 +275,15 @@ def beside_lines(side):
         return [fmt(st.get("mean")), f"{st.get('wins')}/{st.get('n')}", fmt(st.get("p_ttest"), ".3g"), ci]
 
     said = lambda arm: f"{arm}: {', '.join(side['arm_differ'][arm])}"
+    arms = "; ".join(map(said, side["arm_differ"]))  # none where the settings are unrecorded
+    grid = f"differ in: {md(', '.join(side['differ']))}" if side["differ"] else "are alike"
     if side["unrecorded"]:
-        settings = (
-            f"The grids' settings cannot be compared: {md(' and '.join(side['unrecorded']))} holds no readable "
-            f"config.json."
-        )
+        settings = f"cannot be compared: {md(' and '.join(side['unrecorded']))} holds no readable config.json"
+    elif arms:
+        other = "**arms of one name with other settings** (their rows compare different methods or rates)"
+        settings = f"{grid}; {other}: {md(arms)}"
     else:
-        arms = "; ".join(map(said, side["arm_differ"]))
-        grid = f"differ in: {md(', '.join(side['differ']))}" if side["differ"] else "are alike"
-        settings = f"The grids' settings {grid}" + (
-            f"; **arms of one name with other settings** (their rows compare different methods or rates): {md(arms)}."
-            if arms
-            else "; every compared arm's own settings are alike."
-        )
+        settings = f"{grid}; every compared arm's own settings are alike"
     alike = lambda row: "; ".join(said(a) for a in (row["arm"], row["reference"]) if a in side["arm_differ"])
     there = lambda row: (
         "cannot be compared" if side["unrecorded"] else f"**other: {md(alike(row))}**" if alike(row) else "alike"
@@ -319,7 +294,7 @@ def beside_lines(side):
         f"## Beside {md(side['out_dir'])}",
         "",
         f"Each comparison here and the same one there (from its paired.json): mean delta, wins, p (t-test) and the "
-        f"95% interval over seeds and text (t). {settings}",
+        f"95% interval over seeds and text (t). The grids' settings {settings}.",
         "",
         *table(["arm", "reference", *head("here"), *head("there"), "settings there"], rows),
     ]

@@ -1,14 +1,12 @@
-"""
-The paired comparison: which seeds of an arm and a reference pair and why the others do not, the statistics of their
-deltas (paired_stats.py), over seeds and over seeds and validation text, the power, the delta during training, and
-the verdicts; and report.md's section per reference.
+"""The paired comparison: which seeds of an arm and a reference pair and why the others do not, the statistics of their
+deltas (paired_stats.py), over seeds and over seeds and validation text, the power, the delta during training, and the
+verdicts; and report.md's section per reference.
 
-A seed counts for an arm when its cell and the reference's both finished and their `pairing` records agree: init
-and data hashes, evaluated tokens, the fingerprint of the code every scheme computes with (recomputed from the code
-the cell records: grid_files.pairing_record; an arm's own scheme code is its own), init checkpoint, and every setting
-both cells record (one that only one of them records is that arm's own). Diverged cells are listed apart; seeds
-trained under other code or settings (--allow_changes) pair, and are named as mixed versions.
-"""
+A seed counts for an arm when its cell and the reference's both finished and their `pairing` records agree: init and
+data hashes, evaluated tokens, the fingerprint of the code every scheme computes with (recomputed from the code the cell
+records: grid_files.pairing_record; an arm's own scheme code is its own), init checkpoint, and every setting both cells
+record (one that only one of them records is that arm's own). Diverged cells are listed apart; seeds trained under other
+code or settings (--allow_changes) pair, and are named as mixed versions."""
 
 import itertools
 import json
@@ -34,14 +32,14 @@ def divergence(result):
         return result.get("reason") or "diverged"
     if not isinstance(loss, (int, float)) or not math.isfinite(loss):
         return f"val_loss is {loss}"
-    return None
 
 
-def shorten(x, y):
-    """Two differing values as short strings that still show where they differ."""
+def difference(key, x, y):
+    """'key (x vs y)', the two values shortened to where they differ."""
     a, b = ("missing" if v is MISSING else v if isinstance(v, str) else json.dumps(v) for v in (x, y))
     start = max(0, len(os.path.commonprefix([a, b])) - 10)
-    return [("..." if start else "") + s[start : start + 16] + ("..." if len(s) > start + 16 else "") for s in (a, b)]
+    a, b = (("..." if start else "") + s[start : start + 16] + ("..." if len(s) > start + 16 else "") for s in (a, b))
+    return f"{key} ({a} vs {b})"
 
 
 def pairing_difference(p, q):
@@ -51,10 +49,7 @@ def pairing_difference(p, q):
     keys = [(k, p.get(k, MISSING), q.get(k, MISSING)) for k in sorted((set(p) | set(q)) - own)]
     # the settings both record (one that only one of them records is that arm's own)
     keys += [(f"settings.{k}", as_compared(k, ps[k]), as_compared(k, qs[k])) for k in sorted(set(ps) & set(qs))]
-    for key, x, y in keys:
-        if x != y:
-            return "{} ({} vs {})".format(key, *shorten(x, y))
-    return None
+    return next((difference(key, x, y) for key, x, y in keys if x != y), None)
 
 
 def pair_seeds(reference, arm, seeds, problem, record):
@@ -64,10 +59,9 @@ def pair_seeds(reference, arm, seeds, problem, record):
     for s in seeds:
         if problems := [f"{cell_name(a, s)} {p}" for a in (reference, arm) if (p := problem(a, s))]:
             left_out.append(dict(seed=s, reason="; ".join(problems)))
-        elif difference := pairing_difference(record(reference, s), record(arm, s)):
-            left_out.append(dict(seed=s, reason=f"{reference} and {arm} differ in {difference}"))
-    unpaired = [d["seed"] for d in left_out]
-    return [s for s in seeds if s not in unpaired], left_out
+        elif differs := pairing_difference(record(reference, s), record(arm, s)):
+            left_out.append(dict(seed=s, reason=f"{reference} and {arm} differ in {differs}"))
+    return [s for s in seeds if s not in [d["seed"] for d in left_out]], left_out
 
 
 def mixed_versions(results, arms, seeds):
@@ -82,12 +76,9 @@ def mixed_versions(results, arms, seeds):
 
     per_seed = {s: {arm: values(pairing_record(results[arm, s])) for arm in arms} for s in seeds}
     brief = lambda v: " / ".join(dict.fromkeys(json.dumps(x)[:18] for x in json.loads(v)))  # reference / arm
-    notes = []
-    for key in sorted({k for s in seeds for arm in arms for k in per_seed[s][arm]}):
-        value = lambda s: json.dumps([per_seed[s][arm].get(key) for arm in arms], sort_keys=True)
-        if groups := seed_groups(seeds, value, brief):
-            notes.append(f"{key}: {groups}")
-    return notes
+    value = lambda key, s: json.dumps([per_seed[s][arm].get(key) for arm in arms], sort_keys=True)
+    keys = sorted({k for s in seeds for arm in arms for k in per_seed[s][arm]})
+    return [f"{key}: {groups}" for key in keys if (groups := seed_groups(seeds, lambda s: value(key, s), brief))]
 
 
 def loss_curves(logs, arm, seeds):
@@ -126,7 +117,6 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
             return "diverged"
         if not isinstance(results[a, s].get("pairing"), dict):
             return "no pairing record"
-        return None
 
     pairing = lambda a, s: pairing_record(results[a, s])
     paired, paired_seeds, curves = {}, {}, {}
@@ -134,10 +124,10 @@ def compare(reference, earlier, arms, seeds, results, unusable, logs, effect):
         seeds_of, left_out = pair_seeds(reference, arm, seeds, problem, pairing)
         paired_seeds[arm] = seeds_of
         st = paired_statistics([results[arm, s]["val_loss"] - results[reference, s]["val_loss"] for s in seeds_of])
-        st["ppl_change"] = perplexity_change(st["mean"])
         curves[arm] = delta_curve(logs, arm, reference, seeds_of)
         paired[arm] = dict(
             st,
+            ppl_change=perplexity_change(st["mean"]),
             seeds=seeds_of,
             left_out=left_out,
             mixed_versions=mixed_versions(results, [reference, arm], seeds_of),
@@ -161,7 +151,6 @@ def sequence_losses_problem(result):
         return "val_sequence_losses is not a list of 2 or more finite numbers"
     if not close(math.fsum(losses) / len(losses), result["val_loss"]):
         return "val_sequence_losses do not average to its val_loss (an edited result?)"
-    return None
 
 
 def text_comparison(results, reference, arm, seeds):
@@ -315,10 +304,9 @@ def diverged_cells(arms, seeds, results):
 
 
 def diverged_lines(diverged):
-    if not diverged:
-        return []
     rows = [[d["arm"], str(d["seed"]), md(d["step"]), md(d["reason"])] for d in diverged]
-    return block("**Diverged cells** (never in the statistics):", table(["arm", "seed", "step", "reason"], rows))
+    head = "**Diverged cells** (never in the statistics):"
+    return block(head, rows and table(["arm", "seed", "step", "reason"], rows))
 
 
 # a rise between two consecutive evaluations after warmup that flags a cell: in the stored leaderboard grids (12 x 64,
@@ -353,11 +341,9 @@ def spike_lines(found, warmup, tuned_steps):
             f" (well above the noise: in the stored leaderboard grids no other arm rose by more than 0.062); a spike "
             f"past the tuning's {tuned_steps} steps is one its choice of rate never saw"
         )
-    return bullets(
-        head + ":",
-        [
-            f"{md(d['arm'])}, seed {d['seed']}: {d['loss']} loss {fmt(d['rise'], '+.3f')} nats between steps "
-            f"{d['steps'][0]} and {d['steps'][1]}" + (" (past the tuning's budget)" if d["past_tuning"] else "")
-            for d in found
-        ],
-    )
+    items = [
+        f"{md(d['arm'])}, seed {d['seed']}: {d['loss']} loss {fmt(d['rise'], '+.3f')} nats between steps "
+        f"{d['steps'][0]} and {d['steps'][1]}" + (" (past the tuning's budget)" if d["past_tuning"] else "")
+        for d in found
+    ]
+    return bullets(head + ":", items)
