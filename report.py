@@ -7,11 +7,9 @@ $ python report.py out --reference=standard,scaled_residual
 $ python report.py out/calibrate_pydoc --beside=out/calibrate_shakespeare
 
 Reads out/<arm>/seed<k>/{result.json,log.jsonl} (grid_files.load_grid), pairs every arm with each reference
-seed by seed and writes out/report.md and out/paired.json, plus PNG plots when matplotlib is installed. The
-references are --reference's arms, by default every arm named after a baseline scheme (standard,
-scaled_residual), else the first arm; each pair once. The report's parts are reporting/'s modules, each
-described there: grid (what was compared), paired, tuning, downstream, cost, plots and text (its words).
-Every file is written to a temporary name of this process and renamed; paired.json is strict JSON.
+(--reference's arms, else every baseline arm, else the first; each pair once) seed by seed and writes out/report.md,
+out/paired.json (strict JSON) and, with matplotlib, PNG plots, each to a temporary name of this process, renamed. The
+report's parts are reporting/'s modules: grid (what was compared), paired, tuning, downstream, cost, plots and text.
 """
 
 import json
@@ -22,7 +20,7 @@ import sys
 
 from common import DataError, Parser, remove_stale_temporaries, run, write_text
 from grid_files import grid_record, is_seed, load_downstream, load_grid, tuning_iters
-from reporting.cost import machine_lines, machine_of, machines, step_time, step_time_lines, wall_time_lines
+from reporting.cost import machine_lines, machines, step_time_lines, wall_time_lines
 from reporting.downstream import downstream_comparison, downstream_lines
 from reporting.grid import BASELINES, beside, beside_lines, final_loss_lines, model_line, opening_lines, shared_model
 from reporting.paired import compare, comparison_lines, diverged_cells, diverged_lines, spike_lines, spikes
@@ -30,23 +28,14 @@ from reporting.plots import cell_note, jsd_name, plots, routing_name
 from reporting.text import bullets, cell_name, md, strict
 from reporting.tuning import arm_learning_rates, tuning_section
 
-__all__ = ["main", "machine_of", "step_time"]  # dev/leaderboard.py reads a cell's machine and step time as here
-
 
 def parse_args(argv):
     parser = Parser("report.py", __doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--reference", help="reference arms, comma-separated (default: the baseline arms, see above)")
     parser.add_argument("--cell", help="arm/seedK whose depth weights to plot (default: last arm, first paired seed)")
-    parser.add_argument(
-        "--effect",
-        type=float,
-        default=0.03,
-        help="mean delta (nats) to count the seeds needed for (default 0.03: RD-AttnRes's gain)",
-    )
-    parser.add_argument(
-        "--beside", help="another grid's out_dir (reported already) whose paired results to set beside these"
-    )
+    parser.add_argument("--effect", type=float, default=0.03, help="delta (nats) to count seeds for (RD-AttnRes: 0.03)")
+    parser.add_argument("--beside", help="another grid's out_dir, reported already, to set beside this one")
     args = parser.parse_args(argv)
     if not (math.isfinite(args.effect) and args.effect > 0):
         sys.exit(f"error: --effect={args.effect}: give a positive number of nats, e.g. --effect=0.03")
@@ -77,10 +66,8 @@ def parse_cell(text, arms, seeds, results, logs):
         sys.exit(f"error: --cell={text}: give arm/seedK, e.g. --cell={arms[-1]}/seed{seeds[0] if seeds else 0}")
     cell = match[1], int(match[2])
     if cell not in results and cell not in logs:
-        sys.exit(
-            f"error: --cell={text}: no such cell; cells: "
-            + ", ".join(cell_name(a, s) for a in arms for s in seeds if (a, s) in results or (a, s) in logs)
-        )
+        cells = [cell_name(a, s) for a in arms for s in seeds if (a, s) in results or (a, s) in logs]
+        sys.exit(f"error: --cell={text}: no such cell; cells: {', '.join(cells)}")
     return cell
 
 
@@ -96,11 +83,8 @@ def main(argv):
         for i, ref in enumerate(references)
     }
     first = comparisons[references[0]]  # the curves of val_loss.png and the default --cell
-    cell = (
-        parse_cell(args.cell, arms, seeds, results, logs)
-        if args.cell
-        else (arms[-1], (first["paired_seeds"][arms[-1]] or seeds or [0])[0])
-    )
+    last = arms[-1], (first["paired_seeds"][arms[-1]] or seeds or [0])[0]
+    cell = parse_cell(args.cell, arms, seeds, results, logs) if args.cell else last
     written = ["report.md", "paired.json", "val_loss.png", "delta_curve.png", *map(jsd_name, arms), routing_name(cell)]
     for name in written:  # before anything is written: a folder there would stop the report half way
         if os.path.isdir(path := os.path.join(args.out_dir, name)):
@@ -108,8 +92,7 @@ def main(argv):
     diverged, config = diverged_cells(arms, seeds, results), grid_record(args.out_dir)
     lines = opening_lines(args.out_dir, arms, references, results, comparisons, config)
     model, differ = shared_model(results)
-    if results:
-        lines += [md(model_line(model, differ)), ""]
+    lines += [md(model_line(model, differ)), ""] if results else []
     section, tuning = tuning_section(args.out_dir, arms, results, config)
     ran_on = machines(arms, seeds, results)
     lines += section + final_loss_lines(arms, seeds, results) + machine_lines(ran_on)
@@ -117,9 +100,8 @@ def main(argv):
         lines += comparison_lines(ref, comparisons[ref], references[:i], args.effect)
     side = args.beside and beside(args.out_dir, args.beside, comparisons)
     lines += (beside_lines(side) if side else []) + diverged_lines(diverged)
-    warmup = config.get("warmup_iters") or 0
     # an untuned grid (no rates) has no tuning budget; a damaged one's is not read
-    steps = config.get("max_iters")
+    steps, warmup = config.get("max_iters"), config.get("warmup_iters") or 0
     budget = tuning_iters(config.get("tune_iters"), steps) if is_seed(steps) else None
     tuned_steps = budget if config.get("tune_learning_rates") and is_seed(budget) else None
     spiked = spikes(arms, seeds, logs, warmup, tuned_steps)
@@ -134,8 +116,7 @@ def main(argv):
     wall = {cell_name(a, s): results[a, s].get("wall_time_s") for a in arms for s in seeds if results.get((a, s))}
     lines += wall_time_lines(arms, seeds, wall) + step_time_lines(arms, seeds, logs, references[0], results)
     lines += bullets("Skipped:", map(md, notes))
-    if args.cell:
-        lines += cell_note(cell, arms, seeds, logs)
+    lines += cell_note(cell, arms, seeds, logs) if args.cell else []
     summary = "\n".join(lines)
     for title, name in plots(args.out_dir, arms, comparisons, logs, cell):
         lines += [f"### {md(title)}", "", f"![{md(title)}]({name})", ""]

@@ -66,8 +66,7 @@ from common import Parser, UserError, run  # noqa: E402
 from configurator import parse_literal  # noqa: E402
 from grid_files import code_fingerprints, duration, pairing_record, read_log  # noqa: E402
 from paired_stats import paired_statistics, verdict  # noqa: E402
-from report import machine_of, step_time  # noqa: E402
-from reporting.cost import machine_name  # noqa: E402
+from reporting.cost import machine_name, machine_of, step_time  # noqa: E402
 
 BASELINES = ("standard", "scaled_residual")
 

@@ -1,7 +1,5 @@
-"""
-What a result cost and where it ran: the machines the cells recorded, each cell's wall time, and each arm's training
-step time over the reference's in the same grid.
-"""
+"""What a result cost and where it ran: the machines the cells recorded, each cell's wall time, and each arm's training
+step time over the reference's in the same grid."""
 
 import numpy as np
 
@@ -25,11 +23,8 @@ def machines(arms, seeds, results):
     they pair (another machine rounds differently; it computes the same thing), but their deltas carry rounding."""
     recorded = {(a, s): m for a in arms for s in seeds if (r := results.get((a, s))) and (m := machine_of(r))}
     each = distinct(recorded.values())
-    several = {}
-    for s in seeds:
-        cells = {a: m for (a, seed), m in recorded.items() if seed == s}
-        if len(distinct(cells.values())) > 1:
-            several[s] = {a: each.index(m) for a, m in cells.items()}
+    by_seed = {s: {a: m for (a, seed), m in recorded.items() if seed == s} for s in seeds}
+    several = {s: {a: each.index(m) for a, m in c.items()} for s, c in by_seed.items() if len(distinct(c.values())) > 1}
     return dict(machines=each, seeds_on_several=several)
 
 
@@ -37,16 +32,12 @@ def machine_lines(summary):
     ran_on, several = summary["machines"], summary["seeds_on_several"]  # several: none where one machine or none
     if len(ran_on) == 1:
         return [f"Every cell that records its machine ran on: {md(machine_name(ran_on[0]))}.", ""]
-    return bullets(
-        "Machines (a result's last digits hold on its machine only: other instruction sets round differently):",
-        [f"machine {i}: {md(machine_name(m))}" for i, m in enumerate(ran_on)],
-    ) + bullets(
-        "**Seeds trained on different machines** (paired all the same: a machine changes rounding, not "
-        "what is computed):",
-        [
-            f"seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in cells.items())
-            for s, cells in several.items()
-        ],
+    head = "Machines (a result's last digits hold on its machine only: other instruction sets round differently):"
+    apart = [f"seed {s}: " + ", ".join(f"{md(a)} on machine {i}" for a, i in c.items()) for s, c in several.items()]
+    return bullets(head, [f"machine {i}: {md(machine_name(m))}" for i, m in enumerate(ran_on)]) + bullets(
+        "**Seeds trained on different machines** (paired all the same: a machine changes rounding, not what is "
+        "computed):",
+        apart,
     )
 
 
@@ -55,10 +46,8 @@ def wall_time_lines(arms, seeds, wall):
         return []
     cell = lambda arm, s: "-" if (t := wall.get(cell_name(arm, s))) is None else f"{t:.0f}"
     total = lambda arm: f"{sum(wall.get(cell_name(arm, s)) or 0 for s in seeds):.0f}"
-    return block(
-        "Wall time per cell (s; training and evaluation, compile included):",
-        cell_table(arms, seeds, cell, after=[("total", total)]),
-    )
+    head = "Wall time per cell (s; training and evaluation, compile included):"
+    return block(head, cell_table(arms, seeds, cell, after=[("total", total)]))
 
 
 def step_time(log):
@@ -68,26 +57,21 @@ def step_time(log):
 
 
 def step_time_lines(arms, seeds, logs, reference, results):
-    """Each arm's training ms/step per seed and its step time over the reference's, the mean over the seeds both
-    logged of arm / reference: what a gain costs, measured in the same grid (so on its machine and under its load).
-    A seed whose two cells recorded different machines (machine_of) is left out of the ratio, with a note: a
-    grid continued on another host would otherwise price a scheme by the hosts' speeds."""
+    """Each arm's training ms/step per seed and its ratio to the reference's (the mean over seeds of arm / reference):
+    what a gain costs, measured in the same grid (its machine, its load). A seed whose two cells recorded different
+    machines is left out of the ratio, with a note: a grid continued on another host would price the hosts' speeds."""
     times = {(a, s): step_time(logs.get((a, s), [])) for a in arms for s in seeds}
     if all(t is None for t in times.values()):
         return []
     apart, used, ratios = {}, [], {}
     for arm in arms:
-        both = []
-        for s in seeds:
-            if not (times[arm, s] and times[reference, s]):
-                continue
-            here, there = (machine_of(results.get((a, s)) or {}) for a in (arm, reference))  # None: not recorded
-            if here and there and here != there:
-                apart.setdefault(arm, []).append(s)
-                continue
-            both.append(times[arm, s] / times[reference, s])
-            used.append(there)
-        ratios[arm] = f"{np.mean(both):.2f}" if both else "-"
+        timed = [s for s in seeds if times[arm, s] and times[reference, s]]
+        ran_on = {s: [machine_of(results.get((a, s)) or {}) for a in (arm, reference)] for s in timed}  # None: unknown
+        if left := [s for s, (here, there) in ran_on.items() if here and there and here != there]:
+            apart[arm] = left
+        both = [s for s in timed if s not in left]
+        used += [ran_on[s][1] for s in both]
+        ratios[arm] = f"{np.mean([times[arm, s] / times[reference, s] for s in both]):.2f}" if both else "-"
     ms = lambda a, s: "-" if times[a, s] is None else f"{times[a, s]:.1f}"
     notes = [
         f"{md(arm)}: seed(s) {seed_list(left)} left out of its ratio: its cell and {md(reference)}'s "
