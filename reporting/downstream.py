@@ -1,8 +1,6 @@
-"""
-The report's downstream section: the cells' CORE results (downstream.json, downstream.py), checked, paired seed by
+"""The report's downstream section: the cells' CORE results (downstream.json, downstream.py), checked, paired seed by
 seed with each reference over the seeds paired for the loss, and tabled: CORE, each task's accuracy and the bits per
-byte of its right answers.
-"""
+byte of its right answers."""
 
 from grid_files import described
 from paired_stats import paired_statistics
@@ -24,8 +22,7 @@ def evaluation(record):
 
 def downstream_comparison(reference, arm, seeds, results, downstream, problems):
     """An arm's downstream results against the reference's: the seeds that pair (both cells' results of their final
-    step and of one evaluation) and why the others do not, the deltas' statistics, and the evaluations that differ
-    between seeds (each seed paired fairly, but a mean that mixes them)."""
+    step and of one evaluation) and why others do not, the deltas' statistics, and the evaluations a mean mixes."""
 
     def problem(a, s):
         if (a, s) in problems:
@@ -37,10 +34,8 @@ def downstream_comparison(reference, arm, seeds, results, downstream, problems):
                 f"downstream.json is of step {downstream[a, s]['step']}, its result.json of "
                 f"step {described(results[a, s].get('steps'))}"
             )
-        return None
 
-    record = lambda a, s: evaluation(downstream[a, s])
-    paired, left_out = pair_seeds(reference, arm, seeds, problem, record)
+    paired, left_out = pair_seeds(reference, arm, seeds, problem, lambda a, s: evaluation(downstream[a, s]))
     # arm - reference of read(a cell's downstream.json) over seeds; bits per byte: lower is better
     delta = lambda seeds, read, higher_is_better=False: paired_statistics(
         [read(downstream[arm, s]) - read(downstream[reference, s]) for s in seeds], higher_is_better

@@ -1,8 +1,6 @@
-"""
-The report's PNG plots, with matplotlib when it is installed (the tables never need it): validation loss (with the
-second half of training zoomed in), the paired delta during training, the QK/V divergence of arms with a value
-route, and one cell's depth weights (--cell). Plot names of long arm names are shortened with a hash.
-"""
+"""The report's PNG plots, with matplotlib when it is installed (the tables never need it): validation loss (with the
+second half of training zoomed in), the paired delta during training, the QK/V divergence of arms with a value route,
+and one cell's depth weights (--cell). Plot names of long arm names are shortened with a hash."""
 
 import os
 
@@ -12,13 +10,8 @@ from common import write_atomic
 from reporting.paired import loss_curves
 from reporting.text import file_stem, md, plot_text
 
-
-def jsd_name(arm):
-    return f"jsd_{file_stem(arm)}.png"
-
-
-def routing_name(cell):
-    return f"routing_{file_stem(f'{cell[0]}_seed{cell[1]}')}.png"
+jsd_name = lambda arm: f"jsd_{file_stem(arm)}.png"
+routing_name = lambda cell: f"routing_{file_stem(f'{cell[0]}_seed{cell[1]}')}.png"
 
 
 def plots(out_dir, arms, comparisons, logs, cell):
@@ -48,24 +41,21 @@ def plots(out_dir, arms, comparisons, logs, cell):
     if val:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         half = max(t[-1] for t, _ in val.values()) / 2
-        for ax in axes:
+        for ax, title in zip(axes, ("validation loss", "second half of training")):
             for arm, (tokens, values) in val.items():
                 (line,) = ax.plot(tokens, values.mean(0), label=f"{plot_text(arm)} (n={len(values)})")
                 ax.fill_between(tokens, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
-            ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)")
+            ax.set(xlabel="training tokens", ylabel="validation NLL (nats/token)", title=title)
         late = np.concatenate([v[:, t >= half].ravel() for t, v in val.values()])
         late = late[np.isfinite(late)]  # a non-finite evaluation would make the limits NaN
-        axes[1].set(xlim=(half, None), title="second half of training")
+        axes[1].set(xlim=(half, None))
         if len(late):
             pad = 0.05 * (late.max() - late.min()) or 0.01
             axes[1].set(ylim=(late.min() - pad, late.max() + pad))
-        axes[0].set(title="validation loss")
         axes[0].legend()
         save(fig, "val_loss.png", "Validation loss against tokens (mean, min-max band over each arm's paired seeds)")
     # paired delta against each reference at every evaluation: a row per reference, a panel per arm
-    shown = {
-        ref: {arm: c for arm, c in comp["curves"].items() if len(c["tokens"])} for ref, comp in comparisons.items()
-    }
+    shown = {ref: {a: c for a, c in comp["curves"].items() if len(c["tokens"])} for ref, comp in comparisons.items()}
     shown = {ref: curves for ref, curves in shown.items() if curves}
     if shown:
         width = max(len(curves) for curves in shown.values())

@@ -1,15 +1,12 @@
-"""
-Learning rates: the rate each cell trained at, and the tuned protocol's tuning (train.py's tune_learning_rates,
-tune.py): out/tune/choice.json, checked against the tuning cells by grid_files.read_tuning.
-"""
+"""Learning rates: the rate each cell trained at, and the tuned protocol's tuning (train.py's tune_learning_rates,
+tune.py): out/tune/choice.json, checked against the tuning cells by grid_files.read_tuning."""
 
 from grid_files import TUNE_DIR, is_finite, is_seed, rate_name, read_tuning, tuning_results
 from reporting.text import block, bullets, fmt, md, plural, rate_list, seed_list, table
 
 
 def arm_learning_rates(results, arm):
-    """The learning rates an arm's cells trained at (the arm's own where it sets one, else the grid's), sorted: one,
-    several (the seeds differ), or none recorded."""
+    """The sorted learning rates an arm's cells trained at (its own, else the grid's): one, several or none."""
     rate = lambda p: (p.get("arm_settings") or {}).get("learning_rate", (p.get("settings") or {}).get("learning_rate"))
     rates = [rate(r.get("pairing") or {}) for (a, _), r in results.items() if a == arm]
     return sorted({r for r in rates if is_finite(r)})
@@ -25,8 +22,7 @@ def grid_cost(results):
 
 
 def choice_table(column, options, shown, chosen, missing):
-    """A table of each arm's tuning result at each option tried (shown: {arm: {option: text}}), an option per column
-    (named column(option)) and the arm's chosen one in bold; missing where an arm has none at an option."""
+    """A table of shown {arm: {option: text}}, a column(option) per option, chosen[arm] in bold, missing where none."""
     cell = lambda arm, option: f"**{shown[arm][option]}**" if option == chosen[arm] else shown[arm][option]
     rows = [[arm, *(cell(arm, o) if o in shown[arm] else missing for o in options)] for arm in shown]
     return table(["arm", *map(column, options)], rows)
@@ -37,9 +33,8 @@ SUMMARY_KEYS = "choice reason tune_seeds tune_iters max_iters min_lr_ratio tunin
 
 
 def tuning_section(out_dir, arms, results, config):
-    """report.md's tuning section and paired.json's tuning, or ([], None) for a grid of the frozen protocol; notes
-    (in both) where a choice lies at the edge of the rates tried or is not what an arm trained at; the problem of an
-    unusable choice.json, or of a missing one where config.json says the grid was tuned."""
+    """report.md's tuning section and paired.json's tuning, or ([], None) for a frozen-protocol grid: notes where a
+    choice is at the edge of those tried or not what an arm trained at; the problem of a bad or missing choice.json."""
     record, why = read_tuning(out_dir)
     title = ["## Learning-rate tuning", ""]
     if why:
@@ -127,15 +122,11 @@ def tuning_section(out_dir, arms, results, config):
             "rate. Mean (s.d.) at each scale's chosen rate, the chosen scale in bold:",
             choice_table(lambda s: f"routing x{s:g}", scales, shown, record["routing_choice"], "no rate finished"),
         )
-        lines += bullets(
-            "Routing choices:",
-            [
-                f"{md(arm)}: x{scale:g}, {md(record['routing_reason'][arm])}"
-                for arm, scale in record["routing_choice"].items()
-            ],
-        )
+        chosen = []
         for arm, scale in record["routing_choice"].items():  # (each row is a chosen rate's: it finished)
+            chosen.append(f"{md(arm)}: x{scale:g}, {md(record['routing_reason'][arm])}")
             edge_note(arm, "routing scale", scale, scales, "widen tune_routing_lr_scales")
+        lines += bullets("Routing choices:", chosen)
     lines += bullets(
         "Rates never chosen (not finished: a seed diverged, or ended at or above its step-0 loss):", map(md, unfinished)
     )
@@ -153,9 +144,7 @@ def tuning_section(out_dir, arms, results, config):
             notes.append(f"{arm}: not in tune/choice.json (not tuned)")
         elif set(trained) - {record["choice"][arm]}:
             notes.append(f"{arm}: trained at {rate_list(trained)}, tune/choice.json chose {record['choice'][arm]:g}")
-    per_rate = lambda key: {
-        arm: {f"{row['learning_rate']:g}": row[key] for row in rows.values()} for arm, rows in record["table"].items()
-    }
+    per_rate = lambda key: {arm: {f"{r:g}": row[key] for r, row in rows.items()} for arm, rows in by_rate.items()}
     summary = {k: record[k] for k in SUMMARY_KEYS} | dict(notes=notes, mean=per_rate("mean"), sd=per_rate("sd"))
     summary |= {k: record[k] for k in ("routing_scales", "routing_choice", "routing_reason") if k in record}
     return title + lines + bullets(None, map(md, notes)), summary | dict(cost=dict(tuning=cost, grid=grid))
