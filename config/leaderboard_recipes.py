@@ -4,8 +4,8 @@
 # Delta AttnRes's zero queries; docs/variants.md, "Paper recipes") and each routed arm's routing rate tuned too:
 # routing_lr_scale 0.1 or 1 at its chosen rate (tune.py). The other schemes as in config/leaderboard.py.
 # Run compiled (--compile=True), MUDDFormer at its default beside its recipe: every arm on both corpora
-# (docs/leaderboard.md, "Compiled, the routing rate tuned"). Its "Paper recipes" rows are config/leaderboard.py with the recipes added, eager, at routing rate 1x
-# (out/leaderboard_recipes_shakespeare).
+# (docs/leaderboard.md, "Compiled, the routing rate tuned"). Its "Paper recipes" rows are config/leaderboard.py
+# with the recipes added, eager, at routing rate 1x (out/leaderboard_recipes_shakespeare).
 # $ python launch.py --cluster=local --workers=2 --gpus_per_node=0 config/leaderboard_recipes.py
 # $ python dev/leaderboard.py --add=muddformer_paper out/leaderboard_shakespeare   # one scheme beside a stored grid
 import os
