@@ -27,7 +27,8 @@ from data.shards import TOKENIZERS
 
 # a cell's files are read in grid_files.py; train.py, cells.py, launch.py and analyze.py call some as records.<name>
 from grid_files import NOT_COMPUTING, RESULT_REMEDY, as_compared, cell_dir, check_owner, check_result, code_fingerprints
-from grid_files import describe_done, field, per_definition, read_record  # noqa: F401  (describe_done: cells.py's)
+from grid_files import field, per_definition, read_record
+from grid_files import describe_done  # noqa: F401  (cells.py's records.describe_done)
 from model import GPT, RESIDUALS, GPTConfig, is_routing, option_owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
