@@ -626,8 +626,9 @@ def tuning_row(tune_dir, arm, rate, seeds, budget):
         ),
         None,
     )  # not end < start: a NaN loss too
-    mean = None if problem else math.fsum(losses.values()) / len(losses)
-    sd = None if problem else statistics.stdev(losses.values())
+    mean = sd = None
+    if problem is None:
+        mean, sd = math.fsum(losses.values()) / len(losses), statistics.stdev(losses.values())
     return dict(learning_rate=rate, val_loss=losses, initial_loss=starts, mean=mean, sd=sd, problem=problem)
 
 
